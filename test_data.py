@@ -1,0 +1,329 @@
+"""Tests for data.py: tokenizer, prepare (stdlib, dmmath, local paths), Data loading and batching."""
+import json
+import os
+import sysconfig
+import time
+
+import numpy as np
+import pytest
+
+import data
+from common import UsageError
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
+
+
+@pytest.fixture(autouse=True)
+def bpe_file(monkeypatch):
+    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
+
+
+def write_files(root, files):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_gpt2_encoder_from_file():
+    enc = data.gpt2_encoder()
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.n_vocab == 50257 and enc.eot_token == 50256
+
+
+def test_gpt2_encoder_missing_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPT2_BPE_FILE", str(tmp_path / "nope.tiktoken"))
+    with pytest.raises(UsageError, match="GPT2_BPE_FILE"):
+        data.gpt2_encoder()
+
+
+def test_gpt2_download_hang_fails_fast(monkeypatch):
+    import tiktoken
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: time.sleep(3))
+    t0 = time.time()
+    with pytest.raises(UsageError, match="GPT2_BPE_FILE=.*download"):
+        data._download_gpt2(timeout=0.3)
+    assert time.time() - t0 < 2
+
+
+# ----------------------------------------------------------------------------- bins
+
+def test_bin_uint32_round_trip(tmp_path):
+    ids = np.array([0, 65535, 65536, 70000, 99999], dtype=np.int64)
+    assert data.write_bin(tmp_path / "a.bin", ids, 100000) == "uint32"
+    back = data.read_bin(tmp_path / "a.bin", "uint32")
+    assert back.dtype == np.uint32 and back.tolist() == ids.tolist()
+    assert os.path.getsize(tmp_path / "a.bin") == 4 * len(ids)
+    assert data.write_bin(tmp_path / "b.bin", [1, 2, 65535], 65536) == "uint16"
+    assert data.read_bin(tmp_path / "b.bin", "uint16").tolist() == [1, 2, 65535]
+    with pytest.raises(ValueError):
+        data.write_bin(tmp_path / "c.bin", [65536], 65536)
+
+
+def test_split_of_is_stable():
+    assert data.split_of("asyncio/base_events.py") == data.split_of("asyncio/base_events.py")
+    counts = {s: 0 for s in ("train", "dev", "test")}
+    for i in range(2000):
+        counts[data.split_of(f"f{i}.py")] += 1
+    assert 1700 < counts["train"] < 1900 and 60 < counts["dev"] < 140 and 60 < counts["test"] < 140
+
+
+# ----------------------------------------------------------------------------- local paths
+
+def test_local_folder_split_by_file(tmp_path):
+    files = {f"doc{i:03d}.txt": f"marker{i:03d} some text number {i}\nline two {i * 7}\n" for i in range(100)}
+    files["sub/extra.md"] = "marker_sub nested file\n"
+    write_files(tmp_path / "corpus", files)
+    (tmp_path / "corpus" / ".hidden").write_text("hidden marker")
+    (tmp_path / "corpus" / "blob.bin").write_bytes(b"\x00\x01binary")
+    folder = data.prepare(str(tmp_path / "corpus"), out_root=str(tmp_path / "out"))
+    assert os.path.basename(folder).startswith("corpus-")
+    d = data.Data(folder)
+    assert d.tokenizer == "gpt2" and d.vocab_size == 50257 and d.meta["dtype"] == "uint16"
+    assert d.meta["split_rule"].startswith("by file") and d.eot == 50256
+    seen = {}
+    for s in ("train", "dev", "test"):
+        toks = d.tokens(s)
+        assert len(toks) == d.meta["splits"][s] > 0 and not toks.flags.writeable
+        docs = d.decode(toks).split("<|endoftext|>")
+        assert docs[-1] == ""
+        expect = sorted(rel for rel in files if data.split_of(rel) == s)
+        assert docs[:-1] == [files[rel] for rel in expect]  # round trip, sorted path order
+        for rel in expect:
+            assert rel not in seen
+            seen[rel] = s
+        assert d.meta["n_files"][s] == len(expect)
+    assert set(seen) == set(files)  # every file exactly once; hidden and binary ones skipped
+
+
+def test_local_single_file_split_by_position(tmp_path):
+    text = "".join(f"The quick brown fox {i} jumps over the lazy dog.\n" for i in range(400))
+    (tmp_path / "book.txt").write_text(text)
+    d = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=str(tmp_path / "out")))
+    assert "by position" in d.meta["split_rule"]
+    n = {s: len(d.tokens(s)) for s in ("train", "dev", "test")}
+    total = sum(n.values())
+    assert n["train"] == int(total * 0.9) and n["dev"] == int(total * 0.95) - int(total * 0.9)
+    all_ids = np.concatenate([d.tokens(s) for s in ("train", "dev", "test")])
+    assert d.decode(all_ids) == text + "<|endoftext|>"
+
+
+def test_prepare_errors(tmp_path):
+    with pytest.raises(UsageError, match="unknown dataset 'nope'; use stdlib, dmmath or a path"):
+        data.prepare("nope", out_root=str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="empty"):
+        data.prepare(str(tmp_path / "empty"), out_root=str(tmp_path / "out"))
+    (tmp_path / "zero.txt").write_text("")
+    with pytest.raises(UsageError, match="no readable text"):
+        data.prepare(str(tmp_path / "zero.txt"), out_root=str(tmp_path / "out"))
+    with pytest.raises(UsageError, match="--data_dir"):
+        data.prepare("stdlib", data_dir=str(tmp_path), out_root=str(tmp_path / "out"))
+    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".")]  # no temp leftovers
+
+
+def test_reuse_and_reprepare(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("hello there, " * 200)
+    out = str(tmp_path / "out")
+    folder = data.prepare(str(tmp_path / "a.txt"), out_root=out)
+    stamp = os.stat(os.path.join(folder, "meta.json")).st_mtime_ns
+    assert data.prepare(str(tmp_path / "a.txt"), out_root=out) == folder
+    assert os.stat(os.path.join(folder, "meta.json")).st_mtime_ns == stamp  # reused, not rewritten
+    # a truncated bin is rejected at load and re-prepared
+    with open(os.path.join(folder, "train.bin"), "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(UsageError, match="train.bin"):
+        data.Data(folder)
+    assert data.prepare(str(tmp_path / "a.txt"), out_root=out) == folder
+    data.Data(folder)
+    # a failing prepare leaves the old folder and no temp folder behind
+    (tmp_path / "a.txt").write_text("changed " * 300)
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted")
+    monkeypatch.setattr(data, "_build_gpt2", boom)
+    with pytest.raises(RuntimeError):
+        data.prepare(str(tmp_path / "a.txt"), out_root=out)
+    assert os.listdir(out) == [os.path.basename(folder)]
+    monkeypatch.undo()
+    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
+    d = data.Data(data.prepare(str(tmp_path / "a.txt"), out_root=out))
+    assert d.decode(np.concatenate([d.tokens(s) for s in ("train", "dev", "test")])).startswith("changed changed")
+
+
+def test_bad_meta(tmp_path):
+    with pytest.raises(UsageError, match="meta.json"):
+        data.Data(str(tmp_path))
+    (tmp_path / "meta.json").write_text("{not json")
+    with pytest.raises(UsageError, match="meta.json"):
+        data.Data(str(tmp_path))
+    (tmp_path / "meta.json").write_text(json.dumps(dict(tokenizer="gpt2", vocab_size=50257, dtype="uint8",
+                                                        splits={"train": 3})))
+    with pytest.raises(UsageError, match="dtype"):
+        data.Data(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- Data API
+
+@pytest.fixture
+def small(tmp_path):
+    text = "".join(f"Line {i}: the value is {i * i}.\n" for i in range(300))
+    (tmp_path / "s.txt").write_text(text)
+    return data.Data(data.prepare(str(tmp_path / "s.txt"), out_root=str(tmp_path / "out")))
+
+
+def test_check_block_size(small):
+    n_dev = len(small.tokens("dev"))
+    small.check_block_size(n_dev - 1)
+    with pytest.raises(UsageError, match=rf"--block_size {n_dev} is too large: split 'dev' .* has only {n_dev} tokens"):
+        small.check_block_size(n_dev)
+    with pytest.raises(UsageError, match="split 'valid' not in"):
+        small.tokens("valid")
+
+
+def test_batches_and_windows(small):
+    T = 16
+    x, y = small.train_batch(np.random.default_rng(1), 5, T)
+    x2, y2 = small.train_batch(np.random.default_rng(1), 5, T)
+    assert x.shape == y.shape == (5, T) and str(x.dtype) == "torch.int64"
+    assert (x == x2).all() and (y == y2).all() and (x[:, 1:] == y[:, :-1]).all()
+    n = len(small.tokens("dev"))
+    w = small.eval_windows("dev", T, 1000)
+    assert w.tolist() == [k * T for k in range((n - 1) // T)]
+    w3 = small.eval_windows("dev", T, 3)
+    assert len(w3) == 3 and w3[0] == 0 and set(w3.tolist()) <= set(w.tolist())
+    other = data.Data(small.folder)
+    other.train_batch(np.random.default_rng(7), 3, 8)
+    assert other.eval_windows("dev", T, 3).tolist() == w3.tolist()
+    xb, yb = small.window_batch("dev", w3, T)
+    toks = np.asarray(small.tokens("dev"), dtype=np.int64)
+    assert xb[1].tolist() == toks[w3[1]:w3[1] + T].tolist() and yb[1].tolist() == toks[w3[1] + 1:w3[1] + T + 1].tolist()
+    assert small.mask("dev") is None and small.problems("dev") is None
+    assert small.decode(small.encode("Hello world")) == "Hello world" and small.encode("Hello world") == [15496, 995]
+
+
+def test_unigram_entropy(small):
+    toks = np.asarray(small.tokens("dev"))[1:]
+    p = np.bincount(toks) / len(toks)
+    p = p[p > 0]
+    assert data.unigram_entropy(small) == pytest.approx(-(p * np.log(p)).sum())
+    assert 0 < data.unigram_entropy(small) < np.log(50257)
+
+
+# ----------------------------------------------------------------------------- dmmath
+
+MODULES = ("algebra__linear_1d", "arithmetic__add_or_sub")
+
+
+def fake_dmmath(root, n=150, dev=True):
+    """Official layout: question/answer line pairs per module file. Returns {folder: [(q, a)]}."""
+    made = {}
+    folders = list(data.DMMATH_REQUIRED) + (["dev"] if dev else [])
+    for d in folders:
+        made[d] = []
+        for m in MODULES:
+            k = 3 if d in ("interpolate", "extrapolate", "dev") else n
+            probs = [(f"Solve {i}*x + {len(d)} = {i * 3 + len(d)} for x.", str(3 + i % 5)) for i in range(k)]
+            if m.startswith("arith"):
+                probs = [(f"What is {i} - {d[:5]}?", f"{i - 7}") for i in range(k)]
+            if d == "extrapolate":
+                probs[0] = ("What is Z + 1?", "Z1")  # Z never occurs in training data -> unk
+            made[d] += probs
+            write_files(root, {f"{d}/{m}.txt": "".join(q + "\n" + a + "\n" for q, a in probs)})
+    return made
+
+
+def check_split(d, split, expected, ordered):
+    toks, mask, probs = d.tokens(split), d.mask(split), d.problems(split)
+    assert probs.dtype == np.int64 and probs.shape == (len(expected), 3)
+    got = []
+    for q0, a0, a1 in probs:
+        assert toks[a0 - 1] == toks[a1] == d.eot
+        assert mask[q0:a0].sum() == 0 and mask[a0:a1 + 1].all()
+        got.append((d.decode(toks[q0:a0 - 1]), d.decode(toks[a0:a1])))
+    assert probs[0, 0] == 0 and (probs[1:, 0] == probs[:-1, 2] + 1).all() and probs[-1, 2] + 1 == len(toks)
+    assert int(mask.sum()) == sum(len(a) + 1 for _, a in expected)
+    def seen(text):  # chars unseen in training decode as the unknown symbol
+        return "".join(c if c in d.stoi else d.itos[d.meta["unk_id"]] for c in text)
+    expected = [(seen(q), seen(a)) for q, a in expected]
+    assert got == expected if ordered else sorted(got) == sorted(expected)
+
+
+def test_dmmath_with_dev(tmp_path):
+    made = fake_dmmath(tmp_path / "dm")
+    d = data.Data(data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out")))
+    train = [p for f in ("train-easy", "train-medium", "train-hard") for p in made[f]]
+    chars = sorted(set("".join(q + a for q, a in train)) | {"\n"})
+    assert d.tokenizer == "char" and d.masked and d.itos[:-1] == chars and d.vocab_size == len(chars) + 1
+    assert d.meta["unk_id"] == len(chars) and "Z" not in d.itos
+    assert d.meta["test_split"] == "interpolate" and d.meta["em_splits"] == ["interpolate", "extrapolate"]
+    assert set(d.meta["splits"]) == {"train", "dev", "interpolate", "extrapolate"}
+    check_split(d, "train", train, ordered=False)
+    check_split(d, "dev", made["dev"], ordered=True)
+    check_split(d, "interpolate", made["interpolate"], ordered=True)
+    check_split(d, "extrapolate", made["extrapolate"], ordered=True)
+    assert d.tokens("extrapolate")[len("What is ")] == d.meta["unk_id"]
+    probs = d.problems("train")  # shuffled: modules mix in the first problems
+    first = {d.decode(d.tokens("train")[q0:q0 + 5]) for q0 in probs[:20, 0]}
+    assert first == {"Solve", "What "}
+    # targets: -1 on question chars and separator, answer chars + final newline kept
+    q0, a0, a1 = d.problems("interpolate")[1]
+    x, y = d.window_batch("interpolate", [q0], a1 - q0 + 1)  # last target: next question's first char
+    toks = np.asarray(d.tokens("interpolate"), dtype=np.int64)
+    want = np.where(np.arange(q0 + 1, a1 + 2) >= a0, toks[q0 + 1:a1 + 2], -1)
+    want[-1] = -1
+    assert y[0].tolist() == want.tolist() and (y[0] >= 0).sum() == a1 - a0 + 1
+    assert x[0].tolist() == toks[q0:a1 + 1].tolist()
+    assert d.encode("x\n") == [d.stoi["x"], d.eot] and d.encode("Z") == [d.meta["unk_id"]]
+    targets = np.asarray(d.tokens("dev"))[np.asarray(d.mask("dev")) == 1]
+    p = np.bincount(targets) / len(targets)
+    assert data.unigram_entropy(d) == pytest.approx(-(p[p > 0] * np.log(p[p > 0])).sum())
+
+
+def test_dmmath_without_dev(tmp_path):
+    made = fake_dmmath(tmp_path / "dm", n=300, dev=False)
+    d = data.Data(data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out")))
+    train = [p for f in ("train-easy", "train-medium", "train-hard") for p in made[f]]
+    got = {}
+    for s in ("train", "dev"):
+        t = d.tokens(s)
+        got[s] = [(d.decode(t[q0:a0 - 1]), d.decode(t[a0:a1])) for q0, a0, a1 in d.problems(s)]
+    assert 0 < len(got["dev"]) < 0.05 * len(train) and sorted(got["train"] + got["dev"]) == sorted(train)
+    assert not set(got["train"]) & set(got["dev"])
+    assert "2%" in d.meta["split_rule"]
+
+
+def test_dmmath_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="empty.*train-easy, train-medium, train-hard, interpolate, extrapolate"):
+        data.prepare("dmmath", data_dir=str(tmp_path / "empty"), out_root=str(tmp_path / "out"))
+    fake_dmmath(tmp_path / "dm", n=5)
+    bad = tmp_path / "dm" / "train-hard" / "algebra__linear_1d.txt"
+    bad.write_text("What is 1 + 1?\n2\nWhat is 2 + 2?\n")
+    with pytest.raises(UsageError, match="algebra__linear_1d.txt: malformed"):
+        data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
+    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".")]
+
+
+# ----------------------------------------------------------------------------- stdlib (real, ~5 s)
+
+def test_stdlib_split_by_file(tmp_path):
+    d = data.Data(data.prepare("stdlib", out_root=str(tmp_path)))
+    root = sysconfig.get_paths()["stdlib"]
+    rels = data._walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
+    assert rels and not any("site-packages" in r for r in rels)
+    texts = {r: data._read_text(os.path.join(root, r)) for r in rels}
+    enc = data.gpt2_encoder()
+    for s in ("train", "dev", "test"):
+        mine = [r for r in rels if data.split_of(r) == s and texts[r]]
+        assert d.meta["n_files"][s] == len(mine)
+        lens = [len(x) + 1 for x in enc.encode_ordinary_batch([texts[r] for r in mine], num_threads=2)]
+        assert d.meta["splits"][s] == len(d.tokens(s)) == sum(lens)
+        toks = d.tokens(s)
+        assert d.decode(toks[:lens[0]]) == texts[mine[0]] + "<|endoftext|>"  # first file of the split
+        ends = np.cumsum(lens) - 1
+        assert (toks[ends] == 50256).all() and (np.asarray(toks) == 50256).sum() >= len(mine)
+    assert sum(d.meta["n_files"].values()) > 1000
