@@ -1,9 +1,185 @@
 """Shared plumbing for every model: errors, RMSNorm, RoPE, the LM wrapper, width solving.
 
-Each architecture file (tango.py, baselines.py, ...) defines only its residual *body*;
-the token embedding, tied head, loss, cached generation and parameter counting live here
-(SPEC.md section 1).
+Each architecture file (tango.py, baselines.py, ...) defines only its residual *body*
+(a module mapping embeddings (B, T, d) to the final residual stream (B, T, d)); the token
+embedding, the tied head, the loss, cached generation and parameter counting live here
+(SPEC.md section 1), so every model has the same API:
+
+    model = build_model(cfg)                       # models.py
+    logits, loss = model(idx, targets, positions)  # (B, T, V), scalar NLL in nats/token
+    out = model.generate(idx, max_new_tokens, temperature=1.0, top_k=None)
+    model.num_params()                             # non-embedding parameters
 """
+from dataclasses import dataclass, asdict, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
 
 class UsageError(ValueError):
     """Bad user input (a flag, a file, a checkpoint). train.py prints str(e) on one line and exits 2."""
+
+
+HEAD_DIM = 32  # d_h = 32 everywhere (SPEC notation)
+
+
+@dataclass
+class ModelConfig:
+    """Every model's hyperparameters (one dataclass for all architectures, saved in checkpoints).
+
+    model: registry name (models.py); vocab_size V; block_size: training context T;
+    n_embd: residual width d; n_head: H = d / 32; depth: K block applications;
+    width: expansion width F (TANGO gated width, Transformer++ feed-forward width, ...);
+    window: Windowed TANGO window W (SPEC section 3).
+    """
+    model: str = "tango"
+    vocab_size: int = 50257
+    block_size: int = 256
+    n_embd: int = 128
+    n_head: int = 4
+    depth: int = 8
+    width: int = 512
+    window: int = 256
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise UsageError(f"checkpoint config has unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned gain (SPEC section 1). x: (..., d) -> (..., d)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_cos_sin(positions, head_dim=HEAD_DIM, base=10000.0, dtype=torch.float32):
+    """Rotary tables for integer positions (T,) or (B, T) -> cos, sin of shape (B|1, 1, T, head_dim/2)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq  # (..., T, hd/2), float64 so long positions stay exact
+    if ang.dim() == 2:
+        ang = ang[None]
+    ang = ang[:, None]  # (B|1, 1, T, hd/2)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) of x: (B, H, T, hd) by the angles in cos/sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def causal_attention(q, k, v, scale=None):
+    """Causal softmax attention of L new queries over S >= L keys (the last L keys are the queries' own).
+
+    q: (B, H, L, dk), k: (B, H, S, dk), v: (B, H, S, dv) -> (B, H, L, dv). Query i sees keys
+    j <= i + (S - L) (lower-right alignment), which covers training (L = S), prefill and
+    single-token decoding with a cache.
+    """
+    L, S = q.shape[-2], k.shape[-2]
+    if L == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if L == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=S - L)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class LM(nn.Module):
+    """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (SPEC section 1).
+
+    The body is any module with forward(x, cos, sin, cache) -> x on (B, T, d) tensors; cache is
+    None (training) or a dict the body keeps its decoding state in (keys per application, ...).
+    """
+
+    def __init__(self, cfg: ModelConfig, body: nn.Module):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.body = body
+        self.norm_f = RMSNorm(cfg.n_embd)
+        self.apply(self._init_weights)
+        # residual output projections get a smaller init, as in GPT-2 (marked by the bodies)
+        for m in self.modules():
+            if getattr(m, "is_residual_out", False):
+                nn.init.normal_(m.weight, std=0.02 / (2 * cfg.depth) ** 0.5)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        """Parameter count, each shared tensor counted once; non_embedding excludes E (SPEC section 1)."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates shared tensors
+        return n - self.wte.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, positions=None, cache=None):
+        """idx: (B, T) int64 token ids; targets: (B, T) with -1 = not scored; positions: (T,) or
+        (B, T) RoPE position ids (default: 0..T-1, continuing after a cache's length).
+
+        Returns logits (B, T, V) and the mean NLL over scored targets in nats/token (or None).
+        """
+        x = self.wte(idx)
+        return self.forward_embeds(x, targets, positions, cache)
+
+    def forward_embeds(self, x, targets=None, positions=None, cache=None):
+        """forward() from input embeddings x: (B, T, d) (used by latent tokens, SPEC section 6)."""
+        T = x.shape[1]
+        if positions is None:
+            start = cache.get("len", 0) if cache is not None else 0
+            positions = torch.arange(start, start + T, device=x.device)
+        cos, sin = rope_cos_sin(positions, dtype=x.dtype)
+        x = self.body(x, cos, sin, cache)
+        if cache is not None:
+            cache["len"] = cache.get("len", 0) + T
+        x = self.norm_f(x)
+        logits = x @ self.wte.weight.t()
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, stop_token=None):
+        """Sample max_new_tokens continuing idx (B, T) with a decoding cache; returns (B, T + n).
+
+        temperature 0 means greedy. Generation stops early when every row emitted stop_token.
+        """
+        cache = {}
+        logits, _ = self(idx, cache=cache)
+        out = idx
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1, :].float(), temperature, top_k)
+            out = torch.cat((out, nxt), dim=1)
+            if stop_token is not None:
+                done |= nxt[:, 0] == stop_token
+                if bool(done.all()):
+                    break
+            logits, _ = self(nxt, cache=cache)
+        return out
+
+
+def sample_next(logits, temperature=1.0, top_k=None):
+    """logits (B, V) -> next ids (B, 1); temperature 0 = argmax, top_k keeps the k largest logits."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

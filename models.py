@@ -1,0 +1,74 @@
+"""Model registry, size tiers and width solving (SPEC.md section 1).
+
+REGISTRY maps a --model name to a body constructor taking a ModelConfig; later issues add rows.
+build_model(cfg) wraps the body in the shared LM (embedding, tied head, loss, generation).
+"""
+import torch
+
+import baselines
+import tango
+from common import LM, ModelConfig, UsageError
+
+REGISTRY = {
+    "tango": tango.tango,
+    "tango-windowed": tango.tango_windowed,
+    "tango-3set": tango.tango_3set,
+    "loop": baselines.loop_transformer,
+    "untied": baselines.untied_transformer,
+}
+
+# name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
+# is this project's small tier (the default without a GPU), solved by the same rule.
+TIERS = {
+    "cpu": (128, 4, 1_000_000),
+    "70M": (512, 16, 44_270_000),
+    "160M": (768, 24, 121_400_000),
+}
+
+TOLERANCE = 0.002  # realized count within 0.20 % of the target (paper)
+
+
+def build_model(cfg: ModelConfig, device=None, **body_kwargs):
+    """Instantiate cfg.model; raises UsageError for an unknown name or depth < 1."""
+    if cfg.model not in REGISTRY:
+        raise UsageError(f"--model: unknown model '{cfg.model}'; choose one of {', '.join(REGISTRY)}")
+    if cfg.depth < 1:
+        raise UsageError(f"--depth {cfg.depth}: depth must be >= 1")
+    if cfg.n_embd % 32 or cfg.n_head != cfg.n_embd // 32:
+        raise UsageError(f"n_embd {cfg.n_embd} / n_head {cfg.n_head}: heads must have dimension 32")
+    with torch.device(device or "cpu"):
+        return LM(cfg, REGISTRY[cfg.model](cfg, **body_kwargs))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Non-embedding parameter count of cfg, built on the meta device (no memory, no time)."""
+    return build_model(cfg, device="meta").num_params()
+
+
+def solve_width(cfg: ModelConfig, target: int, strict: bool = True) -> ModelConfig:
+    """Return cfg with the expansion width (a multiple of n_head) whose non-embedding count is
+    closest to target. The count is affine in the width, so two evaluations give the slope.
+
+    Raises UsageError when no width lands within 0.20 % of the target and strict is set (the
+    paper tiers); the small CPU tier is too coarse for that at large depth (untied K >= 8 moves
+    in steps of ~1 %), so there train.py reports the error instead of failing.
+    """
+    m = cfg.n_head
+    c1 = count_params(_with(cfg, width=m))
+    c2 = count_params(_with(cfg, width=2 * m))
+    slope = (c2 - c1) / m  # parameters per unit of width
+    guess = max(1, round((m + (target - c1) / slope) / m))
+    best = min((k * m for k in range(max(1, guess - 2), guess + 3)),
+               key=lambda w: abs(count_params(_with(cfg, width=w)) - target))
+    out = _with(cfg, width=best)
+    err = count_params(out) / target - 1
+    if strict and abs(err) > TOLERANCE:
+        raise UsageError(f"--size: cannot reach {target:,} non-embedding parameters with {cfg.model} "
+                         f"at d={cfg.n_embd}, depth {cfg.depth} (closest {count_params(out):,}, {err:+.2%})")
+    return out
+
+
+def _with(cfg, **kw):
+    d = cfg.to_dict()
+    d.update(kw)
+    return ModelConfig(**d)
