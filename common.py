@@ -32,6 +32,7 @@ class ModelConfig:
     n_embd: residual width d; n_head: H = d / 32; depth: K block applications;
     width: expansion width F (TANGO gated width, Transformer++ feed-forward width, ...);
     window: Windowed TANGO window W (SPEC section 3).
+    gau_s, chunk, tie_unit: GAU/FLASH shared dim s, FLASH chunk C, one unit shared by all K applications (SPEC section 4).
     """
     model: str = "tango"
     vocab_size: int = 50257
@@ -41,6 +42,9 @@ class ModelConfig:
     depth: int = 8
     width: int = 512
     window: int = 256
+    gau_s: int = 128
+    chunk: int = 256
+    tie_unit: bool = True
 
     def to_dict(self):
         return asdict(self)
