@@ -15,6 +15,8 @@ REGISTRY = {
     "tango-3set": tango.tango_3set,
     "loop": baselines.loop_transformer,
     "untied": baselines.untied_transformer,
+    "gau": baselines.gau,
+    "flash": baselines.flash,
 }
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
