@@ -109,7 +109,7 @@ def loop_transformer(cfg):
 #
 #     u = Norm(x)
 #     [U | V | Z] = SiLU(u W_in)            W_in: d x (2e + s), fused; U, V: e wide, Z: s wide
-#     Q = Z * gq + bq, K = Z * gk + bk      per-dim scale and offset (g ~ N(0, 0.02), b = 0)
+#     Q = Z * gq + bq, K = Z * gk + bk      per-dim scale and offset (g ~ N(1, 0.02), b = 0; see below)
 #     Q, K <- RoPE(Q), RoPE(K)
 #     y = (U * mix(Q, K, V)) W_o            W_o: e x d
 #     x <- x + y
@@ -120,6 +120,13 @@ def loop_transformer(cfg):
 #     local_i  = sum_{j <= i, same chunk} relu(Q_q_i . K_q_j / C)^2 V_j
 #     global_i = Q_l_i (sum_{h < chunk(i)} K_l[h]^T V[h]) / C       (exclusive prefix sum)
 # No token shift, no relative-position bias.
+#
+# Init of the scale g (a change from SPEC's g ~ N(0, 0.02)): the paper's code draws g ~ N(0, 0.02)
+# but also adds a relative-position bias inside the relu, which keeps the kernel alive at init.
+# Without that bias (SPEC), |Q . K| / c ~ 1e-5 and relu(.)^2 ~ 1e-12: GAU's gradients sit far below
+# AdamW's eps and the unit barely trains (measured: the unit's W_in moved by ~2e-6). We draw
+# g ~ N(1, 0.02), so Q ~ K ~ Z at init. Measured on stdlib, CPU tier, depth 4, 40 updates:
+# dev NLL 6.05 with N(0, 0.02) vs 4.87 with N(1, 0.02) (README, "Choices").
 #
 # RoPE on the s-dim Q/K (our choice; SPEC only says "RoPE"): the body receives the 32-dim
 # tables (head dim d_h = 32), so the s dims are split into s/32 groups of 32 and each group is
@@ -231,7 +238,7 @@ def flash_step(qq, kq, ql, kl, v, C, cache):
 
 class GAUUnit(nn.Module):
     """One gated attention unit's parameters: norm gain (d), fused W_in (d x (2e + s)), n_qk
-    per-dim scale-offset pairs on Z (gamma ~ N(0, 0.02), beta = 0), W_o (e x d).
+    per-dim scale-offset pairs on Z (gamma ~ N(1, 0.02), beta = 0), W_o (e x d).
     Parameters: 3de + ds + 2 n_qk s + d."""
 
     def __init__(self, d, e, s, n_qk):
@@ -239,7 +246,7 @@ class GAUUnit(nn.Module):
         self.e, self.s, self.n_qk = e, s, n_qk
         self.norm = RMSNorm(d)
         self.w_in = nn.Linear(d, 2 * e + s, bias=False)
-        self.gamma = nn.Parameter(torch.empty(n_qk, s).normal_(0.0, 0.02))
+        self.gamma = nn.Parameter(torch.empty(n_qk, s).normal_(1.0, 0.02))
         self.beta = nn.Parameter(torch.zeros(n_qk, s))
         self.wo = nn.Linear(e, d, bias=False)
         self.wo.is_residual_out = True
