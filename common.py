@@ -45,6 +45,14 @@ class ModelConfig:
     gau_s: int = 128
     chunk: int = 256
     tie_unit: bool = True
+    # Parcae / recurrent-depth model RDM (SPEC section 5): prelude -> core looped -> coda.
+    n_prelude: int = 2          # L_P Transformer++ (RDM: sandwich) blocks before the loop
+    n_core: int = 2             # L_R blocks in the recurrent core (one recurrence = L_R block applications)
+    n_coda: int = 2             # L_C blocks after the loop
+    mu_rec: int = 0             # mean training recurrence; 0 = use depth (depth = eval recurrences)
+    mu_bwd: int = 0             # recurrences backpropagated through; 0 = ceil(mu_rec / 2)
+    kl_exit: bool = False       # RDM: evaluate with the KL early exit (baselines.rdm_generate_depths)
+    kl_threshold: float = 5e-4  # RDM: exit when KL(p_{t-1} || p_t) < kl_threshold
 
     def to_dict(self):
         return asdict(self)
