@@ -211,7 +211,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
         if old:
             shutil.rmtree(old, ignore_errors=True)
     print(f"prepared {folder}: " + ", ".join(f"{k} {v:,}" for k, v in meta["splits"].items()) + " tokens",
-          file=sys.stderr, flush=True)
+          flush=True)
     return folder
 
 
