@@ -6,6 +6,7 @@ build_model(cfg) wraps the body in the shared LM (embedding, tied head, loss, ge
 import torch
 
 import baselines
+import parcae
 import tango
 from common import LM, ModelConfig, UsageError
 
@@ -17,6 +18,8 @@ REGISTRY = {
     "untied": baselines.untied_transformer,
     "gau": baselines.gau,
     "flash": baselines.flash,
+    "parcae": parcae.parcae,
+    "rdm": baselines.rdm,
 }
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
