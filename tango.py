@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import HEAD_DIM, RMSNorm, UsageError, apply_rope, causal_attention
+from common import HEAD_DIM, RMSNorm, UsageError, apply_rope
 
 QK_PAD = 40  # 32 score dims + 1 null-option dim, padded to a multiple of 8 for fused kernels
 
@@ -66,6 +66,56 @@ def _augment(qs, kh, b):
     return qa, ka, null_k
 
 
+class ChunkedCausalAttention(torch.autograd.Function):
+    """softmax(q k^T + causal mask) v in query chunks, saving only the output and the row
+    log-sum-exp for backward (the FlashAttention recipe in plain PyTorch): memory O(chunk x S)
+    per head instead of O(L x S), so TANGO's activation memory is linear in T. Lower-right causal
+    alignment: query i sees keys j <= i + (S - L). q: (B, H, L, dk), k: (B, H, S, dk),
+    v: (B, H, S, dv) -> (B, H, L, dv). No scaling (callers pre-scale q)."""
+
+    @staticmethod
+    def _scores(q, k, r0, r1, off):
+        s = q[:, :, r0:r1] @ k[:, :, :r1 + off].transpose(-1, -2)  # keys beyond the chunk's last row are never visible
+        rows = torch.arange(r0, r1, device=q.device).view(-1, 1)
+        return s.masked_fill(torch.arange(r1 + off, device=q.device) > rows + off, float("-inf"))
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunk):
+        L, S = q.shape[2], k.shape[2]
+        off = S - L
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = q.new_empty(q.shape[:3])
+        for r0 in range(0, L, chunk):
+            r1 = min(r0 + chunk, L)
+            s = ChunkedCausalAttention._scores(q, k, r0, r1, off)
+            lse[:, :, r0:r1] = torch.logsumexp(s, -1)
+            out[:, :, r0:r1] = torch.exp(s - lse[:, :, r0:r1, None]) @ v[:, :, :r1 + off]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        L, S = q.shape[2], k.shape[2]
+        off = S - L
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (dout * out).sum(-1)  # rowsum(dO * O)
+        for r0 in range(0, L, ctx.chunk):
+            r1 = min(r0 + ctx.chunk, L)
+            n = r1 + off
+            p = torch.exp(ChunkedCausalAttention._scores(q, k, r0, r1, off) - lse[:, :, r0:r1, None])
+            do = dout[:, :, r0:r1]
+            ds = p * (do @ v[:, :, :n].transpose(-1, -2) - delta[:, :, r0:r1, None])
+            dq[:, :, r0:r1] = ds @ k[:, :, :n]
+            dk[:, :, :n] += ds.transpose(-1, -2) @ q[:, :, r0:r1]
+            dv[:, :, :n] += p.transpose(-1, -2) @ do
+        return dq, dk, dv, None
+
+
+ATTN_CHUNK = 256  # query rows per chunk in ChunkedCausalAttention
+
+
 def tango_fast(qs, kh, g, b, cache=None):
     """Full-prefix TANGO as one causal attention over [null key, keys] with the gates as values.
 
@@ -79,7 +129,7 @@ def tango_fast(qs, kh, g, b, cache=None):
         g = torch.cat((g.new_zeros(g.shape[0], g.shape[1], 1, g.shape[3]), g), 2)
     if cache is not None:
         cache["k"], cache["g"] = ka, g
-    return causal_attention(qa, ka, g, scale=1.0)  # query i sees the null key and keys j <= i
+    return ChunkedCausalAttention.apply(qa, ka, g, ATTN_CHUNK)  # query i sees the null key and keys j <= i
 
 
 def windowed_reference(qs, kh, g, b, window):
