@@ -194,10 +194,11 @@ def test_parameter_formula(model, n_so, tie):
 
 @pytest.mark.parametrize("model", ["gau", "flash"])
 @pytest.mark.parametrize("K", [4, 8, 16])
-def test_paper_tier_widths(model, K):
+@pytest.mark.parametrize("tie", [True, False])
+def test_paper_tier_widths(model, K, tie):
     for d, H, target in TIERS:
-        cfg = models.solve_width(ModelConfig(model=model, n_embd=d, n_head=H, depth=K), target)
-        assert cfg.width % H == 0
+        cfg = models.solve_width(ModelConfig(model=model, n_embd=d, n_head=H, depth=K, tie_unit=tie), target)
+        assert cfg.width % 8 == 0  # e has no head structure: multiples of 8 (models.WIDTH_MULTIPLE)
         assert abs(models.count_params(cfg) / target - 1) <= models.TOLERANCE
 
 
