@@ -499,16 +499,18 @@ class RecurrentDepth(nn.Module):
         h = self.recur(e, cos, sin, cache, n_steps, h0)
         return self.decode(h, cos, sin, cache)
 
-    def diagnostics(self):
-        """{"state_norm": [per recurrence], "state_norm_max", "steps", "w1_spectral_norm"} of the
-        last forward; w1_spectral_norm = ||W_1||_2 of the adapter's state half W [h; e] = W_1 h + W_2 e,
-        the linear recurrence matrix Parcae constrains (Abar) and RDM leaves free."""
+    def diagnostics(self, spectral=True):
+        """{"state_norm": [per recurrence], "state_norm_max", "steps"} of the last forward; with
+        spectral (one d x d SVD) also "w1_spectral_norm" = ||W_1||_2 of the adapter's state half,
+        W [h; e] = W_1 h + W_2 e: the linear recurrence matrix Parcae constrains (Abar) and RDM
+        leaves free."""
         norms = torch.stack(self._norms).float().tolist() if self._norms else []
-        with torch.no_grad():
-            w1 = self.adapter.weight[:, :self.adapter.weight.shape[0]].float()
-            spec = float(torch.linalg.matrix_norm(w1, ord=2))
-        return {"state_norm": norms, "state_norm_max": max(norms, default=0.0), "steps": self._steps,
-                "w1_spectral_norm": spec}
+        out = {"state_norm": norms, "state_norm_max": max(norms, default=0.0), "steps": self._steps}
+        if spectral:
+            with torch.no_grad():
+                w1 = self.adapter.weight[:, :self.adapter.weight.shape[0]].float()
+                out["w1_spectral_norm"] = float(torch.linalg.matrix_norm(w1, ord=2))
+        return out
 
 
 def rdm(cfg):

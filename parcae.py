@@ -167,15 +167,22 @@ class Parcae(nn.Module):
             y = blk(y, cos, sin, sub_cache(cache, ("coda", j)))
         return y
 
-    def diagnostics(self):
+    def diagnostics(self, spectral=True):
         """{"state_norm": [per step], "state_norm_max", "abar_max", "abar_min", "steps",
-        "depth_mean" (mean sampled T_i; None at fixed depth)} of the last forward."""
+        "depth_mean" (mean sampled T_i; None at fixed depth)} of the last forward; with spectral
+        (two d x d SVDs) also "bbar_spectral_norm" = ||diag(Delta) B||_2 and "c_spectral_norm"
+        = ||C||_2 (the paper's Figure 18 quantities)."""
         norms = torch.stack(self._norms).float().tolist() if self._norms else []
         with torch.no_grad():
             a = self.abar()
-        return {"state_norm": norms, "state_norm_max": max(norms, default=0.0),
-                "abar_max": float(a.max()), "abar_min": float(a.min()), "steps": self._steps,
-                "depth_mean": self._depth_mean}
+            out = {"state_norm": norms, "state_norm_max": max(norms, default=0.0),
+                   "abar_max": float(a.max()), "abar_min": float(a.min()), "steps": self._steps,
+                   "depth_mean": self._depth_mean}
+            if spectral:
+                bbar = self.delta()[:, None] * self.B
+                out["bbar_spectral_norm"] = float(torch.linalg.matrix_norm(bbar.float(), ord=2))
+                out["c_spectral_norm"] = float(torch.linalg.matrix_norm(self.C.float(), ord=2))
+        return out
 
 
 def parcae(cfg):

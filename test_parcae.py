@@ -85,7 +85,10 @@ def test_special_inits_survive_the_lm_init_and_no_decay():
     assert torch.allclose(b.C.t() @ b.C, 0.4 * torch.eye(64), atol=1e-5)
     names = {id(p) for p in b.no_decay_parameters()}
     assert names == {id(b.A_log), id(b.dt_bias), id(b.B), id(b.C)}
-    assert model.body.diagnostics()["state_norm"] == []
+    diag = model.body.diagnostics()
+    assert diag["state_norm"] == [] and diag["bbar_spectral_norm"] == pytest.approx(0.5 * math.log(5), rel=1e-5)
+    assert diag["c_spectral_norm"] == pytest.approx(math.sqrt(0.4), rel=1e-5)
+    assert "c_spectral_norm" not in model.body.diagnostics(spectral=False)
 
 
 @pytest.mark.parametrize("name,block", [("parcae", 4 * 64 * 64 + 3 * 64 * 96 + 2 * 64),
