@@ -352,6 +352,7 @@ def sub_cache(cache, key):
     return None if cache is None else cache.setdefault(key, {})
 
 
+@torch.compiler.disable  # RNG / host-side work: always eager, never traced
 def random_state(shape, std, device, dtype):
     """h_0 ~ TruncNormal(0, std, +-3 std) from torch's global RNG (training; train.py seeds it)."""
     h = torch.empty(shape, device=device, dtype=torch.float32)
@@ -359,6 +360,7 @@ def random_state(shape, std, device, dtype):
     return h.to(dtype)
 
 
+@torch.compiler.disable  # RNG / host-side work: always eager, never traced
 def eval_state(start, T, d, std, device, dtype):
     """Deterministic h_0 for sequence indices start..start+T-1: (1, T, d), the same for every row.
 
@@ -407,6 +409,7 @@ class SandwichBlock(nn.Module):
         return self.n4(x + self.mlp(self.n3(x)))
 
 
+@torch.compiler.disable  # RNG / host-side work: always eager, never traced
 def rdm_sample_depths(n, mu_rec, sigma=0.5):
     """n draws of RDM's depth T = Poisson(exp(tau)) + 1, tau ~ N(log mu_rec - sigma^2/2, sigma),
     from torch's global CPU RNG: (n,) int64 with E[T] = mu_rec + 1."""

@@ -50,6 +50,7 @@ ABAR_INIT = math.sqrt(1 / 5)
 LOG_RATE_MIN, LOG_RATE_MAX = math.log(1e-6), math.log(80.0)  # clamp of Delta * exp(A_log)
 
 
+@torch.compiler.disable  # RNG / host-side work: always eager, never traced
 def parcae_sample_depths(n, mu_rec):
     """n draws of T = max(Poisson(mu_rec), 1) from torch's global CPU RNG: (n,) int64.
     E[T] = mu_rec + P(Poisson = 0) = mu_rec + exp(-mu_rec)."""
