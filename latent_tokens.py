@@ -42,8 +42,10 @@ Our reading of the paper vs SPEC (noted, SPEC followed): the paper's section 3.1
 read as "latents prepended before s_{t+1} are fed only after s_{t+1} was generated, and only
 verbal positions predict" (Comma_m would then sit *before* each comma). SPEC fixes the other
 reading - latents after the marker, the last latent predicts - which is also what decoding
-with "feed the m latents in one step, take the logits from the last one" needs. Both readings
-give the same sequences and position ids; they differ in which position predicts v_j.
+with "feed the m latents in one step, take the logits from the last one" needs. For Start, End
+and k_m both readings give the same sequences and position ids and differ only in which position
+predicts the verbal token after a group; for Comma_m they also differ in the slot (before vs
+after the comma).
 
 Z init: N(0, 0.02) (the repo's embedding init, SPEC section 1); init="embedding" copies randomly
 sampled rows of the frozen embedding instead. The base, its embedding and head are frozen
@@ -51,10 +53,15 @@ sampled rows of the frozen embedding instead. The base, its embedding and head a
 
 Bases: this project's `common.LM` (any REGISTRY model: `base.wte`, `base.forward_embeds` with
 explicit position ids and a dict cache) or, when `transformers` is installed, a Hugging Face
-causal LM through `inputs_embeds` / `position_ids` / `past_key_values` (imported lazily).
+causal LM through `inputs_embeds` / `position_ids` / a DynamicCache (imported lazily). The HF path
+always passes an explicit attention mask: without one, recent transformers take position ids that
+do not step by one (repeated latent ids) for packed sequences and mask across them.
 
-Tasks (paper section 4; `TASKS`), character vocabulary for our own bases (`TASK_ALPHABET`; the
-newline is the beginning token and the ending token):
+Tasks (paper section 4; `TASKS`). Our own bases use `TASK_VOCAB`, the generators' pieces split
+the way Llama-3 splits them (numbers of up to three digits are one token, words keep their
+leading space: the paper's "44@47=83," is six tokens, as it says for Llama-3.2-1B); a plain
+character vocabulary (`TASK_ALPHABET`) is available with `pretrain --vocab char`. The newline is
+the beginning token and the ending token:
 
     generation   "\\n" + five chained equations "a1a2@b1b2=f1f2," -> more of them (no ending token);
                  f1 = |a1+b1| mod 9, f2 = |a2-b2| mod 9; train 1..10 response equations; metric:
@@ -457,27 +464,37 @@ def latent_params(llm):
 
 # =============================================================================== tokenizers
 
-TASK_ALPHABET = "\n" + "".join(sorted(set(" ,:=+@0123456789" + "Var" + "Please repeat the following equation times")))
+# The task vocabulary for our own bases, split the way Llama-3's tokenizer splits these texts
+# (the paper: an equation "44@47=83," is six Llama-3 tokens): runs of digits in chunks of up to
+# three digits, words with their leading space, every other character alone. It lists every token
+# the three generators can emit; '\n' is the beginning and ending token.
+DIGIT_TOKENS = [str(i) for i in range(10)] + [f"{i:02d}" for i in range(100)] + [str(i) for i in range(100, 201)]
+TASK_VOCAB = (["\n", " ", ",", ":", "=", "+", "@", "Var", " Var", "Please", " repeat", " the", " following",
+               " equation", " times"] + DIGIT_TOKENS)
+TASK_PATTERN = re.compile(r" ?[A-Za-z]+|\d{1,3}|[^A-Za-z\d]")
+TASK_ALPHABET = "\n" + "".join(sorted(set("".join(TASK_VOCAB)) - {"\n"}))  # characters, for char bases
 
 
 class CharTokenizer:
-    """Character vocabulary (itos list); '\\n' is the beginning and ending token."""
+    """A vocabulary given as itos; kind "char" (one character per token) or "task" (TASK_PATTERN
+    pieces, e.g. TASK_VOCAB). '\n' is the beginning and ending token."""
 
-    kind = "char"
-
-    def __init__(self, itos):
-        self.itos = list(itos)
+    def __init__(self, itos, kind="char"):
+        self.itos, self.kind = list(itos), kind
         self.stoi = {c: i for i, c in enumerate(self.itos)}
         if "\n" not in self.stoi:
-            raise UsageError("character vocabulary has no newline (the beginning/ending token)")
+            raise UsageError("vocabulary has no newline (the beginning/ending token)")
         self.bos = self.eos = self.stoi["\n"]
         self.vocab_size = len(self.itos)
 
+    def pieces(self, text):
+        return list(text) if self.kind == "char" else TASK_PATTERN.findall(text)
+
     def encode(self, text):
         try:
-            return [self.stoi[c] for c in text]
+            return [self.stoi[c] for c in self.pieces(text)]
         except KeyError as e:
-            raise UsageError(f"character {e.args[0]!r} is not in the base's vocabulary") from None
+            raise UsageError(f"{e.args[0]!r} is not in the base's vocabulary") from None
 
     def decode(self, ids):
         return "".join(self.itos[i] for i in ids)
@@ -487,6 +504,10 @@ class CharTokenizer:
         if len(ids) != 1:
             raise UsageError(f"--marker {marker!r}: must be one token")
         return ids
+
+
+def task_tokenizer():
+    return CharTokenizer(TASK_VOCAB, "task")
 
 
 class GPT2Tokenizer:
@@ -531,7 +552,7 @@ class Generation:
     """Paper section 4.1. Query: five chained equations; response: the chain continued.
 
     Choice: the first two numbers have digits 0-9 (the paper's example starts 44@47); every later
-    digit is a result mod 9. Each equation is 9 characters including its comma.
+    digit is a result mod 9. Each equation is 9 characters (6 task-vocabulary tokens) with its comma.
     """
     name, eos, metric = "generation", False, "equations"
     levels = {"10": 10, "20": 20, "40": 40}  # budget in equations; training responses have 1..10
@@ -793,10 +814,10 @@ def load_base(path):
     model = build_model(cfg)
     model.load_state_dict(ck["model"])
     info = ck.get("data", {})
-    if info.get("tokenizer") == "char":
+    if info.get("tokenizer") in ("char", "task"):
         if "itos" not in info:
-            raise UsageError(f"--base {path}: character checkpoint without its vocabulary (data.itos)")
-        tok = CharTokenizer(info["itos"])
+            raise UsageError(f"--base {path}: {info['tokenizer']} checkpoint without its vocabulary (data.itos)")
+        tok = CharTokenizer(info["itos"], info["tokenizer"])
     elif info.get("tokenizer") == "gpt2":
         tok = GPT2Tokenizer()
     else:
@@ -831,31 +852,37 @@ class _HFTokenizer:
 # =============================================================================== pretraining
 
 def pretrain(args):
-    """Train a small base on the tasks' in-distribution data (char vocabulary), write the task mix
-    as text (train.txt: the token stream, meta.json: itos), save ckpt_best.pt in train.py's format.
+    """Train a small base on the tasks' in-distribution data, write the task mix as text (train.txt:
+    the token stream; meta.json: tokenizer kind and itos), save ckpt_best.pt in train.py's format
+    (its "data" entry also holds itos).
 
     Rows are single samples (beginning token, query, response, ending token where the task has
     one), loss on every token; AdamW, warmup then cosine to 10 %, wd 0.1 on matrices, clip 1.0."""
     from models import build_model
     torch.manual_seed(args.seed)
     names = list(TASKS) if args.task == "all" else [get_task(t).name for t in args.task.split(",")]
-    tok = CharTokenizer(TASK_ALPHABET)
+    weights = [int(w) for w in args.mix.split(",")] if args.mix else [1] * len(names)
+    if len(weights) != len(names) or min(weights) < 1:
+        raise UsageError(f"--mix {args.mix}: one positive integer weight per task ({', '.join(names)})")
+    cycle = [n for n, w in zip(names, weights) for _ in range(w)]  # the mix, in a fixed rotation
+    tok = task_tokenizer() if args.vocab == "task" else CharTokenizer(TASK_ALPHABET)
     rng = np.random.default_rng(args.seed)
     rows = []
     for i in range(args.n_samples):
-        task = TASKS[names[i % len(names)]]
+        task = TASKS[cycle[i % len(cycle)]]
         rows.append(encode_sample(tok, task, task.sample(rng, "train"))[0])
     dev_rng = np.random.default_rng(args.seed + 1)
     dev = []
     for i in range(args.n_dev):
-        task = TASKS[names[i % len(names)]]
+        task = TASKS[cycle[i % len(cycle)]]
         dev.append(encode_sample(tok, task, task.sample(dev_rng, "train"))[0])
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "train.txt"), "w") as f:
         f.write("".join(tok.decode(r) for r in rows))
     with open(os.path.join(args.out_dir, "meta.json"), "w") as f:
-        json.dump({"tokenizer": "char", "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
-                   "n_samples": args.n_samples, "seed": args.seed}, f, indent=1)
+        json.dump({"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
+                   "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
+                   "command": getattr(args, "command", None)}, f, indent=1)
     block = max(len(r) for r in rows + dev)
     width = args.width or 4 * args.d
     cfg = ModelConfig(model=args.model, vocab_size=tok.vocab_size, block_size=block, n_embd=args.d,
@@ -911,7 +938,7 @@ def pretrain(args):
                 best, tag = d, " (best, saved)"
                 state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
                 _save_atomic({"model": state, "config": cfg.to_dict(),
-                              "data": {"tokenizer": "char", "vocab_size": tok.vocab_size, "itos": tok.itos},
+                              "data": {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos},
                               "iter": it + 1, "best_dev": best, "dev_nll": d}, path)
             print(f"update {it + 1}: train loss {loss.item():.4f}  dev NLL {d:.4f}{tag}  ({time.time() - t0:.0f} s)",
                   flush=True)
@@ -946,7 +973,7 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
     levels = levels or list(task.levels)
     metrics = {lv: evaluate(llm, tok, task, lv, n_test, mode=eval_mode) for lv in levels}
     return {"task": task.name, "policy": policy, "groups": groups, "position_mode": position_mode,
-            "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
+            "init": init, "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
             "latents_per_train_sample": mean_latents(llm, augs),
             "final_loss": float(np.mean(losses[-8:])) if losses else None,
             "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
@@ -967,7 +994,7 @@ def sweep(args, base, tok):
     done = {(r["task"], r["policy"], r["groups"], r["seed"]) for r in runs}
     kw = dict(n_train=args.n_train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
               min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
-              grad_clip=args.grad_clip, n_test=args.n_test, position_mode=args.position_mode)
+              grad_clip=args.grad_clip, n_test=args.n_test, position_mode=args.position_mode, init=args.init)
     t0 = time.time()
     for task in tasks:
         paper, pgroups = PAPER_METHOD[task.name]
@@ -992,9 +1019,22 @@ def sweep(args, base, tok):
                     json.dump(runs, f, indent=1)
     table = make_table(runs, args)
     with open(os.path.join(args.out_dir, "README_table.md"), "w") as f:
-        f.write(table)
+        f.write(table_header(args) + table)
     print(table)
     return runs
+
+
+def table_header(args):
+    """The exact commands: the base's pretraining (from its meta.json, when there) and this sweep."""
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(args.base)), "meta.json")
+    pre = None
+    if os.path.exists(meta_path):
+        pre = json.load(open(meta_path)).get("command")
+    lines = ["Commands:", "", "```"]
+    if pre:
+        lines.append(pre)
+    lines += [getattr(args, "command", "python latent_tokens.py sweep ..."), "```", ""]
+    return "\n".join(lines) + "\n"
 
 
 def make_table(runs, args=None):
@@ -1054,6 +1094,7 @@ def _train_flags(p):
     a("--grad_clip", type=float, default=1.0, help="gradient clipping (0 = off)")
     a("--n_test", type=int, default=1024, help="test samples per level (paper 1024)")
     a("--position_mode", default="prepend", help=f"one of {', '.join(POSITION_MODES)}")
+    a("--init", default="normal", help="Z init: normal (N(0, 0.02)) or embedding (sampled rows of E)")
     a("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared CPU)")
 
 
@@ -1064,6 +1105,7 @@ def parse_args(argv):
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         a = p.add_argument
         a("--task", default="all", help="all or a comma list of " + ", ".join(TASKS))
+        a("--mix", default=None, help="integer weights per task, e.g. 1,2,1 (default equal)")
         a("--out_dir", default="out/latent_base")
         a("--model", default="untied", help="a models.REGISTRY name")
         a("--d", type=int, default=64, help="width (multiple of 32)")
@@ -1072,6 +1114,7 @@ def parse_args(argv):
         a("--steps", type=int, default=1500)
         a("--batch_size", type=int, default=32)
         a("--lr", type=float, default=3e-3)
+        a("--vocab", default="task", help="task (Llama-3-like pieces: numbers of up to 3 digits are one token) or char")
         a("--n_samples", type=int, default=30000, help="training samples written to train.txt")
         a("--n_dev", type=int, default=384)
         a("--n_test", type=int, default=256, help="samples per level for the final base evaluation")
@@ -1104,7 +1147,6 @@ def parse_args(argv):
     a("--policy", default="Comma_2", help="Start_m, End_m, Comma_m, k_m, A+B, or none (the base alone)")
     a("--groups", default="shared", help=f"{', '.join(GROUPINGS)} (function specialization)")
     a("--marker", default=",", help="Comma_m marker token")
-    a("--init", default="normal", help="Z init: normal (N(0, 0.02)) or embedding (sampled rows)")
     a("--eval_mode", default="tf", help="tf (teacher-forced greedy, exact and fast) or generate (cached decoding)")
     a("--seed", type=int, default=0)
     a("--save", default=None, help="write the trained latents (Z, policy) here")
@@ -1124,6 +1166,8 @@ def check_args(args):
     if args.cmd == "pretrain":
         if args.d % 32 or args.d < 32:
             raise UsageError(f"--d {args.d}: must be a multiple of 32")
+        if args.vocab not in ("task", "char"):
+            raise UsageError(f"--vocab {args.vocab}: choose task or char")
         if args.task != "all":
             for t in args.task.split(","):
                 get_task(t)
@@ -1147,6 +1191,7 @@ def check_args(args):
 def main(argv=None):
     try:
         args = parse_args(argv)
+        args.command = "python latent_tokens.py " + " ".join(sys.argv[1:] if argv is None else argv)
         check_args(args)
         torch.set_num_threads(args.threads)
         if args.cmd == "pretrain":

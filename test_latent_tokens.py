@@ -259,7 +259,22 @@ def test_hf_cached_decode_equals_full_forward(kind):
 
 # ----------------------------------------------------------------------------- tasks
 
-TOK = lt.CharTokenizer(lt.TASK_ALPHABET)
+TOK = lt.task_tokenizer()
+
+
+def test_task_tokenizer():
+    """Llama-3-like pieces: the paper's equation '44@47=83,' is six tokens; numbers of up to three
+    digits are one token; words keep their leading space; char mode is one token per character."""
+    assert [TOK.itos[i] for i in TOK.encode("44@47=83,")] == ["44", "@", "47", "=", "83", ","]
+    assert [TOK.itos[i] for i in TOK.encode("Var10=29, Var1+Var10=")] == [
+        "Var", "10", "=", "29", ",", " Var", "1", "+", "Var", "10", "="]
+    text = "Please repeat the following equation 6 times: 100+100=200,"
+    assert TOK.decode(TOK.encode(text)) == text and len(TOK.encode(text)) == 16
+    assert TOK.bos == TOK.eos == TOK.encode("\n")[0] and TOK.marker_ids(",") == TOK.encode(",")
+    with pytest.raises(UsageError):
+        TOK.encode("201")  # not a token any generator emits
+    char = lt.CharTokenizer(lt.TASK_ALPHABET)
+    assert char.decode(char.encode(text)) == text and len(char.encode("44@47=83,")) == 9
 
 
 def test_generation_format_and_metric():
@@ -352,7 +367,7 @@ def test_teacher_forced_metrics_on_known_answers():
         v, q = lt.encode_sample(TOK, task, s)
         full = task.score_prefix(TOK.decode(v[q:]), s.response, True)
         assert full == (len(s.response) // 9 if task.name == "generation" else 1.0)
-        half = task.score_prefix(TOK.decode(v[q:q + 13]), s.response, False)
+        half = task.score_prefix(TOK.decode(v[q:q + 8]), s.response, False)  # 1 equation + 2 tokens
         assert half == (1 if task.name == "generation" else 0.0)
 
 
@@ -382,7 +397,7 @@ def test_cli_end_to_end(tmp_path, capsys):
              "--n_samples", "30", "--n_dev", "6", "--n_test", "4"])
     ck = torch.load(out / "ckpt_best.pt", map_location="cpu", weights_only=True)
     assert set(ck) == {"model", "config", "data", "iter", "best_dev", "dev_nll"}
-    assert ck["data"]["tokenizer"] == "char" and "".join(ck["data"]["itos"]) == lt.TASK_ALPHABET
+    assert ck["data"]["tokenizer"] == "task" and ck["data"]["itos"] == lt.TASK_VOCAB
     meta = json.load(open(out / "meta.json"))
     assert meta["itos"] == ck["data"]["itos"]
     assert open(out / "train.txt").read().startswith("\n")
@@ -396,6 +411,10 @@ def test_cli_end_to_end(tmp_path, capsys):
     rec = json.loads(open(js).read())
     assert rec["latent_vectors"] == 2 and set(rec["metrics"]) == {"1-5", "6-7", "8-10"}
     assert torch.load(tmp_path / "z.pt", weights_only=True)["Z"].shape == (2, 1, 32)
+    lt.main(["pretrain", "--out_dir", str(tmp_path / "cbase"), "--vocab", "char", "--d", "32", "--depth", "1",
+             "--steps", "1", "--eval_interval", "1", "--n_samples", "6", "--n_dev", "3", "--n_test", "2"])
+    base, tok = lt.load_base(str(tmp_path / "cbase" / "ckpt_best.pt"))
+    assert tok.kind == "char" and tok.itos == list(lt.TASK_ALPHABET)
     lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "generation", "--policy", "none", "--n_test", "2",
              "--eval_mode", "generate"])
     assert "equations" in capsys.readouterr().out
