@@ -99,6 +99,7 @@ import torch.nn.functional as F
 from common import LM, ModelConfig, UsageError
 
 POSITION_MODES = ("prepend", "append", "increase")
+READOUTS = ("latent", "verbal")
 GROUPINGS = ("shared", "fs", "rule")
 SITES = ("start", "query", "end", "response")
 
@@ -154,13 +155,18 @@ class Policy:
 
     rules: tuple of Rule (or a spec string for parse_policy); groups: shared | fs | rule;
     marker_ids: token ids that trigger Comma_m. n_groups x max_m is the shape of Z (less d).
+    readout: "latent" (SPEC: the last latent of a group predicts the next verbal token; Comma_m
+    after the marker) or "verbal" (the paper-literal ablation: only verbal positions predict, the
+    group in slot j is inserted once v_j is known, Comma_m before the marker).
     """
 
-    def __init__(self, rules, m=None, groups="shared", marker_ids=()):
+    def __init__(self, rules, m=None, groups="shared", marker_ids=(), readout="latent"):
         self.rules = parse_policy(rules, m) if isinstance(rules, str) or rules is None else tuple(rules)
         if groups not in GROUPINGS:
             raise UsageError(f"--groups {groups}: choose one of {', '.join(GROUPINGS)}")
-        self.groups = groups
+        if readout not in READOUTS:
+            raise UsageError(f"--readout {readout}: choose one of {', '.join(READOUTS)}")
+        self.groups, self.readout = groups, readout
         self.marker_ids = frozenset(int(i) for i in marker_ids)
         if any(r.kind == "marker" for r in self.rules) and not self.marker_ids:
             raise UsageError("Comma_m needs marker token ids (the marker is not in the vocabulary)")
@@ -176,15 +182,17 @@ class Policy:
 
     def __str__(self):
         name = "+".join(str(r) for r in self.rules) or "none"
-        return name if self.groups == "shared" or not self.rules else f"{name} ({self.groups})"
+        name = name if self.groups == "shared" or not self.rules else f"{name} ({self.groups})"
+        return name if self.readout == "latent" else f"{name} [readout verbal]"
 
     @staticmethod
     def site(j, query_len):
         return "start" if j == 0 else "query" if j < query_len else "end" if j == query_len else "response"
 
     def schedule(self, verbal, query_len, j):
-        """Latents in slot j (just before verbal token j) as a list of (group, slot); uses only
-        verbal[:j] and query_len, so decoding can ask it once v_{j-1} is known."""
+        """Latents in slot j (just before verbal token j) as a list of (group, slot). Readout
+        "latent" uses only verbal[:j] and query_len (decoding asks once v_{j-1} is emitted);
+        readout "verbal" may also use v_j (asked once v_j is emitted, before feeding it)."""
         out = []
         for i, r in enumerate(self.rules):
             if r.kind == "start":
@@ -194,7 +202,11 @@ class Policy:
             elif r.kind == "every":
                 hit, site = j > 0 and j % r.k == 0, self.site(j, query_len)
             else:
-                hit, site = j > 0 and int(verbal[j - 1]) in self.marker_ids, self.site(j, query_len)
+                if self.readout == "latent":
+                    hit = j > 0 and int(verbal[j - 1]) in self.marker_ids
+                else:
+                    hit = j < len(verbal) and int(verbal[j]) in self.marker_ids
+                site = self.site(j, query_len)
             if hit:
                 g = 0 if self.groups == "shared" else i if self.groups == "rule" else self.site_group[site]
                 out.extend((g, s) for s in range(r.m))
@@ -254,10 +266,15 @@ def augment(verbal_ids, query_len, policy, position_mode="prepend", score_from=N
             a.tokens.append(verbal[j]), a.verbal_index.append(j), a.latent_group.append(-1)
             a.latent_slot.append(-1), a.position_ids.append(j if position_mode != "increase" else len(a.tokens) - 1)
     a.targets = [-1] * len(a.tokens)
-    for p in range(len(a.tokens) - 1):
-        j = a.verbal_index[p + 1]
-        if j >= 0 and j >= score_from:
-            a.targets[p] = verbal[j]
+    if policy.readout == "latent":  # each item predicts the next item when that is a scored verbal token
+        for p in range(len(a.tokens) - 1):
+            j = a.verbal_index[p + 1]
+            if j >= 0 and j >= score_from:
+                a.targets[p] = verbal[j]
+    else:  # only verbal items predict: v_j -> v_{j+1}, across any latents between them
+        for p, j in enumerate(a.verbal_index):
+            if j >= 0 and j + 1 < n and j + 1 >= score_from:
+                a.targets[p] = verbal[j + 1]
     return a
 
 
@@ -334,7 +351,7 @@ class LatentLM(nn.Module):
     """Frozen causal LM + trainable latent table Z (G, m, d) (SPEC section 6).
 
     LatentLM(base, policy="Comma_2", m=None, groups="shared", position_mode="prepend",
-             marker_ids=(...), init="normal", init_std=0.02)
+             marker_ids=(...), init="normal", init_std=0.02, readout="latent")
     policy: Policy or spec string ('none' = the base alone, Z empty); m: count for parts written
     without one; marker_ids: ids that trigger Comma_m (CharTokenizer.marker_ids(',')).
 
@@ -344,7 +361,7 @@ class LatentLM(nn.Module):
     """
 
     def __init__(self, base, policy="none", m=None, groups="shared", position_mode="prepend",
-                 marker_ids=(), init="normal", init_std=0.02):
+                 marker_ids=(), init="normal", init_std=0.02, readout="latent"):
         super().__init__()
         if position_mode not in POSITION_MODES:
             raise UsageError(f"--position_mode {position_mode}: choose one of {', '.join(POSITION_MODES)}")
@@ -352,7 +369,7 @@ class LatentLM(nn.Module):
         self.base = base
         base.requires_grad_(False)
         base.eval()
-        self.policy = policy if isinstance(policy, Policy) else Policy(policy, m, groups, marker_ids)
+        self.policy = policy if isinstance(policy, Policy) else Policy(policy, m, groups, marker_ids, readout)
         self.position_mode = position_mode
         emb = self.backend.embedding().weight
         G, M, d = self.policy.n_groups, self.policy.max_m, self.backend.d
@@ -437,7 +454,8 @@ class LatentLM(nn.Module):
         """
         verbal = [int(v) for v in query_ids]
         qlen = len(verbal)
-        a = self.augment(verbal, qlen, trailing=True)
+        trailing = self.policy.readout == "latent"  # "verbal": slot j is decided once v_j is known
+        a = self.augment(verbal, qlen, trailing=trailing)
         cache = self.backend.new_cache()
         logits, cache = self._feed(a, 0, cache)
         fed, steps = len(a), []
@@ -449,7 +467,7 @@ class LatentLM(nn.Module):
             verbal.append(nxt)
             if (stop_id is not None and nxt == stop_id) or i == n_new - 1:
                 break
-            a = self.augment(verbal, qlen, trailing=True)  # same prefix, plus the new items
+            a = self.augment(verbal, qlen, trailing=trailing)  # same prefix, plus the new items
             logits, cache = self._feed(a, fed, cache)
             fed = len(a)
         new = verbal[qlen:]
@@ -459,7 +477,7 @@ class LatentLM(nn.Module):
 def latent_params(llm):
     """What a trained latent run saves: Z and how to rebuild the policy."""
     return {"Z": llm.Z.detach().cpu(), "policy": "+".join(str(r) for r in llm.policy.rules) or "none",
-            "groups": llm.policy.groups, "position_mode": llm.position_mode}
+            "groups": llm.policy.groups, "position_mode": llm.position_mode, "readout": llm.policy.readout}
 
 
 # =============================================================================== tokenizers
@@ -957,12 +975,12 @@ def pretrain(args):
 def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", marker=",", seed=0,
             n_train=4096, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, warmup=0.01,
             weight_decay=1e-4, grad_clip=1.0, n_test=1024, eval_mode="tf", levels=None, init="normal",
-            log=None):
+            readout="latent", log=None):
     """Train latents for one (task, policy, seed) on a frozen base and evaluate every level."""
     torch.manual_seed(seed)
     rules = parse_policy(policy)
     marker_ids = tok.marker_ids(marker) if any(r.kind == "marker" for r in rules) else ()
-    llm = LatentLM(base, Policy(rules, None, groups, marker_ids), position_mode=position_mode, init=init)
+    llm = LatentLM(base, Policy(rules, None, groups, marker_ids, readout), position_mode=position_mode, init=init)
     rng = np.random.default_rng([seed, list(TASKS).index(task.name)])
     train = [encode_sample(tok, task, task.sample(rng, "train")) for _ in range(n_train)]
     augs = [llm.augment(v, q) for v, q in train]
@@ -973,7 +991,7 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
     levels = levels or list(task.levels)
     metrics = {lv: evaluate(llm, tok, task, lv, n_test, mode=eval_mode) for lv in levels}
     return {"task": task.name, "policy": policy, "groups": groups, "position_mode": position_mode,
-            "init": init, "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
+            "init": init, "readout": readout, "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
             "latents_per_train_sample": mean_latents(llm, augs),
             "final_loss": float(np.mean(losses[-8:])) if losses else None,
             "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
@@ -989,51 +1007,64 @@ PAPER_METHOD = {"generation": ("Comma_2", "shared"), "summation": ("Comma_2", "s
 def sweep(args, base, tok):
     tasks = [get_task(t) for t in (list(TASKS) if args.tasks == "all" else args.tasks.split(","))]
     os.makedirs(args.out_dir, exist_ok=True)
-    raw_path = os.path.join(args.out_dir, "results.json")
-    runs = json.load(open(raw_path)) if args.resume and os.path.exists(raw_path) else []
-    done = {(r["task"], r["policy"], r["groups"], r["seed"]) for r in runs}
     kw = dict(n_train=args.n_train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
               min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
               grad_clip=args.grad_clip, n_test=args.n_test, position_mode=args.position_mode, init=args.init)
+    kw_readout = args.readout
     t0 = time.time()
     for task in tasks:
+        # one raw file per task, so tasks can run as parallel processes into the same out_dir
+        raw_path = os.path.join(args.out_dir, f"results_{task.name}.json")
+        runs = json.load(open(raw_path)) if args.resume and os.path.exists(raw_path) else []
+        done = {(r["task"], r["policy"], r["groups"], r.get("readout", "latent"), r["seed"]) for r in runs}
         paper, pgroups = PAPER_METHOD[task.name]
         probe = LatentLM(base, Policy(paper, None, pgroups, tok.marker_ids(",")))
         rng = np.random.default_rng([0, list(TASKS).index(task.name)])
         M = round(mean_latents(probe, [probe.augment(*encode_sample(tok, task, task.sample(rng, "train")))
                                        for _ in range(args.n_train)]))
-        rows = [("none", "shared"), ("Start_2", "shared"), ("End_2", "shared"), (paper, pgroups),
-                (f"Start_{M}", "shared"), (f"End_{M}", "shared")] + [(p, "shared") for p in args.extra]
-        for policy, groups in rows:
+        r0 = kw_readout
+        rows = [("none", "shared", r0), ("Start_2", "shared", r0), ("End_2", "shared", r0), (paper, pgroups, r0),
+                (f"Start_{M}", "shared", r0), (f"End_{M}", "shared", r0)] + [(p, "shared", r0) for p in args.extra]
+        if args.ablate_readout:  # the paper's method with the other readout
+            rows.append((paper, pgroups, "verbal" if r0 == "latent" else "latent"))
+        for policy, groups, readout in rows:
             for seed in (args.seeds if policy != "none" else args.seeds[:1]):
-                if (task.name, policy, groups, seed) in done:
+                if (task.name, policy, groups, readout, seed) in done:
                     continue
-                rec, _ = run_one(base, tok, task, policy, groups, seed=seed, **kw)
+                rec, _ = run_one(base, tok, task, policy, groups, seed=seed, readout=readout, **kw)
                 rec["row"] = ("paper" if (policy, groups) == (paper, pgroups) else
-                              "matched" if policy.endswith(f"_{M}") and policy in (f"Start_{M}", f"End_{M}") else "")
+                              "matched" if policy in (f"Start_{M}", f"End_{M}") else "")
+                rec["command"] = args.command
                 runs.append(rec)
-                print(f"[{time.time() - t0:5.0f} s] {task.name:10s} {policy:16s} {groups:6s} seed {seed}: "
+                print(f"[{time.time() - t0:5.0f} s] {task.name:10s} {policy:16s} {groups:6s} {readout:6s} seed {seed}: "
                       + "  ".join(f"{k} {v:.3f}" for k, v in rec["metrics"].items())
                       + f"  (train {rec['train_s']} s, eval {rec['eval_s']} s)", flush=True)
                 with open(raw_path, "w") as f:
                     json.dump(runs, f, indent=1)
+    runs = []
+    for name in TASKS:  # the table covers every task's results in out_dir
+        path = os.path.join(args.out_dir, f"results_{name}.json")
+        if os.path.exists(path):
+            runs += json.load(open(path))
     table = make_table(runs, args)
     with open(os.path.join(args.out_dir, "README_table.md"), "w") as f:
-        f.write(table_header(args) + table)
+        f.write(table_header(args, runs) + table)
     print(table)
     return runs
 
 
-def table_header(args):
-    """The exact commands: the base's pretraining (from its meta.json, when there) and this sweep."""
+def table_header(args, runs=()):
+    """The exact commands: the base's pretraining (from its meta.json, when there) and the sweeps
+    that produced the runs."""
     meta_path = os.path.join(os.path.dirname(os.path.abspath(args.base)), "meta.json")
     pre = None
     if os.path.exists(meta_path):
         pre = json.load(open(meta_path)).get("command")
-    lines = ["Commands:", "", "```"]
-    if pre:
-        lines.append(pre)
-    lines += [getattr(args, "command", "python latent_tokens.py sweep ..."), "```", ""]
+    cmds = []
+    for r in runs:
+        if r.get("command") and r["command"] not in cmds:
+            cmds.append(r["command"])
+    lines = ["Commands:", "", "```"] + ([pre] if pre else []) + (cmds or [getattr(args, "command", "")]) + ["```", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -1055,12 +1086,14 @@ def make_table(runs, args=None):
                   "|---|---|---|---|" + "---|" * len(levels)]
         keys = []
         for r in rs:
-            k = (r["policy"], r["groups"])
+            k = (r["policy"], r["groups"], r.get("readout", "latent"))
             if k not in keys:
                 keys.append(k)
         for k in keys:
-            g = [r for r in rs if (r["policy"], r["groups"]) == k]
+            g = [r for r in rs if (r["policy"], r["groups"], r.get("readout", "latent")) == k]
             label = k[0] if k[1] == "shared" else f"{k[0]} (groups={k[1]})"
+            if k[2] != "latent":
+                label += f" [readout {k[2]}]"
             if g[0].get("row") == "paper":
                 label = f"**{label}** (paper's method)"
             elif g[0].get("row") == "matched":
@@ -1095,6 +1128,7 @@ def _train_flags(p):
     a("--n_test", type=int, default=1024, help="test samples per level (paper 1024)")
     a("--position_mode", default="prepend", help=f"one of {', '.join(POSITION_MODES)}")
     a("--init", default="normal", help="Z init: normal (N(0, 0.02)) or embedding (sampled rows of E)")
+    a("--readout", default="latent", help="latent (SPEC: the last latent predicts) or verbal (paper-literal ablation)")
     a("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared CPU)")
 
 
@@ -1134,6 +1168,7 @@ def parse_args(argv):
         a("--seeds", type=int, nargs="+", default=[0, 1, 2])
         a("--extra", nargs="*", default=[], help="more policies (shared groups) to add to every task")
         a("--resume", action="store_true", help="skip runs already in results.json")
+        a("--ablate_readout", action="store_true", help="add the paper's method with the other --readout")
         _train_flags(p)
         args = p.parse_args(argv[1:])
         args.cmd = "sweep"
@@ -1161,6 +1196,8 @@ def check_args(args):
     for flag in ("n_train", "epochs", "batch_size", "n_test", "threads"):
         if getattr(args, flag, 1) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if getattr(args, "readout", "latent") not in READOUTS:
+        raise UsageError(f"--readout {args.readout}: choose one of {', '.join(READOUTS)}")
     if getattr(args, "position_mode", "prepend") not in POSITION_MODES:
         raise UsageError(f"--position_mode {args.position_mode}: choose one of {', '.join(POSITION_MODES)}")
     if args.cmd == "pretrain":
@@ -1206,7 +1243,7 @@ def main(argv=None):
         rec, llm = run_one(base, tok, task, args.policy, args.groups, args.position_mode, args.marker, args.seed,
                            args.n_train, args.epochs, args.batch_size, args.lr, args.min_lr, args.warmup,
                            args.weight_decay, args.grad_clip, args.n_test, args.eval_mode, init=args.init,
-                           log=print)
+                           readout=args.readout, log=print)
         print(f"{task.name} / {llm.policy} / {args.position_mode}: {rec['latent_vectors']} latent vectors, "
               f"{rec['latents_per_train_sample']:.1f} latents per training sample")
         for lv, v in rec["metrics"].items():

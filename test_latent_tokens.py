@@ -101,6 +101,21 @@ def test_function_specialization_and_combinations():
     assert show(lt.augment([B, 1, 2, 3, 4, 5, 6], 4, fs_k)) == [B, 1, "0.0", 2, 3, "1.0", 4, 5, "2.0", 6]
 
 
+def test_readout_verbal_ablation():
+    """Paper-literal reading: only verbal positions predict (across latents), Comma_m sits before
+    the marker, End_m latents do not affect the first response token."""
+    p = lt.Policy("Comma_2", marker_ids=[C], readout="verbal")
+    a = lt.augment(V1, Q1, p)
+    assert show(a) == [B, 5, "0.0", "0.1", C, 6, 7, "0.0", "0.1", C, 8]
+    assert a.position_ids == [0, 1, 2, 2, 2, 3, 4, 5, 5, 5, 6]
+    assert a.targets == [-1, -1, -1, -1, 6, 7, C, -1, -1, 8, -1]
+    e = lt.augment(V1, Q1, lt.Policy("End_2", readout="verbal"))
+    assert show(e) == [B, 5, C, "0.0", "0.1", 6, 7, C, 8]
+    assert e.targets == [-1, -1, 6, -1, -1, 7, C, 8, -1]
+    with pytest.raises(UsageError):
+        lt.Policy("End_2", readout="sideways")
+
+
 def test_trailing_slot_for_decoding():
     a = lt.augment([B, 5, C], 3, pol("Comma_1"), trailing=True)
     assert show(a) == [B, 5, C, "0.0"] and a.position_ids == [0, 1, 2, 3]
@@ -210,6 +225,15 @@ def test_cached_decode_equals_full_forward(name):
 @pytest.mark.parametrize("mode", lt.POSITION_MODES)
 def test_cached_decode_position_modes(mode):
     check_cached_equals_full(latent_model("tango", "Comma_2+3_1", mode=mode), QUERY, CONT)
+
+
+@pytest.mark.parametrize("name", ["untied", "tango"])
+def test_cached_decode_readout_verbal(name):
+    base = loud(models.build_model(small_cfg(name)))
+    llm = lt.LatentLM(base, "Start_1+End_2+Comma_2+5_1", groups="fs", marker_ids=[C], readout="verbal")
+    with torch.no_grad():
+        llm.Z.normal_(0.0, 1.0)
+    check_cached_equals_full(llm, QUERY, CONT)
 
 
 def test_greedy_decode_matches_teacher_forced_scoring():
@@ -422,5 +446,6 @@ def test_cli_end_to_end(tmp_path, capsys):
              "--seeds", "0", "1", "--n_train", "4", "--epochs", "1", "--n_test", "2"])
     table = open(tmp_path / "res" / "README_table.md").read()
     assert "frozen base alone" in table and "Comma_2** (paper's method)" in table and "(matched tokens)" in table
-    runs = json.load(open(tmp_path / "res" / "results.json"))
+    runs = json.load(open(tmp_path / "res" / "results_summation.json"))
     assert len(runs) == 1 + 5 * 2
+    assert "python latent_tokens.py pretrain --out_dir" in table and "python latent_tokens.py sweep" in table
