@@ -47,9 +47,11 @@ and k_m both readings give the same sequences and position ids and differ only i
 predicts the verbal token after a group; for Comma_m they also differ in the slot (before vs
 after the comma).
 
-Z init: N(0, 0.02) (the repo's embedding init, SPEC section 1); init="embedding" copies randomly
-sampled rows of the frozen embedding instead. The base, its embedding and head are frozen
-(requires_grad False) and kept in eval mode.
+Z init (default "embedding"): copies of randomly sampled rows of the frozen embedding E, so the
+latents start at the scale of the inputs the base was trained on; init="normal" is N(0, 0.02),
+the repo's embedding init (SPEC section 1). On our tiny task base the sampled rows did better at
+equal budget (Repetition ID 84 % vs 75 %, 128 updates, seed 0), so they are the default. The
+base, its embedding and head are frozen (requires_grad False) and kept in eval mode.
 
 Bases: this project's `common.LM` (any REGISTRY model: `base.wte`, `base.forward_embeds` with
 explicit position ids and a dict cache) or, when `transformers` is installed, a Hugging Face
@@ -351,7 +353,7 @@ class LatentLM(nn.Module):
     """Frozen causal LM + trainable latent table Z (G, m, d) (SPEC section 6).
 
     LatentLM(base, policy="Comma_2", m=None, groups="shared", position_mode="prepend",
-             marker_ids=(...), init="normal", init_std=0.02, readout="latent")
+             marker_ids=(...), init="embedding", init_std=0.02, readout="latent")
     policy: Policy or spec string ('none' = the base alone, Z empty); m: count for parts written
     without one; marker_ids: ids that trigger Comma_m (CharTokenizer.marker_ids(',')).
 
@@ -361,7 +363,7 @@ class LatentLM(nn.Module):
     """
 
     def __init__(self, base, policy="none", m=None, groups="shared", position_mode="prepend",
-                 marker_ids=(), init="normal", init_std=0.02, readout="latent"):
+                 marker_ids=(), init="embedding", init_std=0.02, readout="latent"):
         super().__init__()
         if position_mode not in POSITION_MODES:
             raise UsageError(f"--position_mode {position_mode}: choose one of {', '.join(POSITION_MODES)}")
@@ -974,7 +976,7 @@ def pretrain(args):
 
 def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", marker=",", seed=0,
             n_train=4096, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, warmup=0.01,
-            weight_decay=1e-4, grad_clip=1.0, n_test=1024, eval_mode="tf", levels=None, init="normal",
+            weight_decay=1e-4, grad_clip=1.0, n_test=1024, eval_mode="tf", levels=None, init="embedding",
             readout="latent", log=None):
     """Train latents for one (task, policy, seed) on a frozen base and evaluate every level."""
     torch.manual_seed(seed)
@@ -1127,7 +1129,7 @@ def _train_flags(p):
     a("--grad_clip", type=float, default=1.0, help="gradient clipping (0 = off)")
     a("--n_test", type=int, default=1024, help="test samples per level (paper 1024)")
     a("--position_mode", default="prepend", help=f"one of {', '.join(POSITION_MODES)}")
-    a("--init", default="normal", help="Z init: normal (N(0, 0.02)) or embedding (sampled rows of E)")
+    a("--init", default="embedding", help="Z init: embedding (sampled rows of E) or normal (N(0, 0.02))")
     a("--readout", default="latent", help="latent (SPEC: the last latent predicts) or verbal (paper-literal ablation)")
     a("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared CPU)")
 
