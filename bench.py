@@ -1,0 +1,496 @@
+"""Training-step speed, peak memory and MFU of every model at matched parameters (issue 6).
+
+    python bench.py                                   # CPU: all models, T = 256..4096, eager
+    python bench.py --models tango,tango-3set,loop --block_sizes 512,2048
+    python bench.py --device cuda                     # bf16 autocast, compiled and eager
+
+Each (model, block size T, compile) configuration runs in a fresh subprocess (`--timeout` caps
+it; a timed-out or failed row says so and the model's larger T are skipped). The child builds the
+model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),
+AdamW as in train.py (weight decay on matrices), random tokens, and times full training steps:
+forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
+max(1, batch_tokens // T) sequences, so every step does about the same number of tokens.
+
+tokens/s    B T / median step time over --steps timed steps (after --warmup untimed ones; the
+            last warm-up step is the memory measurement).
+MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T, B T)
+            = 6 x (SPEC 7 forward MACs of one sequence) / T per token: 2 FLOPs per MAC, backward
+            = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
+            so a causal kernel that skips the masked half can exceed 'its' share). Parcae and RDM
+            use the same formula at cfg.depth recurrences, but their training step runs a random
+            number of recurrences (the batch's largest Poisson draw) with truncated backprop, so
+            their MFU is not comparable with the others.
+peak        FLOPs/s of the best of --peak_reps square matmuls of size --peak_n, measured at start
+            in the benchmark's dtype and thread count (fp32 on CPU, bf16 on CUDA).
+peak MB     CPU: the peak resident set size during the last warm-up training step above the RSS
+            just before it, with parameters and AdamW states already allocated and gradients freed
+            (/proc/self/clear_refs resets the high-water mark; glibc's mmap threshold is pinned
+            and the heap trimmed first, so freed memory is returned and re-counted). It is the
+            step's working memory: gradients, activations saved for backward, logits and
+            transients. CUDA: torch.cuda.max_memory_allocated above the allocation before the step.
+
+The targets of issue 6 are computed from the rows (eager rows where present): TANGO's memory per
+sequence grows as T^p with p <= 1.1 (least-squares slope of log(peak / B) on log T), Windowed
+TANGO's time per token at T=4096 within 1.25x of T=512, the three-set model >= 3x TANGO's
+tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the same T.
+
+Outputs: a markdown table (printed, and --md, default results/bench/bench_<device>.md) and JSON
+(--json, default results/bench/bench_<device>.json) with the settings, definitions, load
+average, rows and targets.
+"""
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import flops
+import models
+from common import ModelConfig, UsageError
+
+REFERENCE = "loop"  # the Transformer++ the MFU ratio is taken against (one block applied K times)
+DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
+
+MEMORY_DEF_CPU = ("peak RSS during one training step (forward, backward, clip, AdamW step) minus RSS just "
+                  "before it; parameters and AdamW states already allocated, gradients freed")
+MEMORY_DEF_CUDA = "torch.cuda.max_memory_allocated during one training step minus memory_allocated before it"
+FLOPS_DEF = ("flops.train_flops: 6 x SPEC-7 forward MACs per token (2 FLOPs/MAC, backward = 2 x forward, "
+             "full T x T score matrices, tied head V d included)")
+
+
+# ============================================================================= child: one configuration
+def _rss_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _cpu_step_memory(step):
+    """Run step() once; return (MB of peak RSS above the RSS before it, method).
+
+    glibc keeps freed memory for reuse (its mmap threshold grows to the size of freed blocks, up
+    to 32 MiB), so a plain RSS difference would miss memory that earlier steps left behind. So the
+    mmap threshold is pinned at 128 KiB and the heap trimmed before the step (every freed byte is
+    returned, every allocation during the step is counted), and afterwards the thresholds are set
+    to glibc's dynamic steady state (mmap 32 MiB, trim 64 MiB) for the timed steps.
+    """
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+    base = _rss_kb("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        method = "VmHWM after clear_refs"
+    except OSError:
+        method = "ru_maxrss (clear_refs unavailable: includes everything before the step)"
+    step()
+    peak = _rss_kb("VmHWM")
+    if libc is not None:
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's DEFAULT_MMAP_THRESHOLD_MAX
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD: twice that, as glibc's dynamic rule sets it
+    return max(0, peak - base) / 1024, method
+
+
+def child(spec):
+    """Benchmark one configuration; returns a dict (printed as JSON on the last stdout line)."""
+    torch.manual_seed(0)
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    dev = spec["device"]
+    d, H, target = models.TIERS[spec["size"]]
+    cfg = ModelConfig(model=spec["model"], vocab_size=spec["vocab_size"], block_size=spec["T"], n_embd=d,
+                      n_head=H, depth=spec["depth"], window=spec["window"])
+    cfg = models.solve_width(cfg, target, strict=spec["size"] != "cpu")
+    T = spec["T"]
+    B = max(1, spec["batch_tokens"] // T)
+    model = models.build_model(cfg, device=dev)
+    model.train()
+    exempt = {id(p) for p in getattr(model.body, "no_decay_parameters", lambda: [])()}
+    params = list(model.parameters())
+    decay = lambda p: p.dim() >= 2 and id(p) not in exempt
+    opt = torch.optim.AdamW([{"params": [p for p in params if decay(p)], "weight_decay": 0.1},
+                             {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}],
+                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    fwd = torch.compile(model) if spec["compile"] else model
+    if spec["dtype"] == "bfloat16":
+        ctx = lambda: torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16)
+    else:
+        ctx = lambda: torch.autocast(device_type="cpu", enabled=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(cfg.vocab_size, (B, T + 1), generator=g).to(dev)
+    x, y = data[:, :-1], data[:, 1:]
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+
+    def step():
+        with ctx():
+            _, loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    # Before the measured step: a tiny eager forward/backward (maps the code pages and starts the
+    # autograd threads, which RSS would otherwise count) and an AdamW step with lr 0 (allocates its
+    # states, leaves the weights alone), so the measured step holds what every training step needs.
+    lrs = [grp["lr"] for grp in opt.param_groups]
+    for grp in opt.param_groups:
+        grp["lr"] = 0.0
+    with ctx():
+        model(x[:1, :min(T, 8)], y[:1, :min(T, 8)])[1].backward()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for grp, lr in zip(opt.param_groups, lrs):
+        grp["lr"] = lr
+
+    # warm-up; the last warm-up step (after any compilation) is the memory measurement
+    t0 = time.perf_counter()
+    for _ in range(spec["warmup"] - 1):
+        step()
+    sync()
+    if dev.startswith("cuda"):
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
+    else:
+        mem_mb, method = _cpu_step_memory(step)
+    warmup_s = time.perf_counter() - t0
+    times, losses = [], []
+    for _ in range(spec["steps"]):
+        sync()
+        t = time.perf_counter()
+        loss = step()
+        sync()
+        times.append(time.perf_counter() - t)
+        losses.append(loss.item())
+    if not all(map(math.isfinite, losses)):
+        raise RuntimeError(f"non-finite loss {losses}")
+    step_s = statistics.median(times)
+    tokens = B * T
+    fl = flops.train_flops(cfg, T, tokens)
+    return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
+            "step_s": step_s, "step_times_s": times, "warmup_s": warmup_s, "tokens_per_s": tokens / step_s,
+            "ms_per_token": 1e3 * step_s / tokens, "model_flops_per_step": fl,
+            "model_flops_per_token": fl / tokens, "achieved_flops_per_s": fl / step_s,
+            "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": _max_rss_mb(),
+            "final_loss": losses[-1]}
+
+
+def _max_rss_mb():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ============================================================================= parent
+def loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return None
+
+
+def matmul_peak(device, dtype, n, reps):
+    """Best FLOPs/s of reps n x n x n matmuls (2 n^3 FLOPs each) in dtype on device."""
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n, device=device).to(dt)
+    b = torch.randn(n, n, device=device).to(dt)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def run_config(spec, timeout):
+    """Run one configuration in a fresh interpreter; returns its row (status 'ok', 'timeout' or 'error: ...')."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
+    load0 = loadavg()
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": "timeout", "wall_s": time.time() - t0, "load_before": load0, "load_after": loadavg()}
+    row = {**spec, "wall_s": time.time() - t0, "load_before": load0, "load_after": loadavg()}
+    lines = p.stdout.strip().splitlines()
+    if p.returncode == 0 and lines:
+        row.update(json.loads(lines[-1]))
+        row["status"] = "ok"
+    else:
+        err = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
+        row["status"] = "error: " + err[:300]
+    return row
+
+
+def add_ratios(rows, peak):
+    """MFU per row and its ratio to the reference model's MFU at the same (T, compile)."""
+    for r in rows:
+        if r["status"] == "ok":
+            r["mfu"] = r["achieved_flops_per_s"] / peak
+    ref = {(r["T"], r["compile"]): r["mfu"] for r in rows if r["model"] == REFERENCE and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] == "ok" and (r["T"], r["compile"]) in ref:
+            r["mfu_vs_ref"] = r["mfu"] / ref[(r["T"], r["compile"])]
+
+
+def _slope(xs, ys):
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def targets(rows):
+    """The issue-6 targets from the rows (eager where present); each {value, threshold, status, detail}."""
+    modes = {r["compile"] for r in rows if r["status"] == "ok"}
+    mode = False if False in modes else (True if modes else False)
+    ok = {(r["model"], r["T"]): r for r in rows if r["status"] == "ok" and r["compile"] == mode}
+    out = {}
+
+    def na(why):
+        return {"status": "n/a", "detail": why}
+
+    pts = sorted((T, r["peak_mem_mb"] / r["batch"]) for (m, T), r in ok.items() if m == "tango" and r["peak_mem_mb"] > 0)
+    if len(pts) >= 2:
+        p = _slope([math.log(T) for T, _ in pts], [math.log(v) for _, v in pts])
+        out["tango_memory_exponent"] = {
+            "value": p, "threshold": 1.1, "status": "PASS" if p <= 1.1 else "MISS",
+            "detail": f"TANGO peak step memory per sequence ~ T^{p:.2f} over T={pts[0][0]}..{pts[-1][0]} "
+                      f"(least squares on log-log; 1 = linear, 2 = quadratic; "
+                      + ", ".join(f"T={T}: {v:.1f} MB/seq" for T, v in pts) + ")"}
+    else:
+        out["tango_memory_exponent"] = na("needs TANGO rows at two or more block sizes")
+
+    a, b = ok.get(("tango-windowed", 4096)), ok.get(("tango-windowed", 512))
+    if a and b:
+        q = a["ms_per_token"] / b["ms_per_token"]
+        out["windowed_time_per_token_4096_vs_512"] = {
+            "value": q, "threshold": 1.25, "status": "PASS" if q <= 1.25 else "MISS",
+            "detail": f"Windowed TANGO {a['ms_per_token']:.4f} ms/token at T=4096 vs {b['ms_per_token']:.4f} at T=512"}
+    else:
+        out["windowed_time_per_token_4096_vs_512"] = na("needs tango-windowed rows at T=512 and T=4096")
+
+    a, b = ok.get(("tango-3set", 2048)), ok.get(("tango", 2048))
+    if a and b:
+        q = a["tokens_per_s"] / b["tokens_per_s"]
+        out["three_set_vs_tango_tokens_per_s_2048"] = {
+            "value": q, "threshold": 3.0, "status": "PASS" if q >= 3.0 else "MISS",
+            "detail": f"three-set {a['tokens_per_s']:.0f} tokens/s vs TANGO {b['tokens_per_s']:.0f} at T=2048; "
+                      f"model FLOPs per token {a['model_flops_per_token'] / 1e6:.0f}M vs {b['model_flops_per_token'] / 1e6:.0f}M "
+                      f"(ratio {b['model_flops_per_token'] / a['model_flops_per_token']:.2f}x)"}
+    else:
+        out["three_set_vs_tango_tokens_per_s_2048"] = na("needs tango-3set and tango rows at T=2048")
+
+    ratios = [r for r in ok.values() if "mfu_vs_ref" in r and r["model"] != REFERENCE]
+    if ratios:
+        worst = min(ratios, key=lambda r: r["mfu_vs_ref"])
+        per_model = {}
+        for r in ratios:
+            per_model.setdefault(r["model"], []).append(r)
+        below = sorted(f"{m} (min {min(x['mfu_vs_ref'] for x in rs):.2f}x at T="
+                       f"{min(rs, key=lambda x: x['mfu_vs_ref'])['T']})"
+                       for m, rs in per_model.items() if min(x["mfu_vs_ref"] for x in rs) < 0.8)
+        out["min_mfu_vs_transformer_pp"] = {
+            "value": worst["mfu_vs_ref"], "threshold": 0.8, "status": "PASS" if not below else "MISS",
+            "detail": f"lowest: {worst['model']} at T={worst['T']} ({worst['mfu_vs_ref']:.2f}x Loop Transformer++'s MFU); "
+                      + ("below 0.8x: " + "; ".join(below) if below else "every model at or above 0.8x at every T"),
+            "per_model_min": {m: min(x["mfu_vs_ref"] for x in rs) for m, rs in per_model.items()}}
+    else:
+        out["min_mfu_vs_transformer_pp"] = na(f"needs {REFERENCE} rows and other models at the same T")
+    out["compile"] = mode
+    return out
+
+
+def table(rows):
+    head = ("| model | T | batch | compile | tokens/s | ms/token | peak MB | MFU | MFU / Loop T++ |\n"
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        c = "on" if r["compile"] else "off"
+        if r["status"] != "ok":
+            batch = max(1, r["batch_tokens"] // r["T"]) if "batch_tokens" in r else ""
+            lines.append(f"| {r['model']} | {r['T']} | {batch} | {c} | "
+                         f"{r['status']} | | | | |")
+            continue
+        ratio = f"{r['mfu_vs_ref']:.2f}" if "mfu_vs_ref" in r else ""
+        lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {c} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}% | {ratio} |")
+    return "\n".join(lines)
+
+
+def targets_text(tg):
+    names = {"tango_memory_exponent": "TANGO memory per sequence grows no faster than linearly in T (exponent <= 1.1)",
+             "windowed_time_per_token_4096_vs_512": "Windowed TANGO time/token at 4096 within 1.25x of 512",
+             "three_set_vs_tango_tokens_per_s_2048": "three-set >= 3x TANGO's tokens/s at T=2048",
+             "min_mfu_vs_transformer_pp": "every model's MFU >= 0.8x Loop Transformer++'s at the same T"}
+    lines = []
+    for k, title in names.items():
+        t = tg[k]
+        v = f" {t['value']:.2f}" if "value" in t else ""
+        lines.append(f"- **{t['status']}**{v}: {title}. {t['detail']}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"bench.py: error: {message}\n")
+
+
+def parse(argv):
+    p = _Parser(description="Training-step throughput, peak memory and MFU at matched parameters (issue 6).")
+    p.add_argument("--models", default=",".join(models.REGISTRY), help="comma-separated registry names (default: all)")
+    p.add_argument("--size", default="cpu", help=f"parameter tier: {', '.join(models.TIERS)}")
+    p.add_argument("--depth", type=int, default=4, help="block applications K")
+    p.add_argument("--block_sizes", default=DEFAULT_BLOCK_SIZES, help="comma-separated sequence lengths T")
+    p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step; batch = max(1, batch_tokens // T)")
+    p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (default GPT-2, as in training)")
+    p.add_argument("--window", type=int, default=256, help="Windowed TANGO window W")
+    p.add_argument("--steps", type=int, default=3, help="timed training steps per configuration (median)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps first, the last one measures memory (>= 1; compile: at least 2 used)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--compile", choices=("off", "on", "both"), default=None,
+                   help="torch.compile the model (default: off on CPU, both on CUDA)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="autocast dtype and matmul-peak dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
+    p.add_argument("--peak_n", type=int, default=0, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
+    p.add_argument("--peak_reps", type=int, default=10, help="matmuls timed for the peak (best counts)")
+    p.add_argument("--json", default=None, help="output JSON (default results/bench/bench_<device>.json)")
+    p.add_argument("--md", default=None, help="output markdown (default: next to --json, .md)")
+    p.add_argument("--note", action="append", default=[], help="free-text note stored in the outputs (repeatable)")
+    a = p.parse_args(argv)
+    a.models = [m for m in a.models.split(",") if m]
+    for m in a.models:
+        if m not in models.REGISTRY:
+            p.error(f"--models: unknown model '{m}'; choose from {', '.join(models.REGISTRY)}")
+    if a.size not in models.TIERS:
+        p.error(f"--size {a.size}: choose one of {', '.join(models.TIERS)}")
+    try:
+        a.block_sizes = sorted({int(t) for t in a.block_sizes.split(",") if t})
+    except ValueError:
+        p.error(f"--block_sizes {a.block_sizes}: comma-separated integers")
+    for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    if not a.block_sizes or min(a.block_sizes) < 1:
+        p.error("--block_sizes: need positive integers")
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: CUDA is not available")
+    if a.compile is None:
+        a.compile = "both" if cuda else "off"
+    if a.dtype is None:
+        a.dtype = "bfloat16" if cuda else "float32"
+    a.peak_n = a.peak_n or (8192 if cuda else 2048)
+    kind = a.device.split(":")[0]
+    a.json = a.json or os.path.join("results", "bench", f"bench_{kind}.json")
+    a.md = a.md or os.path.splitext(a.json)[0] + ".md"
+    return a
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_child"]:
+        print(json.dumps(child(json.loads(argv[1]))))
+        return 0
+    a = parse(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    threads = torch.get_num_threads()
+    t_start = time.time()
+    load_start = loadavg()
+    peak = matmul_peak(a.device, a.dtype, a.peak_n, a.peak_reps)
+    print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({a.dtype}, {a.peak_n}^3, best of {a.peak_reps}, "
+          f"{threads} threads); load average {load_start}", flush=True)
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
+    rows = []
+    for model in a.models:
+        for comp in compiles:
+            failed = None
+            for T in a.block_sizes:
+                spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
+                        "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
+                        "batch_tokens": a.batch_tokens, "steps": a.steps,
+                        "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads}
+                if failed:
+                    row = {**spec, "status": f"skipped ({failed})"}
+                else:
+                    row = run_config(spec, a.timeout)
+                    if row["status"] != "ok":
+                        failed = f"T={T} {row['status'].split(':')[0]}"
+                rows.append(row)
+                msg = (f"{row['tokens_per_s']:,.0f} tokens/s  {row['peak_mem_mb']:,.0f} MB  ({row['wall_s']:.0f} s, "
+                       f"load {row['load_before']})" if row["status"] == "ok" else row["status"])
+                print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} {msg}", flush=True)
+    add_ratios(rows, peak)
+    tg = targets(rows)
+    meta = {
+        "command": "python bench.py " + " ".join(argv), "device": a.device, "dtype": a.dtype, "threads": threads,
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
+        "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,
+        "steps": a.steps, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
+        "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
+        "flops_convention": FLOPS_DEF, "mfu_reference": REFERENCE,
+        "memory_definition": MEMORY_DEF_CUDA if a.device.startswith("cuda") else MEMORY_DEF_CPU,
+        "load_average_start": load_start, "load_average_end": loadavg(),
+        "load_average_max_during": max([r[k] for r in rows for k in ("load_before", "load_after") if r.get(k) is not None],
+                                       default=None),
+        "wall_s": time.time() - t_start, "notes": a.note,
+    }
+    out = {"meta": meta, "rows": rows, "targets": tg}
+    md = (f"`{meta['command']}`\n\n{a.device}, {a.dtype}, {threads} threads, tier {a.size} (d={meta['tier']['d']}, "
+          f"~{meta['tier']['target']:,} non-embedding parameters), K={a.depth}, V={a.vocab_size}, "
+          f"{a.batch_tokens} tokens per step, median of {a.steps} steps after {a.warmup} warm-up; "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "
+          f"max {meta['load_average_max_during']} during.\n\n"
+          f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
+          + table(rows) + "\n\nTargets (issue 6):\n\n" + targets_text(tg) + "\n"
+          + "".join(f"\nNote: {n}\n" for n in a.note))
+    print("\n" + md)
+    for path, text in ((a.json, json.dumps(out, indent=1)), (a.md, md)):
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    print(f"wrote {a.json} and {a.md} ({meta['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        sys.exit(f"bench.py: error: {e}")

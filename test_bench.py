@@ -1,0 +1,53 @@
+"""Smoke test of bench.py (not a timed test): a tiny run writes a table and JSON with the expected
+fields; the target arithmetic on hand-made rows."""
+import json
+
+import bench
+
+ROW_KEYS = {"model", "T", "batch", "compile", "status", "tokens_per_s", "ms_per_token", "peak_mem_mb", "mfu",
+            "mfu_vs_ref", "model_flops_per_token", "step_times_s", "width", "non_embedding_params"}
+TARGETS = {"tango_memory_exponent", "windowed_time_per_token_4096_vs_512",
+           "three_set_vs_tango_tokens_per_s_2048", "min_mfu_vs_transformer_pp"}
+
+
+def test_tiny_run_writes_json_and_table(tmp_path):
+    out = tmp_path / "b.json"
+    rc = bench.main(["--models", "tango,loop", "--block_sizes", "16,32", "--vocab_size", "64", "--batch_tokens", "32",
+                     "--steps", "1", "--warmup", "1", "--peak_n", "128", "--peak_reps", "2", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["peak_flops_per_s"] > 0 and res["meta"]["device"] == "cpu"
+    assert "memory_definition" in res["meta"] and "flops_convention" in res["meta"]
+    assert [(r["model"], r["T"]) for r in res["rows"]] == [("tango", 16), ("tango", 32), ("loop", 16), ("loop", 32)]
+    for r in res["rows"]:
+        assert r["status"] == "ok", r["status"]
+        assert ROW_KEYS <= set(r)
+        assert r["tokens_per_s"] > 0 and r["peak_mem_mb"] >= 0 and 0 < r["mfu"]
+        assert r["batch"] == max(1, 32 // r["T"])
+    assert [r["mfu_vs_ref"] for r in res["rows"] if r["model"] == "loop"] == [1.0, 1.0]
+    assert set(res["targets"]) == TARGETS | {"compile"}
+    assert res["targets"]["tango_memory_exponent"]["status"] in ("PASS", "MISS")
+    assert res["targets"]["three_set_vs_tango_tokens_per_s_2048"]["status"] == "n/a"
+    md = (tmp_path / "b.md").read_text()
+    assert "| tango | 16 | 2 | off |" in md and "Targets" in md
+
+
+def _row(model, T, tps, mem, mfu, batch=1):
+    return {"model": model, "T": T, "compile": False, "status": "ok", "batch": batch, "tokens_per_s": tps,
+            "ms_per_token": 1e3 / tps, "peak_mem_mb": mem, "achieved_flops_per_s": mfu, "model_flops_per_token": 1.0}
+
+
+def test_targets_arithmetic():
+    rows = [_row("tango", 512, 100, 10, 1.0, batch=8), _row("tango", 2048, 100, 10, 1.0, batch=2),  # linear
+            _row("tango-3set", 2048, 310, 5, 0.9),
+            _row("tango-windowed", 512, 100, 5, 0.85), _row("tango-windowed", 4096, 70, 5, 0.85),  # 1/0.7 > 1.25
+            _row("loop", 512, 100, 5, 1.0), _row("loop", 2048, 100, 5, 1.0), _row("loop", 4096, 100, 5, 1.0),
+            {"model": "gau", "T": 512, "compile": False, "status": "timeout"}]
+    bench.add_ratios(rows, peak=1.0)
+    tg = bench.targets(rows)
+    assert abs(tg["tango_memory_exponent"]["value"] - 1.0) < 1e-9 and tg["tango_memory_exponent"]["status"] == "PASS"
+    assert tg["windowed_time_per_token_4096_vs_512"]["status"] == "MISS"
+    assert abs(tg["three_set_vs_tango_tokens_per_s_2048"]["value"] - 3.1) < 1e-9
+    assert tg["three_set_vs_tango_tokens_per_s_2048"]["status"] == "PASS"
+    assert tg["min_mfu_vs_transformer_pp"]["status"] == "PASS"  # lowest 0.85
+    assert "timeout" in bench.table(rows)
