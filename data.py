@@ -354,9 +354,13 @@ class Data:
                                      "run prepare again")
         self._tok, self._mask, self._enc = {}, {}, None
         if self.tokenizer == "char":
-            self.itos = self.meta["itos"]
-            self.stoi = {c: i for i, c in enumerate(self.itos[:self.meta["unk_id"]])}
-            self.eot = self.stoi["\n"]
+            try:
+                self.itos = list(self.meta["itos"])
+                self.stoi = {c: i for i, c in enumerate(self.itos[:self.meta["unk_id"]])}
+                self.eot = self.stoi["\n"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise UsageError(f"{path}: a character vocabulary needs itos with a newline and unk_id "
+                                 f"({type(e).__name__}: {e}); run prepare again") from None
         else:
             self.eot = EOT
 
