@@ -3,23 +3,64 @@
     python train.py --model tango --depth 8                      # CPU tier, stdlib, ~5 min
     python train.py --model loop --depth 4 --dataset dmmath
     python train.py --model tango --size 70M --block_size 2048   # one GPU: bf16 + torch.compile
+    torchrun --standalone --nproc_per_node 8 train.py --model tango --size 70M   # 8 GPUs, DDP
+    python train.py --model tango --depth 8 --resume             # continue out/ exactly
 
 Protocol: AdamW (fp32 states), linear warmup then cosine decay, weight decay 0.1 on matrices
-only, gradient clipping 1.0, micro-batches with gradient accumulation, dev NLL on a fixed set of
-dev windows at update counts fixed in advance (every --eval_interval and the last update), the
-best-dev checkpoint kept and only it evaluated on test. NLL is in nats/token; throughput is the
-median training tokens/s over the final 100 updates. Bad input: one-line error, exit code 2.
+only, gradient clipping 1.0 once per update, micro-batches with gradient accumulation (the update
+minimises the average of the micro-batch losses; that average is the logged loss), dev NLL on a
+fixed set of dev windows at update counts fixed in advance (every --eval_interval and the last
+update), the best-dev checkpoint kept and only it evaluated on test. NLL is in nats/token;
+throughput is the median training tokens/s over the final 100 updates.
+
+Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
+exits 2 before anything is written to --out_dir; a non-finite loss, gradient or dev NLL stops the
+run with "error: ..." naming the update and exit code 1, leaving the last good checkpoint as it was.
+
+Checkpoints (<out_dir>/ckpt_latest.pt, every evaluation; <out_dir>/ckpt_best.pt, lowest dev NLL):
+written to a temporary file and renamed into place; plain types and CPU tensors only, so
+``torch.load(path, weights_only=True, map_location="cpu")`` reads them on any machine; parameter
+names carry no ``_orig_mod.``/``module.`` prefixes. ckpt_latest.pt also holds the optimizer, the
+update count (which fixes the learning-rate schedule position), the RNG states of python, numpy
+(the data sampler) and torch, the best dev NLL so far, seed and data_seed.
+
+--resume continues <out_dir>/ckpt_latest.pt exactly: flags not given are taken from the
+checkpoint; model-defining flags (IDENTITY_FLAGS) must agree with it; other flags given
+explicitly (a lower --learning_rate after a blow-up, a larger --max_iters) override it and the
+change is printed and logged. Running N updates equals running N/2 and resuming to N (same batches,
+bit-identical losses on CPU fp32) when the schedule does not depend on the stop: stop early with
+``--max_iters N/2 --lr_decay_iters N``, then ``--resume --max_iters N``. A fresh run (no --resume)
+in an out_dir that holds checkpoints replaces them.
+
+Multi-GPU (DDP; gloo on CPU, nccl on CUDA), one process per device:
+
+    torchrun --standalone --nproc_per_node 4 train.py --model tango --size 70M
+
+--gradient_accumulation_steps (the global micro-batch count per update) must be divisible by the
+number of processes; each rank runs accum/world micro-batches, gradients are synchronised on the
+last one only (no_sync). Every rank draws the windows of all accum micro-batches of an update
+from the shared data RNG and takes its own contiguous share, so an update sees the same windows
+whatever the world size. Dev/test windows are sharded over ranks and their per-window NLL sums
+(float64) gathered in window order. Only rank 0 prints and writes logs and checkpoints.
+
+Debug hook: with env var TRAIN_DEBUG_DUMP=PREFIX every rank appends one JSON line per update to
+PREFIX.rank<R>.jsonl: {"iter", "starts" (the train windows this rank used, per micro-batch),
+"param_sha256" (of all parameters and buffers after the update)}. The tests use it to check DDP.
 """
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
@@ -36,15 +77,35 @@ TIER_DEFAULTS = {
                  eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000),
 }
 
+CKPT_FORMAT = 2  # bump when the checkpoint layout changes
+LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
+# --resume: these must agree with the checkpoint (they define the model, its data order or the
+# meaning of "best dev"); MACHINE_FLAGS are never taken from it; every other flag is taken from the
+# checkpoint unless given explicitly, in which case the given value wins and the change is logged.
+IDENTITY_FLAGS = ("model", "depth", "size", "window", "block_size", "seed", "data_seed", "eval_windows")
+MACHINE_FLAGS = ("out_dir", "data_root", "resume", "quiet", "device", "dtype", "compile")
+TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
+                 "seed", "data_seed")
+
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss or gradient); exit code 1."""
+    """The run cannot go on (non-finite loss, gradient or dev NLL); exit code 1."""
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line "error: ..." and exit 2, like every other bad input
+        raise UsageError(f"{message} (see python train.py --help)")
+
+
+def build_parser(suppress_defaults=False):
+    """The flag parser; suppress_defaults=True leaves unset flags out (to see which were given)."""
+    p = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def a(*names, **kw):
+        if suppress_defaults:
+            kw["default"] = argparse.SUPPRESS
+        p.add_argument(*names, **kw)
+
     a("--model", default="tango", help=f"one of {', '.join(REGISTRY)}")
     a("--depth", type=int, default=8, help="K, number of block applications")
     a("--size", default=None, help=f"tier: {', '.join(TIERS)} (default: cpu without a GPU, 70M with one)")
@@ -53,9 +114,13 @@ def parse_args(argv=None):
     a("--data_dir", default=None, help="dmmath: folder in the official layout (default ../shared/data/dmmath)")
     a("--data_root", default="data", help="where prepared token bins are cached")
     a("--block_size", type=int, default=None, help="training context length T")
-    a("--batch_size", type=int, default=None, help="micro-batch size (sequences)")
-    a("--gradient_accumulation_steps", type=int, default=None, help="micro-batches per update")
+    a("--batch_size", type=int, default=None, help="micro-batch size (sequences per process)")
+    a("--gradient_accumulation_steps", type=int, default=None,
+      help="micro-batches per update, over all processes (divisible by the number of processes)")
     a("--max_iters", type=int, default=None, help="number of optimizer updates")
+    a("--lr_decay_iters", type=int, default=None,
+      help="length of the learning-rate schedule (default: --max_iters); set it to stop a run early "
+           "with the schedule of a longer one")
     a("--eval_interval", type=int, default=None, help="updates between dev evaluations")
     a("--eval_windows", type=int, default=None, help="fixed dev/test windows evaluated")
     a("--eval_batch_size", type=int, default=8)
@@ -67,7 +132,7 @@ def parse_args(argv=None):
     a("--em_samples", type=int, default=None, help="dmmath: problems per split scored by exact match")
     a("--sample_tokens", type=int, default=80, help="length of the decoded sample printed at the end")
     a("--out_dir", default="out")
-    a("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    a("--device", default="auto", help="auto, cpu, cuda, cuda:N (under torchrun: cuda:LOCAL_RANK)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
       help="autocast dtype; auto = bfloat16 on a GPU that supports it, float32 otherwise")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -76,20 +141,97 @@ def parse_args(argv=None):
     a("--data_seed", type=int, default=None, help="data-order seed (default: --seed); same value = same batches")
     a("--resume", action="store_true", help="continue from <out_dir>/ckpt_latest.pt")
     a("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    return args
+    return p
 
 
-def resolve_args(args):
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def given_flags(argv=None):
+    """Names of the flags given on the command line (as opposed to defaults)."""
+    return set(vars(build_parser(suppress_defaults=True).parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------- processes
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun job (rank 0 of 1 without torchrun)."""
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+    @property
+    def ddp(self):
+        return self.world > 1
+
+    @classmethod
+    def from_env(cls):
+        try:
+            d = cls(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+                    int(os.environ.get("WORLD_SIZE", 1)))
+        except ValueError:
+            raise UsageError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (set by torchrun)") from None
+        if d.world < 1 or not 0 <= d.rank < d.world or d.local_rank < 0:
+            raise UsageError(f"RANK {d.rank} / LOCAL_RANK {d.local_rank} / WORLD_SIZE {d.world} are inconsistent")
+        return d
+
+    @classmethod
+    def from_env_quiet(cls):
+        """from_env, or a single process if the environment is malformed (for error printing)."""
+        try:
+            return cls.from_env()
+        except UsageError:
+            return cls()
+
+    def all_sum(self, t):
+        """Sum a tensor over ranks, in place (no-op for one process)."""
+        if self.ddp:
+            tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+        return t
+
+
+def start_distributed(args, dist):
+    """Join the process group (nccl on CUDA, gloo on CPU); pins this rank's GPU."""
+    if not dist.ddp:
+        return
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(args.device)
+    tdist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
+
+
+# ----------------------------------------------------------------------------- flags
+
+def merge_resume_args(args, given, saved):
+    """Fill args from a checkpoint's args for --resume (see IDENTITY_FLAGS). Returns the explicit
+    overrides as {flag: [checkpoint value, new value]}; UsageError for a conflicting identity flag."""
+    changed = {}
+    for k, v in saved.items():
+        if k in MACHINE_FLAGS or not hasattr(args, k):
+            continue
+        if not isinstance(v, (type(None), bool, int, float, str)):
+            raise UsageError(f"{os.path.join(args.out_dir, LATEST)}: malformed args entry {k}={v!r}")
+        if k not in given:
+            setattr(args, k, v)
+        elif getattr(args, k) != v:
+            if k in IDENTITY_FLAGS:
+                raise UsageError(f"--{k} {getattr(args, k)}: the checkpoint in {args.out_dir} was trained with "
+                                 f"--{k} {v}; drop the flag to resume it, or use a fresh --out_dir")
+            changed[k] = [v, getattr(args, k)]
+    return changed
+
+
+def resolve_args(args, dist=None):
     """Fill tier defaults, pick the device, and validate every flag (UsageError on bad input)."""
+    dist = dist or Dist()
     if args.model not in REGISTRY:
         raise UsageError(f"--model: unknown model '{args.model}'; choose one of {', '.join(REGISTRY)}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
-    if args.device != "cpu" and not args.device.startswith("cuda"):
-        raise UsageError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+    resolve_device(args, dist)
     if args.size is None:
         args.size = "70M" if args.device.startswith("cuda") else "cpu"
     if args.size not in TIERS:
@@ -99,28 +241,160 @@ def resolve_args(args):
             setattr(args, k, v)
     if args.data_seed is None:
         args.data_seed = args.seed
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     for flag in ("depth", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
-                 "eval_interval", "eval_windows", "eval_batch_size", "window", "em_samples"):
+                 "lr_decay_iters", "eval_interval", "eval_windows", "eval_batch_size", "window", "em_samples"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     for flag in ("learning_rate", "grad_clip"):
-        if not getattr(args, flag) > 0:
-            raise UsageError(f"--{flag} {getattr(args, flag)}: must be > 0")
+        if not 0 < getattr(args, flag) < math.inf:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be a finite number > 0")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min_lr_ratio {args.min_lr_ratio}: must be in [0, 1]")
-    if args.weight_decay < 0 or args.warmup_iters < 0 or args.sample_tokens < 0:
-        raise UsageError("--weight_decay, --warmup_iters and --sample_tokens must be >= 0")
+    if not 0 <= args.weight_decay < math.inf:
+        raise UsageError(f"--weight_decay {args.weight_decay}: must be a finite number >= 0")
+    for flag in ("warmup_iters", "sample_tokens"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 0")
+    if args.gradient_accumulation_steps % dist.world:
+        raise UsageError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: must be divisible "
+                         f"by the number of processes ({dist.world}); it counts micro-batches over all of them")
     if args.dtype == "auto":
         bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
         args.dtype = "bfloat16" if bf16 else "float32"
+    check_paths(args)
     return args
 
 
+def resolve_device(args, dist):
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+        if dist.ddp:
+            args.device = f"cuda:{dist.local_rank}"  # one GPU per process
+        try:
+            index = torch.device(args.device).index or 0
+        except RuntimeError:
+            raise UsageError(f"--device {args.device}: use auto, cpu, cuda or cuda:N") from None
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def check_paths(args):
+    """out_dir and data_root must be (creatable) folders."""
+    for flag in ("out_dir", "data_root"):
+        path = os.path.abspath(getattr(args, flag))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--{flag} {path}: exists and is not a folder")
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--{flag} {path}: {parent} is not writable")
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_data(args, dist):
+    """Prepare and validate the dataset. Under DDP rank 0 prepares it and sends the folder (or its
+    error) to the others, so no two processes write the same folder; the folder must then be on a
+    file system all ranks see (always so with --standalone)."""
+    folder = error = None
+    if dist.main:
+        try:
+            folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root)
+        except UsageError as e:
+            error = str(e)
+    if dist.ddp:
+        box = [folder, error]
+        tdist.broadcast_object_list(box, src=0)
+        folder, error = box
+    if error is not None:
+        raise UsageError(error)
+    data = data_mod.Data(folder)
+    check_data(data)
+    data.check_block_size(args.block_size)
+    return data
+
+
+def check_data(data, chunk=1 << 24):
+    """UsageError unless the prepared files agree with meta.json: the splits train, dev and the test
+    split exist, every token id is < vocab_size, masks are 0/1, problem offsets lie inside their
+    split. Reads every token once (about 1 GB/s)."""
+    meta, where = data.meta, os.path.join(data.folder, "meta.json")
+    again = f"delete {data.folder} to prepare it again"
+    splits = meta["splits"]
+    needed = ["train", "dev", data.test_split] + list(meta.get("em_splits", []))
+    missing = [s for s in needed if s not in splits]
+    if missing:
+        raise UsageError(f"{where}: no split {', '.join(missing)} (it has {', '.join(splits)}); {again}")
+    if data.tokenizer == "char" and len(meta.get("itos", [])) != data.vocab_size:
+        raise UsageError(f"{where}: itos has {len(meta.get('itos', []))} symbols, vocab_size is {data.vocab_size}")
+    for s, n in splits.items():
+        tok = data.tokens(s)
+        top = max((int(tok[i:i + chunk].max()) for i in range(0, n, chunk)), default=-1)
+        if top >= data.vocab_size:
+            raise UsageError(f"{os.path.join(data.folder, s + '.bin')}: token id {top} >= vocab_size "
+                             f"{data.vocab_size} of meta.json; {again}")
+        mask = data.mask(s)
+        if mask is not None and max((int(mask[i:i + chunk].max()) for i in range(0, n, chunk)), default=0) > 1:
+            raise UsageError(f"{os.path.join(data.folder, s + '.mask.bin')}: values other than 0/1; {again}")
+        check_problems(data, s, n, again)
+
+
+def check_problems(data, split, n, again):
+    path = os.path.join(data.folder, f"{split}.problems.npy")
+    if not os.path.exists(path):
+        return
+    try:
+        p = data.problems(split)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
+        raise UsageError(f"{path}: unreadable ({type(e).__name__}); {again}") from None
+    ok = p.ndim == 2 and p.shape[1] == 3 and np.issubdtype(p.dtype, np.integer)
+    if ok and len(p):
+        ok = bool((p[:, 0] >= 0).all() and (p[:, 0] <= p[:, 1]).all() and (p[:, 1] <= p[:, 2]).all()
+                  and (p[:, 2] <= n).all())
+    if not ok:
+        raise UsageError(f"{path}: problem offsets do not fit the split's {n} tokens; {again}")
+
+
+def data_signature(data):
+    """What a checkpoint must agree with the data on: tokenizer, vocabulary (the symbols of a
+    character vocabulary) and the token count of each split."""
+    sig = {"tokenizer": data.tokenizer, "vocab_size": data.vocab_size,
+           "splits": {k: int(v) for k, v in data.meta["splits"].items()}}
+    if data.tokenizer == "char":
+        sig["itos"] = list(data.meta["itos"])
+    return sig
+
+
+def sample_starts(rng, n_tokens, batch_size, block_size):
+    """Start offsets of one training micro-batch: the same draw as data.Data.train_batch."""
+    return rng.integers(0, n_tokens - block_size, size=batch_size)
+
+
+# ----------------------------------------------------------------------------- model and optimizer
+
+def model_config(args, data):
+    d, H, target = TIERS[args.size]
+    cfg = ModelConfig(model=args.model, vocab_size=data.vocab_size, block_size=args.block_size,
+                      n_embd=d, n_head=H, depth=args.depth, window=args.window)
+    return solve_width(cfg, target, strict=args.size != "cpu"), target
+
+
 def lr_at(it, args):
-    """Learning rate for update it (0-based): linear warmup to the peak, cosine to min_lr_ratio * peak."""
-    peak, warm, total = args.learning_rate, args.warmup_iters, args.max_iters
+    """Learning rate for update it (0-based): linear warmup to the peak (positive from update 0),
+    then cosine down to min_lr_ratio * peak at update lr_decay_iters - 1 (default max_iters - 1)
+    and constant after. A function of it alone, so a resumed run continues the same schedule."""
+    peak, warm = args.learning_rate, args.warmup_iters
+    total = getattr(args, "lr_decay_iters", None) or args.max_iters
     if it < warm:
         return peak * (it + 1) / (warm + 1)
     if total <= warm:
@@ -140,21 +414,41 @@ def make_optimizer(model, args):
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8)
 
 
+def autocast_ctx(args):
+    if args.dtype == "bfloat16":
+        return torch.autocast(device_type=args.device.split(":")[0], dtype=torch.bfloat16)
+    return torch.autocast(device_type="cpu", enabled=False)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
 @torch.no_grad()
-def evaluate(model, data, split, starts, block_size, batch_size, device, ctx):
-    """Mean NLL (nats/token) over the scored targets of fixed windows; the sum and count are
-    accumulated separately, so the value does not depend on the batch size."""
+def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, dist=None):
+    """Mean NLL (nats/token) over the scored targets of fixed windows.
+
+    Each window's NLL sum (float64) and target count are computed separately; with dist the
+    windows are sharded over ranks (window i on rank i % world) and the per-window values summed
+    over ranks, then reduced in window order. So the value depends neither on the batch size nor on
+    the world size, up to the float32 forward pass itself (see test_train.py)."""
+    dist = dist or Dist()
     model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(starts), batch_size):
-        x, y = data.window_batch(split, starts[i:i + batch_size], block_size)
+    sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
+    counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
+    mine = np.arange(dist.rank, len(starts), dist.world)
+    for i in range(0, len(mine), batch_size):
+        idx = mine[i:i + batch_size]
+        x, y = data.window_batch(split, np.asarray(starts)[idx], block_size)
         x, y = x.to(device), y.to(device)
         with ctx:
             logits, _ = model(x)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").item()
-        count += int((y != -1).sum())
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+        rows = torch.as_tensor(idx, device=device)
+        sums[rows] = nll.view(y.shape).double().sum(1)
+        counts[rows] = (y != -1).sum(1).double()
+    dist.all_sum(sums)
+    dist.all_sum(counts)
     model.train()
-    return total / max(count, 1)
+    return float(sums.sum()) / max(float(counts.sum()), 1.0)
 
 
 @torch.no_grad()
@@ -176,187 +470,471 @@ def exact_match(model, data, split, n_samples, device, ctx):
     return correct / len(idx)
 
 
-def clean_state_dict(model):
-    """state_dict without torch.compile / DDP wrapper prefixes."""
-    sd = model.state_dict()
+# ----------------------------------------------------------------------------- checkpoints
+
+def strip_prefixes(sd):
+    """Parameter names without torch.compile (_orig_mod.) / DDP (module.) wrapper prefixes."""
     out = {}
     for k, v in sd.items():
-        for prefix in ("_orig_mod.", "module."):
-            while k.startswith(prefix):
-                k = k[len(prefix):]
-        out[k] = v.detach().cpu()
+        changed = True
+        while changed:
+            changed = False
+            for prefix in ("_orig_mod.", "module."):
+                if k.startswith(prefix):
+                    k, changed = k[len(prefix):], True
+        out[k] = v
     return out
 
 
+def clean_state_dict(model):
+    """state_dict on the CPU without wrapper prefixes."""
+    return {k: v.detach().cpu() for k, v in strip_prefixes(model.state_dict()).items()}
+
+
+def to_cpu(obj):
+    """obj with every tensor moved to the CPU (dicts, lists and tuples walked)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def save_atomic(obj, path):
-    """torch.save to a temporary file beside path, then os.replace: a crash leaves the old file."""
+    """torch.save to a temporary file beside path, flushed to disk, then os.replace: a crash or an
+    error at any point leaves the previous file at path whole (and no temporary file behind)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        torch.save(obj, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows it
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def load_checkpoint(path):
-    """Load a checkpoint with weights_only=True on the CPU; UsageError if missing or unreadable."""
+def load_checkpoint(path, keys=("model", "config")):
+    """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing,
+    unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
     if not os.path.isfile(path):
         raise UsageError(f"--resume: no checkpoint at {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file
+        raise UsageError(f"{path}: not a readable checkpoint ({type(e).__name__}); "
+                         "it may be truncated or corrupted") from None
+    if not isinstance(ck, dict) or any(k not in ck for k in keys):
+        have = sorted(ck) if isinstance(ck, dict) else type(ck).__name__
+        raise UsageError(f"{path}: not a training checkpoint of this train.py (needs {', '.join(keys)}; has {have})")
+    if "format" in keys and ck["format"] != CKPT_FORMAT:
+        raise UsageError(f"{path}: checkpoint format {ck['format']}, this train.py reads {CKPT_FORMAT}")
+    return ck
 
 
-def rng_state(rng):
-    return {"python": random.getstate(), "numpy": rng.bit_generator.state, "torch": torch.get_rng_state()}
+def check_compatible(ck, path, cfg, data):
+    """UsageError unless the checkpoint holds this model config and was trained on this data."""
+    if ck["config"] != cfg.to_dict():
+        saved = ck["config"] if isinstance(ck["config"], dict) else {}
+        diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
+        raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; use a fresh --out_dir")
+    if ck["data"] != data_signature(data):
+        saved = ck["data"] if isinstance(ck["data"], dict) else {}
+        raise UsageError(f"{path}: trained on other data ({saved.get('tokenizer')} tokenizer, vocab "
+                         f"{saved.get('vocab_size')}, splits {saved.get('splits')}); this dataset has "
+                         f"{data.tokenizer}, vocab {data.vocab_size}, splits {data.meta['splits']}")
 
 
-def run(args):
+def rng_state(rng, device):
+    """The RNG states as plain Python values and CPU tensors (weights_only-loadable)."""
+    state = {"python": _listify(random.getstate()), "numpy": rng.bit_generator.state,
+             "torch": torch.get_rng_state()}
+    if device.startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, rng, device):
+    random.setstate(_tuplify(state["python"]))
+    rng.bit_generator.state = state["numpy"]
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.startswith("cuda"):
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def restore(ck, path, model, optimizer, rng, device):
+    """Load the training state of a checkpoint; UsageError if its tensors do not fit."""
+    try:
+        model.load_state_dict(strip_prefixes(ck["model"]))
+        optimizer.load_state_dict(ck["optimizer"])  # moves the state to the parameters' device
+        set_rng_state(ck["rng"], rng, device)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UsageError(f"{path}: does not fit this model ({why})") from None
+
+
+def _listify(x):
+    return [_listify(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def _tuplify(x):
+    """random.setstate needs tuples; checkpoints store them as lists."""
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ----------------------------------------------------------------------------- logging
+
+class Log:
+    """log.jsonl and console output; silent on ranks other than 0."""
+
+    def __init__(self, out_dir, dist, resumed_at=None, quiet=False, total=0, desc=""):
+        self.main = dist.main
+        self.path = os.path.join(out_dir, "log.jsonl")
+        self.f = self.bar = None
+        if not self.main:
+            return
+        if resumed_at is not None:
+            trim_log(self.path, resumed_at)
+        self.f = open(self.path, "a" if resumed_at is not None else "w")
+        if not quiet:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=resumed_at or 0, desc=desc, dynamic_ncols=True)
+
+    def emit(self, **rec):
+        if self.f:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+
+    def progress(self, **postfix):
+        if self.bar is not None:
+            self.bar.set_postfix(**postfix)
+            self.bar.update(1)
+
+    def close_bar(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def say(self, msg):
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(msg)
+
+    def close(self):
+        self.close_bar()
+        if self.f:
+            self.f.close()
+            self.f = None
+
+
+def trim_log(path, it):
+    """Drop the records of updates after it (and earlier summaries) from a log being resumed:
+    a run that died after its last checkpoint leaves records the resumed run will write again."""
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if rec.get("event") != "summary" and rec.get("iter", 0) <= it:
+                keep.append(json.dumps(rec) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+class DebugDump:
+    """TRAIN_DEBUG_DUMP=PREFIX: per-rank JSON lines of the windows used and a parameter hash."""
+
+    def __init__(self, dist):
+        prefix = os.environ.get("TRAIN_DEBUG_DUMP")
+        self.path = f"{prefix}.rank{dist.rank}.jsonl" if prefix else None
+
+    def write(self, it, starts, model):
+        if self.path:
+            h = hashlib.sha256()
+            for k, v in model.state_dict().items():
+                h.update(k.encode())
+                h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"iter": it, "starts": [s.tolist() for s in starts],
+                                    "param_sha256": h.hexdigest()}) + "\n")
+
+
+# ----------------------------------------------------------------------------- the run
+
+@dataclass
+class Run:
+    """What a run holds once its inputs are validated. model is the bare LM (checkpoints,
+    generation); fwd is it compiled or not (evaluation); train_model is fwd, DDP-wrapped under torchrun."""
+    args: argparse.Namespace
+    dist: Dist
+    data: data_mod.Data
+    cfg: ModelConfig
+    target: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    rng: np.random.Generator
+    it: int = 0
+    best_dev: float = math.inf
+    ctx: object = None
+    fwd: torch.nn.Module = None
+    train_model: torch.nn.Module = None
+    log: "Log" = None
+
+    @property
+    def latest_path(self):
+        return os.path.join(self.args.out_dir, LATEST)
+
+    @property
+    def best_path(self):
+        return os.path.join(self.args.out_dir, BEST)
+
+
+def run(args, given=frozenset()):
+    """Validate, train, evaluate the best checkpoint on test; returns the summary (rank 0)."""
     t_start = time.time()
-    args = resolve_args(args)
-    device = args.device
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-
-    # --- data (prepared once into memmapped bins, atomically) and model; nothing in out_dir yet
-    folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root)
-    data = data_mod.Data(folder)
-    data.check_block_size(args.block_size)
-    d, H, target = TIERS[args.size]
-    cfg = ModelConfig(model=args.model, vocab_size=data.vocab_size, block_size=args.block_size,
-                      n_embd=d, n_head=H, depth=args.depth, window=args.window)
-    cfg = solve_width(cfg, target, strict=args.size != "cpu")
-    ckpt = None
-    latest, best_path = os.path.join(args.out_dir, "ckpt_latest.pt"), os.path.join(args.out_dir, "ckpt_best.pt")
-    if args.resume:
-        ckpt = load_checkpoint(latest)
-        if ckpt.get("config") != cfg.to_dict() or ckpt.get("data") != data_signature(data):
-            raise UsageError(f"--resume: {latest} was trained with another model/tokenizer/flags "
-                             f"({ckpt.get('config', {}).get('model')}); use a fresh --out_dir")
-    model = build_model(cfg, device=device)
-    n_params = model.num_params()
-    err = n_params / target - 1
-    print(f"model {args.model}  depth {args.depth}  tier {args.size}  d={d} heads={H} width={cfg.width}  "
-          f"non-embedding params {n_params:,} (target {target:,}, {err:+.3%})"
-          + ("" if abs(err) <= 0.002 else "  [outside 0.20 %: this tier is too small to match exactly]"))
-    print(f"data {folder}: {data.tokenizer} vocab {data.vocab_size}, "
-          + ", ".join(f"{k} {v:,}" for k, v in data.meta["splits"].items()) + " tokens")
-
-    optimizer = make_optimizer(model, args)
-    rng = np.random.default_rng(args.data_seed)
-    it, best_dev = 0, float("inf")
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        it, best_dev = ckpt["iter"], ckpt["best_dev"]
-        random.setstate(_tuplify(ckpt["rng"]["python"]))
-        rng.bit_generator.state = ckpt["rng"]["numpy"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        print(f"resumed from {latest} at update {it} (best dev {best_dev:.4f})")
-    os.makedirs(args.out_dir, exist_ok=True)
-    log = open(os.path.join(args.out_dir, "log.jsonl"), "a" if ckpt else "w")
-
-    def emit(**rec):
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-
-    ptdtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    ctx = (torch.autocast(device_type=device.split(":")[0], dtype=ptdtype) if ptdtype != torch.float32
-           else torch.autocast(device_type="cpu", enabled=False))
-    step_model = torch.compile(model) if args.compile else model
-
-    dev_starts = data.eval_windows("dev", args.block_size, args.eval_windows)
-    test_starts = data.eval_windows(data.test_split, args.block_size, args.eval_windows)
-    eval_at = set(range(args.eval_interval, args.max_iters + 1, args.eval_interval)) | {args.max_iters}
-    baseline = data_mod.unigram_entropy(data, "dev")
-    emit(event="start", args=vars(args), config=cfg.to_dict(), non_embedding_params=n_params,
-         unigram_dev=baseline, resumed_at=it)
-
-    tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
-    rates = []
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-        bar = tqdm(total=args.max_iters, initial=it, desc=args.model, dynamic_ncols=True)
-    model.train()
-    while it < args.max_iters:
-        t0 = time.time()
-        lr = lr_at(it, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for _ in range(args.gradient_accumulation_steps):
-            x, y = data.train_batch(rng, args.batch_size, args.block_size)
-            x, y = x.to(device), y.to(device)
-            with ctx:
-                _, loss = step_model(x, y)
-            (loss / args.gradient_accumulation_steps).backward()
-            loss_sum += loss.item()
-        loss_avg = loss_sum / args.gradient_accumulation_steps
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        if not (math.isfinite(loss_avg) and math.isfinite(float(grad_norm))):
-            raise TrainingError(f"non-finite loss ({loss_avg}) or gradient norm at update {it}; "
-                                f"stopped; the last good checkpoint is {latest}")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        it += 1
-        dt = time.time() - t0
-        rates.append(tokens_per_update / dt)
-        emit(event="train", iter=it, loss=loss_avg, lr=lr, grad_norm=float(grad_norm), tok_per_s=rates[-1])
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss_avg:.3f}", tok_s=f"{rates[-1]:.0f}")
-            bar.update(1)
-        if it in eval_at:
-            dev = evaluate(step_model, data, "dev", dev_starts, args.block_size, args.eval_batch_size, device, ctx)
-            improved = dev < best_dev
-            best_dev = min(best_dev, dev)
-            emit(event="eval", iter=it, dev_nll=dev, best=improved)
-            msg = f"update {it}: dev NLL {dev:.4f}" + (" (best)" if improved else "")
-            (bar.write if bar is not None else print)(msg)
-            state = {"model": clean_state_dict(model), "config": cfg.to_dict(), "data": data_signature(data),
-                     "iter": it, "best_dev": best_dev, "dev_nll": dev}
-            if improved:
-                save_atomic(state, best_path)
-            save_atomic(dict(state, optimizer=optimizer.state_dict(), rng=rng_state(rng), args=vars(args)), latest)
-    if bar is not None:
-        bar.close()
-
-    # --- final: evaluate only the best-dev checkpoint on test
-    best = load_checkpoint(best_path)
-    model.load_state_dict(best["model"])
-    test = evaluate(model, data, data.test_split, test_starts, args.block_size, args.eval_batch_size, device, ctx)
-    summary = {"model": args.model, "depth": args.depth, "size": args.size, "dataset": args.dataset,
-               "width": cfg.width, "non_embedding_params": n_params, "params": model.num_params(False),
-               "best_iter": best["iter"], "dev_nll": best["dev_nll"], "test_split": data.test_split,
-               "test_nll": test, "unigram_dev": baseline,
-               "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
-               "seed": args.seed, "data_seed": args.data_seed, "wall_s": time.time() - t_start}
-    for split in data.meta.get("em_splits", []):
-        summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, device, ctx)
-    emit(event="summary", **summary)
-    log.close()
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-
-    print(f"\n== {args.model} depth {args.depth} on {args.dataset} ({args.size} tier) ==")
-    print(f"non-embedding params   {n_params:,}")
-    print(f"unigram entropy (dev)  {baseline:.4f} nats/token   (baseline)")
-    print(f"dev NLL (best, upd {best['iter']}) {best['dev_nll']:.4f} nats/token")
-    print(f"test NLL ({data.test_split})    {test:.4f} nats/token")
-    if summary["tok_per_s_median_last100"]:
-        print(f"throughput             {summary['tok_per_s_median_last100']:.0f} tokens/s (median, last 100 updates)")
-    for split in data.meta.get("em_splits", []):
-        print(f"exact match {split:12s} {summary[f'exact_match_{split}']:.2%}  ({min(args.em_samples, len(data.problems(split)))} problems)")
-    print(f"wall time              {summary['wall_s']:.0f} s")
-    print_sample(model, data, args, device, ctx)
+    r, ckpt, changed = setup(args, given)  # nothing written to out_dir before this returns
+    open_outputs(r, resumed=ckpt is not None, changed=changed)
+    rates = train_loop(r)
+    summary = finish(r, rates, t_start)
+    r.log.close()
     return summary
 
 
-def data_signature(data):
-    """What a checkpoint must agree with the data on: tokenizer and vocabulary."""
-    return {"tokenizer": data.tokenizer, "vocab_size": data.vocab_size}
+def setup(args, given):
+    """Validate flags, data and checkpoints, build the model and restore a checkpoint's state.
+    Raises UsageError on bad input; writes nothing."""
+    dist = Dist.from_env()
+    latest_path = os.path.join(args.out_dir, LATEST)
+    ckpt, changed = None, {}
+    if args.resume:
+        ckpt = load_checkpoint(latest_path, keys=TRAINING_KEYS)
+        if not isinstance(ckpt["args"], dict):
+            raise UsageError(f"{latest_path}: malformed args entry")
+        changed = merge_resume_args(args, given, ckpt["args"])
+    args = resolve_args(args, dist)
+    start_distributed(args, dist)
+    data = load_data(args, dist)
+    cfg, target = model_config(args, data)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    model = build_model(cfg, device=args.device)
+    r = Run(args, dist, data, cfg, target, model, make_optimizer(model, args), np.random.default_rng(args.data_seed))
+    if ckpt is not None:
+        r.best_dev = check_resume(ckpt, r.latest_path, r.best_path, cfg, data, args)
+        restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
+        r.it = ckpt["iter"]
+    r.ctx = autocast_ctx(args)
+    r.fwd = torch.compile(model) if args.compile else model
+    r.train_model = r.fwd
+    if dist.ddp:
+        from torch.nn.parallel import DistributedDataParallel
+        r.train_model = DistributedDataParallel(
+            r.fwd, device_ids=[dist.local_rank] if args.device.startswith("cuda") else None)
+    return r, ckpt, changed
+
+
+def open_outputs(r, resumed, changed):
+    """Create out_dir and the log (rank 0), print the run's header and log its start event."""
+    args = r.args
+    if r.dist.main:
+        os.makedirs(args.out_dir, exist_ok=True)
+        if not resumed:
+            remove_stale(args.out_dir)
+    r.log = log = Log(args.out_dir, r.dist, resumed_at=r.it if resumed else None, quiet=args.quiet,
+                      total=args.max_iters, desc=args.model)
+    n_params, err = r.model.num_params(), r.model.num_params() / r.target - 1
+    log.say(f"model {args.model}  depth {args.depth}  tier {args.size}  d={r.cfg.n_embd} heads={r.cfg.n_head} "
+            f"width={r.cfg.width}  non-embedding params {n_params:,} (target {r.target:,}, {err:+.3%})"
+            + ("" if abs(err) <= 0.002 else "  [outside 0.20 %: this tier is too small to match exactly]"))
+    log.say(f"data {r.data.folder}: {r.data.tokenizer} vocab {r.data.vocab_size}, "
+            + ", ".join(f"{k} {v:,}" for k, v in r.data.meta["splits"].items()) + " tokens"
+            + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))
+    if resumed:
+        log.say(f"resumed from {r.latest_path} at update {r.it} (best dev {r.best_dev:.4f})"
+                + "".join(f"; --{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    log.emit(event="start", args=vars(args), config=r.cfg.to_dict(), non_embedding_params=n_params,
+             unigram_dev=data_mod.unigram_entropy(r.data, "dev"), resumed_at=r.it, world_size=r.dist.world,
+             resume_overrides=changed)
+
+
+def train_loop(r):
+    """Updates r.it .. max_iters, evaluating (and checkpointing) at the fixed update counts.
+    Returns the training throughput of each update (tokens/s)."""
+    args = r.args
+    eval_at = set(range(args.eval_interval, args.max_iters + 1, args.eval_interval)) | {args.max_iters}
+    dev_starts = r.data.eval_windows("dev", args.block_size, args.eval_windows)
+    tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
+    n_train = len(r.data.tokens("train"))
+    dump = DebugDump(r.dist)
+    rates = []
+    r.model.train()
+    while r.it < args.max_iters:
+        t0 = time.time()
+        lr = lr_at(r.it, args)
+        for group in r.optimizer.param_groups:
+            group["lr"] = lr
+        starts = [sample_starts(r.rng, n_train, args.batch_size, args.block_size)
+                  for _ in range(args.gradient_accumulation_steps)]
+        loss, grad_norm = train_update(r, starts)
+        r.it += 1
+        rates.append(tokens_per_update / (time.time() - t0))
+        dump.write(r.it, my_share(starts, r.dist), r.model)
+        r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1])
+        r.log.progress(loss=f"{loss:.3f}", tok_s=f"{rates[-1]:.0f}")
+        if r.it in eval_at:
+            eval_and_checkpoint(r, dev_starts)
+    r.log.close_bar()
+    return rates
+
+
+def my_share(starts, dist):
+    """This rank's contiguous share of an update's micro-batches."""
+    m = len(starts) // dist.world
+    return starts[dist.rank * m:(dist.rank + 1) * m]
+
+
+def train_update(r, starts):
+    """One optimizer update over this rank's share of the micro-batches (gradients synchronised on
+    the last one). Returns the loss averaged over all micro-batches of all ranks and the gradient
+    norm before clipping; TrainingError if either is not finite (parameters left untouched)."""
+    args, dist = r.args, r.dist
+    mine = my_share(starts, dist)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=args.device)
+    for j, s in enumerate(mine):
+        x, y = r.data.window_batch("train", s, args.block_size)
+        x, y = x.to(args.device), y.to(args.device)
+        sync = j == len(mine) - 1
+        with contextlib.nullcontext() if sync or not dist.ddp else r.train_model.no_sync():
+            with r.ctx:
+                _, loss = r.train_model(x, y)
+            (loss / len(mine)).backward()  # DDP averages over ranks: the mean over all micro-batches
+        loss_sum += loss.detach().double()
+    loss_avg = float(dist.all_sum(loss_sum)) / len(starts)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(r.model.parameters(), args.grad_clip))
+    if not (math.isfinite(loss_avg) and math.isfinite(grad_norm)):
+        raise TrainingError(f"non-finite loss ({loss_avg}) or gradient norm ({grad_norm}) at update {r.it + 1}; "
+                            f"stopped; the last good checkpoint is {r.latest_path}")
+    r.optimizer.step()
+    r.optimizer.zero_grad(set_to_none=True)
+    return loss_avg, grad_norm
+
+
+def eval_and_checkpoint(r, dev_starts):
+    """Dev NLL after update r.it; rank 0 then writes the best checkpoint if it improved and the latest."""
+    args = r.args
+    dev = evaluate(r.fwd, r.data, "dev", dev_starts, args.block_size, args.eval_batch_size, args.device,
+                   r.ctx, r.dist)
+    if not math.isfinite(dev):
+        raise TrainingError(f"non-finite dev NLL ({dev}) after update {r.it}; stopped; the last good "
+                            f"checkpoint is {r.latest_path}")
+    improved = dev < r.best_dev
+    r.best_dev = min(r.best_dev, dev)
+    r.log.emit(event="eval", iter=r.it, dev_nll=dev, best=improved)
+    r.log.say(f"update {r.it}: dev NLL {dev:.4f}" + (" (best)" if improved else ""))
+    if r.dist.main:
+        save_checkpoints(r, dev, improved)
+
+
+def save_checkpoints(r, dev, improved):
+    """The best checkpoint first, then the latest (see check_resume for why this order)."""
+    args = r.args
+    state = {"format": CKPT_FORMAT, "model": clean_state_dict(r.model), "config": r.cfg.to_dict(),
+             "data": data_signature(r.data), "iter": r.it, "best_dev": r.best_dev, "dev_nll": dev,
+             "seed": args.seed, "data_seed": args.data_seed, "args": vars(args)}
+    if improved:
+        save_atomic(state, r.best_path)
+    save_atomic(dict(state, optimizer=to_cpu(r.optimizer.state_dict()), rng=rng_state(r.rng, args.device)),
+                r.latest_path)
+
+
+def check_resume(ckpt, latest_path, best_path, cfg, data, args):
+    """Validate a resumed run's checkpoints; returns the best dev NLL so far, the lower of the
+    latest checkpoint's record and the best checkpoint's own (a crash between writing the best and
+    the latest checkpoint leaves the best one newer), so a better best is never overwritten."""
+    check_compatible(ckpt, latest_path, cfg, data)
+    if not isinstance(ckpt["iter"], int) or ckpt["iter"] < 0:
+        raise UsageError(f"{latest_path}: bad update count {ckpt['iter']!r}")
+    if not isinstance(ckpt["best_dev"], float) or not isinstance(ckpt["rng"], dict):
+        raise UsageError(f"{latest_path}: malformed best_dev or rng entries")
+    if ckpt["iter"] > args.max_iters:
+        raise UsageError(f"--max_iters {args.max_iters}: below the checkpoint's update {ckpt['iter']}; "
+                         "give a larger --max_iters")
+    best = load_checkpoint(best_path, keys=("format", "model", "config", "data", "iter", "dev_nll"))
+    check_compatible(best, best_path, cfg, data)
+    if not isinstance(best["dev_nll"], float):
+        raise UsageError(f"{best_path}: malformed dev_nll {best['dev_nll']!r}")
+    return min(ckpt["best_dev"], best["dev_nll"])
+
+
+def remove_stale(out_dir):
+    """A fresh run replaces the checkpoints and summary of an earlier run in its out_dir."""
+    stale = [f for f in (LATEST, BEST, "summary.json") if os.path.exists(os.path.join(out_dir, f))]
+    for f in stale:
+        os.remove(os.path.join(out_dir, f))
+    if stale:
+        print(f"note: fresh run in {out_dir}: removed {', '.join(stale)} of an earlier run "
+              "(use --resume to continue a run)")
+
+
+def finish(r, rates, t_start):
+    """Evaluate the best-dev checkpoint on test (sharded over ranks); rank 0 adds exact match,
+    writes the summary and prints the report. Returns the summary (None on other ranks)."""
+    args, data, model = r.args, r.data, r.model
+    best = load_checkpoint(r.best_path) if r.dist.main else None
+    if best is not None:
+        model.load_state_dict(strip_prefixes(best["model"]))
+    if r.dist.ddp:  # rank 0 read the file; every rank evaluates its weights
+        for t in model.state_dict().values():
+            tdist.broadcast(t, 0)
+    test_starts = data.eval_windows(data.test_split, args.block_size, args.eval_windows)
+    test = evaluate(model, data, data.test_split, test_starts, args.block_size, args.eval_batch_size,
+                    args.device, r.ctx, r.dist)
+    if not r.dist.main:
+        return None
+    tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
+    summary = {"model": args.model, "depth": args.depth, "size": args.size, "dataset": args.dataset,
+               "width": r.cfg.width, "non_embedding_params": model.num_params(), "params": model.num_params(False),
+               "best_iter": best["iter"], "dev_nll": best["dev_nll"], "test_split": data.test_split,
+               "test_nll": test, "unigram_dev": data_mod.unigram_entropy(data, "dev"),
+               "tokens": best["iter"] * tokens_per_update,
+               "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
+               "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
+               "wall_s": time.time() - t_start}
+    for split in data.meta.get("em_splits", []):
+        summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, args.device, r.ctx)
+    r.log.emit(event="summary", **summary)
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print_report(summary, data, args)
+    print_sample(model, data, args, args.device, r.ctx)
+    return summary
+
+
+def print_report(s, data, args):
+    print(f"\n== {args.model} depth {args.depth} on {args.dataset} ({args.size} tier) ==")
+    print(f"non-embedding params   {s['non_embedding_params']:,}")
+    print(f"unigram entropy (dev)  {s['unigram_dev']:.4f} nats/token   (baseline)")
+    print(f"dev NLL (best, upd {s['best_iter']}) {s['dev_nll']:.4f} nats/token")
+    print(f"test NLL ({data.test_split})    {s['test_nll']:.4f} nats/token")
+    if s["tok_per_s_median_last100"]:
+        print(f"throughput             {s['tok_per_s_median_last100']:.0f} tokens/s (median, last 100 updates)")
+    for split in data.meta.get("em_splits", []):
+        n = min(args.em_samples, len(data.problems(split)))
+        print(f"exact match {split:12s} {s[f'exact_match_{split}']:.2%}  ({n} problems)")
+    print(f"wall time              {s['wall_s']:.0f} s")
 
 
 def print_sample(model, data, args, device, ctx):
@@ -379,20 +957,20 @@ def print_sample(model, data, args, device, ctx):
     print(f"\n--- sample (temperature 0.8, top-k 200) ---\n{data.decode(out[0, 1:].tolist())}\n---")
 
 
-def _tuplify(x):
-    """random.setstate needs tuples; checkpoints store them as lists or tuples."""
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    code = 0
     try:
-        run(parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        run(parse_args(argv), given_flags(argv))
+    except (UsageError, TrainingError) as e:
+        code = 2 if isinstance(e, UsageError) else 1
+        if Dist.from_env_quiet().main:
+            print(f"error: {e}", file=sys.stderr)
+    finally:
+        if tdist.is_available() and tdist.is_initialized():
+            tdist.destroy_process_group()
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

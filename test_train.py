@@ -1,0 +1,507 @@
+"""Tests for train.py (issue 7): exact resume, safe checkpoints, clear errors, DDP on CPU.
+
+The runs use a tiny DeepMind-Mathematics-shaped dataset written here (character vocabulary of
+~20 symbols), so a training update of the 1M-parameter CPU-tier model takes milliseconds and the
+cost is mostly Python start-up. Runs that must be separate processes (resume, torchrun) are
+subprocesses; the catalogue of bad inputs calls train.main in this process.
+"""
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import data as data_mod
+import train
+from common import ModelConfig
+from models import build_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+TINY = ["--model", "loop", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--eval_windows", "6",
+        "--eval_batch_size", "4", "--sample_tokens", "5", "--em_samples", "3", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """In-process runs use one thread, like the subprocesses (OMP_NUM_THREADS=1): on a shared
+    2-core machine two spinning threads per process make a tiny run 10-30x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def mdm(tmp_path_factory):
+    """A small dataset in the official DeepMind Mathematics layout: "What is a + b?" / answer.
+    Questions are at most 16 characters, so every 32-token window has scored (answer) targets."""
+    root = tmp_path_factory.mktemp("mdm")
+    rng = np.random.default_rng(0)
+    for folder, n in [("train-easy", 300), ("train-medium", 300), ("train-hard", 300), ("dev", 60),
+                      ("interpolate", 60), ("extrapolate", 60)]:
+        (root / folder).mkdir()
+        lines = []
+        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
+            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
+        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_root(mdm, tmp_path_factory):
+    """mini dmmath prepared once; runs share this data_root."""
+    root = tmp_path_factory.mktemp("data")
+    data_mod.prepare("dmmath", str(mdm), str(root))
+    return root
+
+
+def flags(mdm, data_root, out_dir, *extra):
+    return [*TINY, "--dataset", "dmmath", "--data_dir", str(mdm), "--data_root", str(data_root),
+            "--out_dir", str(out_dir), *extra]
+
+
+def run_train(argv, env_extra=None, torchrun=0, check=True, timeout=300):
+    """train.py in a fresh process (torchrun > 0: that many processes under torchrun, gloo)."""
+    env = {**os.environ, "GPT2_BPE_FILE": BPE, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    launcher = [sys.executable]
+    if torchrun:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun)]
+    p = subprocess.run([*launcher, os.path.join(HERE, "train.py"), *argv], capture_output=True, text=True,
+                       env=env, cwd=HERE, timeout=timeout)
+    if check:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p
+
+
+def call_main(argv, capsys):
+    """train.main in this process; returns (exit code, stderr)."""
+    capsys.readouterr()
+    try:
+        train.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def records(out_dir, event):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+def dump(prefix, rank=0):
+    with open(f"{prefix}.rank{rank}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def snapshot(folder):
+    """{relative path: sha256} of every file under folder (None if it does not exist)."""
+    if not os.path.exists(folder):
+        return None
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+# ----------------------------------------------------------------------------- schedule, sampling
+
+class Sched:
+    def __init__(self, lr=1e-3, warm=10, total=100, decay=None, floor=0.1):
+        self.learning_rate, self.warmup_iters, self.max_iters = lr, warm, total
+        self.lr_decay_iters, self.min_lr_ratio = decay or total, floor
+
+
+def test_lr_schedule_edges():
+    assert 0 < train.lr_at(0, Sched(warm=0)) == 1e-3  # no warmup: the peak from update 0
+    assert 0 < train.lr_at(0, Sched(warm=10)) < 1e-3
+    for warm in (99, 100, 150):  # warmup as long as (or longer than) the schedule: no division by zero
+        lrs = [train.lr_at(i, Sched(warm=warm)) for i in range(100)]
+        assert all(0 < x <= 1e-3 for x in lrs) and lrs == sorted(lrs)
+    assert train.lr_at(0, Sched(warm=0, total=1)) == 1e-3
+    s = Sched(warm=2, total=6, decay=12)  # stopping early keeps the longer schedule
+    assert [train.lr_at(i, s) for i in range(6)] == [train.lr_at(i, Sched(warm=2, total=12)) for i in range(6)]
+    assert train.lr_at(11, Sched(warm=2, total=12)) == pytest.approx(1e-4)
+    assert train.lr_at(50, Sched(warm=2, total=12)) == pytest.approx(1e-4)  # constant after the decay
+
+
+def test_sample_starts_is_data_train_batch(data_root):
+    d = data_mod.Data(str(next(data_root.iterdir())))
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    for _ in range(3):
+        x, y = d.train_batch(a, 4, 32)
+        x2, y2 = d.window_batch("train", train.sample_starts(b, len(d.tokens("train")), 4, 32), 32)
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+@pytest.fixture(scope="module")
+def runs(mdm, data_root, tmp_path_factory):
+    """A: 6 updates. B: 3 updates with A's schedule (--lr_decay_iters 6), then --resume to 6.
+    C: A again. D: another model seed, same data seed. All with accumulation 2, evals at 3 and 6."""
+    root = tmp_path_factory.mktemp("runs")
+    common = ["--gradient_accumulation_steps", "2", "--warmup_iters", "2", "--eval_interval", "3"]
+    out = {k: root / k for k in "ABCD"}
+    dumps = {k: str(root / f"dump{k}") for k in "AB"}
+    run_train(flags(mdm, data_root, out["A"], *common, "--max_iters", "6"), {"TRAIN_DEBUG_DUMP": dumps["A"]})
+    run_train(flags(mdm, data_root, out["B"], *common, "--max_iters", "3", "--lr_decay_iters", "6"),
+              {"TRAIN_DEBUG_DUMP": dumps["B"]})
+    resumed = run_train(flags(mdm, data_root, out["B"], "--resume", "--max_iters", "6"),
+                        {"TRAIN_DEBUG_DUMP": dumps["B"]})
+    run_train(flags(mdm, data_root, out["C"], *common, "--max_iters", "6"))
+    run_train(flags(mdm, data_root, out["D"], *common, "--max_iters", "6", "--seed", "7", "--data_seed", "1337"))
+    return dict(out=out, dumps=dumps, resumed=resumed)
+
+
+def test_resume_equals_uninterrupted_run(runs):
+    A, B = runs["out"]["A"], runs["out"]["B"]
+    assert "resumed from" in runs["resumed"].stdout and "--max_iters 3 -> 6" in runs["resumed"].stdout
+    ta, tb = records(A, "train"), records(B, "train")
+    assert [r["iter"] for r in tb] == list(range(1, 7))
+    for key in ("loss", "lr", "grad_norm"):  # bit-identical (CPU fp32, no compile)
+        assert [r[key] for r in ta] == [r[key] for r in tb], key
+    assert records(A, "eval") == records(B, "eval")
+    # the same windows in the same order, and the same final state
+    assert [r["starts"] for r in dump(runs["dumps"]["A"])] == [r["starts"] for r in dump(runs["dumps"]["B"])]
+    ca, cb = load(A / "ckpt_latest.pt"), load(B / "ckpt_latest.pt")
+    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+    for sa, sb in zip(ca["optimizer"]["state"].values(), cb["optimizer"]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert ca["rng"]["numpy"] == cb["rng"]["numpy"] and ca["iter"] == cb["iter"] == 6
+    # the learning rate of the first update after the resume is the uninterrupted run's
+    assert tb[3]["lr"] == train.lr_at(3, Sched(lr=2e-3, warm=2, total=6))
+
+
+def test_same_seed_same_log_other_seed_differs(runs):
+    A, C, D = (runs["out"][k] for k in "ACD")
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "tok_per_s"} for r in recs]
+    assert strip(records(A, "train")) == strip(records(C, "train"))
+    assert records(A, "eval") == records(C, "eval")
+    assert [r["loss"] for r in records(A, "train")] != [r["loss"] for r in records(D, "train")]
+    ca, cd = load(A / "ckpt_latest.pt"), load(D / "ckpt_latest.pt")
+    assert (ca["seed"], ca["data_seed"], cd["seed"], cd["data_seed"]) == (1337, 1337, 7, 1337)
+    assert ca["rng"]["numpy"] == cd["rng"]["numpy"]  # paired: the same data order
+
+
+def test_checkpoint_contents(runs):
+    A = runs["out"]["A"]
+    latest, best = load(A / "ckpt_latest.pt"), load(A / "ckpt_best.pt")  # weights_only=True
+    assert set(train.TRAINING_KEYS) <= set(latest) and "optimizer" not in best
+    evals = records(A, "eval")
+    assert latest["best_dev"] == min(r["dev_nll"] for r in evals)
+    assert best["dev_nll"] == latest["best_dev"] and best["iter"] == min(evals, key=lambda r: r["dev_nll"])["iter"]
+    assert latest["data"]["tokenizer"] == "char" and len(latest["data"]["itos"]) == latest["config"]["vocab_size"]
+    for ck in (latest, best):
+        assert not any(k.startswith(("_orig_mod.", "module.")) for k in ck["model"])
+        assert all(t.device.type == "cpu" for t in ck["model"].values())
+    state = latest["rng"]
+    assert isinstance(state["python"], list) and state["numpy"]["bit_generator"] == "PCG64"
+    assert torch.is_tensor(state["torch"])
+
+
+def test_clean_state_dict_strips_wrappers():
+    model = build_model(ModelConfig(model="loop", depth=1, width=16, vocab_size=11, n_embd=64, n_head=2))
+
+    class Wrapper(torch.nn.Module):  # the shape of DDP: the model under .module
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+    wrapped = Wrapper(torch.compile(model))  # torch.compile wraps lazily: nothing compiles here
+    assert all(k.startswith("module._orig_mod.") for k in wrapped.state_dict())
+    assert list(train.clean_state_dict(wrapped)) == list(model.state_dict())
+    assert list(train.strip_prefixes(wrapped.state_dict())) == list(model.state_dict())
+
+
+def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    best = load(out / "ckpt_best.pt")
+    best["dev_nll"] = 0.01  # a best no later evaluation can beat
+    train.save_atomic(best, str(out / "ckpt_best.pt"))
+    before = snapshot(out)["ckpt_best.pt"]
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "9"), capsys)
+    assert code == 0, err
+    assert snapshot(out)["ckpt_best.pt"] == before
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_iter"] == best["iter"] and summary["dev_nll"] == 0.01
+    assert [r["iter"] for r in records(out, "train")] == list(range(1, 10))
+    assert load(out / "ckpt_latest.pt")["best_dev"] == 0.01
+
+
+# ----------------------------------------------------------------------------- safe checkpoints, failures
+
+def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch):
+    path = tmp_path / "ckpt_latest.pt"
+    shutil.copy(runs["out"]["A"] / "ckpt_latest.pt", path)
+    good = snapshot(tmp_path)
+
+    def dies_mid_write(obj, f, *a, **k):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies_mid_write)
+    with pytest.raises(OSError, match="disk full"):
+        train.save_atomic({"model": {}}, str(path))
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == good  # untouched, and no temporary file left behind
+    assert load(path)["iter"] == 6
+    (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:1000])  # what a non-atomic save could leave
+    with pytest.raises(train.UsageError, match="truncated or corrupted"):
+        train.load_checkpoint(str(tmp_path / "cut.pt"))
+
+
+def test_nonfinite_loss_stops_with_the_step_and_keeps_checkpoint(runs, mdm, data_root, tmp_path, capsys):
+    """A learning rate of 1e30 (allowed: finite and positive) makes AdamW move every weight by ~1e30
+    in one update; the next forward pass overflows float32, so the loss or gradient is not finite."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    good = snapshot(out)
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "12", "--learning_rate", "1e30"),
+                          capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: non-finite"), err
+    step = int(re.search(r"at update (\d+)", lines[0]).group(1))
+    assert 7 <= step <= 12 and "ckpt_latest.pt" in lines[0]
+    now = snapshot(out)
+    assert {k: now[k] for k in ("ckpt_latest.pt", "ckpt_best.pt")} == \
+        {k: good[k] for k in ("ckpt_latest.pt", "ckpt_best.pt")}
+    assert load(out / "ckpt_latest.pt")["iter"] == 6
+    # resuming again (normal learning rate) drops the failed attempt's records from the log
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "8"), capsys)
+    assert code == 0, err
+    assert [r["iter"] for r in records(out, "train")] == list(range(1, 9))
+    assert len(records(out, "summary")) == 1
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def test_eval_independent_of_batch_size_and_world_size(ddp_runs, data_root):
+    """Per-window NLL sums are float64 and reduced in window order, so batching and sharding only
+    enter through the float32 forward pass. On this CPU the values are bit-identical; the tolerance
+    we guarantee is 1e-6 relative, because a BLAS may pick other kernels (another summation order
+    inside a matmul) for another batch shape, which moves float32 logits by ~1e-7 relative."""
+    ck = load(ddp_runs["ddp"] / "ckpt_latest.pt")  # trained and evaluated by 2 processes
+    model = build_model(ModelConfig.from_dict(ck["config"]))
+    model.load_state_dict(ck["model"])
+    d = data_mod.Data(str(next(data_root.iterdir())))
+    starts = d.eval_windows("dev", 32, 6)
+    ctx = torch.autocast("cpu", enabled=False)
+    values = {bs: train.evaluate(model, d, "dev", starts, 32, bs, "cpu", ctx) for bs in (1, 4, 8)}
+    assert values[4] == pytest.approx(values[8], rel=1e-6, abs=0)
+    assert values[1] == pytest.approx(values[8], rel=1e-6, abs=0)
+    assert ck["dev_nll"] == pytest.approx(values[4], rel=1e-6, abs=0)  # world size 2 vs 1, same weights
+
+
+# ----------------------------------------------------------------------------- DDP on CPU
+
+@pytest.fixture(scope="module")
+def ddp_runs(mdm, data_root, tmp_path_factory):
+    """The same 2 updates (global batch: 4 micro-batches of 2 windows) in one process and under
+    torchrun with 2 processes (2 micro-batches each, the first under no_sync)."""
+    root = tmp_path_factory.mktemp("ddp")
+    common = ["--gradient_accumulation_steps", "4", "--max_iters", "2", "--eval_interval", "1"]
+    single = run_train(flags(mdm, data_root, root / "single", *common), {"TRAIN_DEBUG_DUMP": str(root / "s")})
+    ddp = run_train(flags(mdm, data_root, root / "ddp", *common), {"TRAIN_DEBUG_DUMP": str(root / "d")},
+                    torchrun=2)
+    return dict(single=root / "single", ddp=root / "ddp", s=str(root / "s"), d=str(root / "d"),
+                ddp_stdout=ddp.stdout, single_stdout=single.stdout)
+
+
+def test_ddp_matches_single_process(ddp_runs):
+    r0, r1, single = dump(ddp_runs["d"], 0), dump(ddp_runs["d"], 1), dump(ddp_runs["s"])
+    for a, b, s in zip(r0, r1, single):
+        assert a["param_sha256"] == b["param_sha256"]  # identical parameters on every rank after each update
+        assert len(a["starts"]) == len(b["starts"]) == 2 and len(s["starts"]) == 4
+        assert not set(sum(a["starts"], [])) & set(sum(b["starts"], []))  # ranks saw different windows
+        assert a["starts"] + b["starts"] == s["starts"]  # together: the single process's windows
+    assert len(r0) == len(single) == 2
+    cs, cd = load(ddp_runs["single"] / "ckpt_latest.pt"), load(ddp_runs["ddp"] / "ckpt_latest.pt")
+    assert list(cs["model"]) == list(cd["model"])  # no module. prefix
+    assert max((cs["model"][k] - cd["model"][k]).abs().max().item() for k in cs["model"]) <= 1e-6
+    ls, ld = records(ddp_runs["single"], "train"), records(ddp_runs["ddp"], "train")
+    assert [r["loss"] for r in ld] == pytest.approx([r["loss"] for r in ls], rel=1e-6)
+    es, ed = records(ddp_runs["single"], "eval"), records(ddp_runs["ddp"], "eval")
+    assert [r["dev_nll"] for r in ed] == pytest.approx([r["dev_nll"] for r in es], rel=1e-6)
+
+
+def test_ddp_only_rank0_writes_and_prints(ddp_runs):
+    out = ddp_runs["ddp"]
+    assert len(records(out, "start")) == 1 and records(out, "start")[0]["world_size"] == 2
+    assert [r["iter"] for r in records(out, "train")] == [1, 2]
+    assert sorted(os.listdir(out)) == ["ckpt_best.pt", "ckpt_latest.pt", "log.jsonl", "summary.json"]
+    assert ddp_runs["ddp_stdout"].count("update 1: dev NLL") == 1
+    assert ddp_runs["ddp_stdout"].count("test NLL") == 1
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 2 and math.isfinite(s["test_nll"])
+
+
+# ----------------------------------------------------------------------------- bad input catalogue
+
+def _tamper(key, fn):
+    """A setup step: load <out>/ckpt_latest.pt, change it with fn, save it back."""
+    def setup(ctx):
+        p = ctx["out"] / "ckpt_latest.pt"
+        ck = load(p)
+        fn(ck)
+        torch.save(ck, p)
+    setup.__name__ = key
+    return setup
+
+
+def _write(rel, how):
+    def setup(ctx):
+        p = ctx[rel.split("/")[0]] / rel.split("/", 1)[1]
+        how(p)
+    return setup
+
+
+def _meta(fn):
+    def setup(ctx):
+        p = ctx["folder"] / "meta.json"
+        meta = json.loads(p.read_text())
+        fn(meta)
+        p.write_text(json.dumps(meta))
+    return setup
+
+
+def _corrupt_tokens(p):
+    a = np.fromfile(p, dtype="<u2")
+    a[len(a) // 2] = 60000
+    a.tofile(p)
+
+
+def _set_shape(ck):
+    k = next(k for k, v in ck["model"].items() if v.dim() == 2)
+    ck["model"][k] = ck["model"][k][:, :-1].clone()
+
+
+# (id, extra flags, needle in the error line, setup steps, mode): mode "fresh" = a new out_dir that
+# must not be created; "resume" = a copy of a finished run's out_dir that must stay byte-identical.
+# Setup steps get ctx: out (the out_dir), folder (a private copy of the prepared dataset), tmp.
+CASES = [
+    ("model", ["--model", "nope"], "--model", [], "fresh"),
+    ("depth0", ["--depth", "0"], "--depth", [], "fresh"),
+    ("depth_text", ["--depth", "abc"], "--depth", [], "fresh"),
+    ("unknown_flag", ["--bogus", "1"], "unrecognized arguments", [], "fresh"),
+    ("size", ["--size", "1B"], "--size", [], "fresh"),
+    ("lr_negative", ["--learning_rate", "-1"], "--learning_rate", [], "fresh"),
+    ("lr_nan", ["--learning_rate", "nan"], "--learning_rate", [], "fresh"),
+    ("lr_inf", ["--learning_rate", "inf"], "--learning_rate", [], "fresh"),
+    ("min_lr_ratio", ["--min_lr_ratio", "2"], "--min_lr_ratio", [], "fresh"),
+    ("warmup", ["--warmup_iters", "-1"], "--warmup_iters", [], "fresh"),
+    ("weight_decay", ["--weight_decay", "-0.1"], "--weight_decay", [], "fresh"),
+    ("grad_clip", ["--grad_clip", "0"], "--grad_clip", [], "fresh"),
+    ("eval_interval", ["--eval_interval", "0"], "--eval_interval", [], "fresh"),
+    ("eval_batch_size", ["--eval_batch_size", "0"], "--eval_batch_size", [], "fresh"),
+    ("lr_decay_iters", ["--lr_decay_iters", "0"], "--lr_decay_iters", [], "fresh"),
+    ("sample_tokens", ["--sample_tokens", "-1"], "--sample_tokens", [], "fresh"),
+    ("device", ["--device", "tpu"], "--device", [], "fresh"),
+    ("device_cuda", ["--device", "cuda"], "CUDA", [], "fresh"),  # skipped on a machine with CUDA
+    ("dtype", ["--dtype", "float16"], "--dtype", [], "fresh"),
+    ("accum_vs_world", ["--gradient_accumulation_steps", "3", "ENV:WORLD_SIZE=2"], "divisible", [], "fresh"),
+    ("world_env", ["ENV:WORLD_SIZE=two"], "WORLD_SIZE", [], "fresh"),
+    ("out_dir_file", ["--out_dir", "TMP/afile"], "--out_dir", [_write("tmp/afile", lambda p: p.write_text("x"))],
+     "fresh"),
+    ("data_root_file", ["--data_root", "TMP/afile"], "--data_root",
+     [_write("tmp/afile", lambda p: p.write_text("x"))], "fresh"),
+    ("block_size", ["--block_size", "100000"], "--block_size", [], "fresh"),
+    ("dataset_missing", ["--dataset", "TMP/nothing", "--data_dir", None], "--dataset", [], "fresh"),
+    ("dataset_empty", ["--dataset", "TMP/empty", "--data_dir", None], "--dataset",
+     [_write("tmp/empty", lambda p: p.mkdir())], "fresh"),
+    ("no_vocab", ["--dataset", "TMP/text.txt", "--data_dir", None, "ENV:GPT2_BPE_FILE=/nonexistent/gpt2"],
+     "GPT2_BPE_FILE", [_write("tmp/text.txt", lambda p: p.write_text("some text " * 50))], "fresh"),
+    ("data_dir_not_dmmath", ["--dataset", "stdlib", "--data_dir", "TMP"], "--data_dir", [], "fresh"),
+    ("dmmath_layout", ["--data_dir", "TMP/empty"], "--data_dir", [_write("tmp/empty", lambda p: p.mkdir())],
+     "fresh"),
+    ("bin_token_out_of_range", [], "train.bin", [_write("folder/train.bin", _corrupt_tokens)], "fresh"),
+    ("meta_vocab_size", [], "vocab_size", [_meta(lambda m: m.update(vocab_size=10))], "fresh"),
+    ("meta_no_dev_split", [], "no split dev", [_meta(lambda m: m["splits"].pop("dev"))], "fresh"),
+    ("meta_test_split", [], "no split", [_meta(lambda m: m.update(test_split="nope"))], "fresh"),
+    ("mask_values", [], "mask.bin", [_write("folder/dev.mask.bin", lambda p: p.write_bytes(b"\x07" * p.stat().st_size))],
+     "fresh"),
+    ("problems_unreadable", [], "problems.npy",
+     [_write("folder/interpolate.problems.npy", lambda p: p.write_bytes(b"garbage"))], "fresh"),
+    ("problems_out_of_range", [], "problems.npy",
+     [_write("folder/extrapolate.problems.npy", lambda p: np.save(p, np.array([[0, 5, 10 ** 9]])))], "fresh"),
+    ("resume_nothing", ["--resume"], "no checkpoint", [], "fresh"),
+    ("ckpt_truncated", ["--resume"], "truncated", [_write("out/ckpt_latest.pt", lambda p: p.write_bytes(p.read_bytes()[:5000]))],
+     "resume"),
+    ("ckpt_garbage", ["--resume"], "not a readable checkpoint",
+     [_write("out/ckpt_latest.pt", lambda p: p.write_bytes(os.urandom(3000)))], "resume"),
+    ("ckpt_not_training", ["--resume"], "not a training checkpoint",
+     [_write("out/ckpt_latest.pt", lambda p: shutil.copy(p.parent / "ckpt_best.pt", p))], "resume"),
+    ("ckpt_format", ["--resume"], "format", [_tamper("format", lambda ck: ck.update(format=1))], "resume"),
+    ("ckpt_other_model_flag", ["--resume", "--model", "tango"], "--model", [], "resume"),
+    ("ckpt_other_model", ["--resume"], "another model",
+     [_tamper("config", lambda ck: ck["config"].update(model="untied"))], "resume"),
+    ("ckpt_other_tokenizer", ["--resume"], "other data",
+     [_tamper("data", lambda ck: ck["data"].update(tokenizer="gpt2", vocab_size=50257))], "resume"),
+    ("ckpt_tensors_do_not_fit", ["--resume"], "does not fit", [_tamper("shape", _set_shape)], "resume"),
+    ("ckpt_best_missing", ["--resume"], "ckpt_best.pt", [_write("out/ckpt_best.pt", lambda p: p.unlink())],
+     "resume"),
+    ("ckpt_best_corrupt", ["--resume"], "ckpt_best.pt",
+     [_write("out/ckpt_best.pt", lambda p: p.write_bytes(p.read_bytes()[:-100]))], "resume"),
+    ("ckpt_max_iters_below", ["--resume", "--max_iters", "3"], "--max_iters", [], "resume"),
+    ("ckpt_seed_conflict", ["--resume", "--seed", "5"], "--seed", [], "resume"),
+]
+
+
+def test_catalogue_has_20_cases():
+    assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_one_line_exit_2_nothing_written(case, runs, mdm, data_root, tmp_path, capsys, monkeypatch):
+    name, extra, needle, setups, mode = case
+    if name == "device_cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    prepared = next(data_root.iterdir())
+    root = tmp_path / "data"
+    shutil.copytree(prepared, root / prepared.name)  # a private copy to corrupt
+    out = tmp_path / "out"
+    if mode == "resume":
+        shutil.copytree(runs["out"]["A"], out)
+    ctx = dict(out=out, folder=root / prepared.name, tmp=tmp_path)
+    for step in setups:
+        step(ctx)
+    argv = flags(mdm, root, out)
+    for f in extra:
+        if isinstance(f, str) and f.startswith("ENV:"):
+            monkeypatch.setenv(*f[4:].split("=", 1))
+    extra = [f for f in extra if not (isinstance(f, str) and f.startswith("ENV:"))]
+    if None in extra:  # ["--data_dir", None]: leave the flag out
+        i = extra.index(None)
+        argv.remove(str(mdm))
+        argv.remove("--data_dir")
+        extra = extra[:i - 1] + extra[i + 1:]
+    argv += [f.replace("TMP", str(tmp_path)) for f in extra]
+    before = snapshot(out)
+    code, err = call_main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert snapshot(out) == before  # fresh: out_dir not even created; resume: not a byte changed
+
+
+def test_bad_input_in_a_real_process(mdm, data_root, tmp_path):
+    p = run_train(flags(mdm, data_root, tmp_path / "out", "--resume"), check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()]
+    assert p.stderr.startswith("error: --resume: no checkpoint") and not (tmp_path / "out").exists()
