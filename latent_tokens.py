@@ -3,11 +3,12 @@
 Trainable embeddings ("latent tokens") are inserted into the input of a frozen causal LM; the
 table Z (G groups x m slots x d) is the only thing trained. Commands:
 
-    python latent_tokens.py pretrain --task all --out_dir out/latent_base      # tiny base on CPU
+    python latent_tokens.py pretrain --task all --out_dir out/latent_base      # tiny base, ~6 CPU min
     python latent_tokens.py --base out/latent_base/ckpt_best.pt --task summation --policy Comma_2
     python latent_tokens.py --base CKPT --task repetition --policy Start_1+Comma_1 --groups rule
     python latent_tokens.py --base CKPT --task generation --policy none        # frozen base alone
-    python latent_tokens.py sweep --base CKPT --out_dir results/latent_tokens  # the README table
+    python latent_tokens.py sweep --base CKPT --out_dir results/latent_tokens \
+        --n_train 1024 --epochs 3 --n_test 256 --ablate_readout                 # the README table
 
 Augmented sequence (pure function `augment`, SPEC section 6). Verbal ids v_0..v_{n-1}, the first
 query_len of them the query (v_0 is the beginning token in the tasks below). A *slot* j sits just
@@ -881,7 +882,11 @@ def pretrain(args):
     from models import build_model
     torch.manual_seed(args.seed)
     names = list(TASKS) if args.task == "all" else [get_task(t).name for t in args.task.split(",")]
-    weights = [int(w) for w in args.mix.split(",")] if args.mix else [1] * len(names)
+    mix = args.mix or ("1,2,1" if args.task == "all" else ",".join("1" * len(names)))
+    try:
+        weights = [int(w) for w in mix.split(",")]
+    except ValueError:
+        weights = []
     if len(weights) != len(names) or min(weights) < 1:
         raise UsageError(f"--mix {args.mix}: one positive integer weight per task ({', '.join(names)})")
     cycle = [n for n, w in zip(names, weights) for _ in range(w)]  # the mix, in a fixed rotation
@@ -1141,20 +1146,21 @@ def parse_args(argv):
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         a = p.add_argument
         a("--task", default="all", help="all or a comma list of " + ", ".join(TASKS))
-        a("--mix", default=None, help="integer weights per task, e.g. 1,2,1 (default equal)")
+        a("--mix", default=None, help="integer weights per task (default 1,2,1 for all: Summation's retrieval "
+                                      "needs the most updates; equal otherwise)")
         a("--out_dir", default="out/latent_base")
         a("--model", default="untied", help="a models.REGISTRY name")
         a("--d", type=int, default=64, help="width (multiple of 32)")
         a("--depth", type=int, default=3)
         a("--width", type=int, default=None, help="expansion width (default 4 d)")
-        a("--steps", type=int, default=1500)
+        a("--steps", type=int, default=4000)
         a("--batch_size", type=int, default=32)
-        a("--lr", type=float, default=3e-3)
+        a("--lr", type=float, default=6e-3)
         a("--vocab", default="task", help="task (Llama-3-like pieces: numbers of up to 3 digits are one token) or char")
         a("--n_samples", type=int, default=30000, help="training samples written to train.txt")
         a("--n_dev", type=int, default=384)
         a("--n_test", type=int, default=256, help="samples per level for the final base evaluation")
-        a("--eval_interval", type=int, default=250)
+        a("--eval_interval", type=int, default=500)
         a("--seed", type=int, default=0)
         a("--threads", type=int, default=1)
         args = p.parse_args(argv[1:])

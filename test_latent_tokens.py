@@ -250,7 +250,8 @@ def test_greedy_decode_matches_teacher_forced_scoring():
 
 
 def _tiny_hf(kind):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)",
+                                       exc_type=ImportError)
     torch.manual_seed(0)
     if kind == "llama":
         cfg = transformers.LlamaConfig(vocab_size=13, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
