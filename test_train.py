@@ -5,6 +5,8 @@ The runs use a tiny DeepMind-Mathematics-shaped dataset written here (character 
 cost is mostly Python start-up. Runs that must be separate processes (resume, torchrun) are
 subprocesses; the catalogue of bad inputs calls train.main in this process.
 """
+import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -13,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -149,6 +152,34 @@ def test_sample_starts_is_data_train_batch(data_root):
         assert torch.equal(x, x2) and torch.equal(y, y2)
 
 
+def test_accumulation_averages_micro_batches_and_clips_once(data_root):
+    """The update follows the mean of the micro-batch gradients, clipped once on its total norm; the
+    returned (logged) loss is the mean of the micro-batch losses."""
+    d = data_mod.Data(str(next(data_root.iterdir())))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(model="loop", depth=1, width=32, vocab_size=d.vocab_size, n_embd=64,
+                                    n_head=2, block_size=32))
+    starts = [np.array([0, 100]), np.array([200, 300]), np.array([400, 500])]
+    ref, losses = copy.deepcopy(model), []
+    for s in starts:
+        x, y = d.window_batch("train", s, 32)
+        loss = ref(x, y)[1]
+        loss.backward()
+        losses.append(loss.item())
+    mean_grad = [p.grad / 3 for p in ref.parameters()]
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean_grad])).item()
+    for clip in (1e9, norm / 4):
+        m = copy.deepcopy(model)
+        r = SimpleNamespace(args=SimpleNamespace(device="cpu", block_size=32, grad_clip=clip), dist=train.Dist(),
+                            data=d, model=m, train_model=m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0),
+                            ctx=contextlib.nullcontext(), it=0, latest_path="unused")
+        loss, grad_norm = train.train_update(r, starts)
+        assert loss == pytest.approx(sum(losses) / 3, rel=1e-6) and grad_norm == pytest.approx(norm, rel=1e-5)
+        scale = min(1.0, clip / (norm + 1e-6))
+        for p0, p1, g in zip(model.parameters(), m.parameters(), mean_grad):
+            assert torch.allclose(p0 - p1, g * scale, rtol=1e-4, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 @pytest.fixture(scope="module")
@@ -243,6 +274,24 @@ def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_pa
     assert summary["best_iter"] == best["iter"] and summary["dev_nll"] == 0.01
     assert [r["iter"] for r in records(out, "train")] == list(range(1, 10))
     assert load(out / "ckpt_latest.pt")["best_dev"] == 0.01
+
+
+def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
+    """What a CUDA run saves (a CUDA RNG state, device/dtype/compile args, here also old-style
+    _orig_mod. names) resumes on a CPU-only machine: machine flags are not taken from the checkpoint."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    ck = load(out / "ckpt_latest.pt")
+    ck["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    ck["args"].update(device="cuda:0", dtype="bfloat16", compile=True)
+    ck["model"] = {"_orig_mod." + k: v for k, v in ck["model"].items()}
+    torch.save(ck, out / "ckpt_latest.pt")
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
+    assert code == 0, err
+    args = records(out, "start")[-1]["args"]
+    assert (args["device"], args["dtype"], args["compile"]) == ("cpu", "float32", False)
+    assert [r["iter"] for r in records(out, "train")] == list(range(1, 8))
+    assert not any(k.startswith("_orig_mod.") for k in load(out / "ckpt_latest.pt")["model"])
 
 
 # ----------------------------------------------------------------------------- safe checkpoints, failures

@@ -41,7 +41,8 @@ number of processes; each rank runs accum/world micro-batches, gradients are syn
 last one only (no_sync). Every rank draws the windows of all accum micro-batches of an update
 from the shared data RNG and takes its own contiguous share, so an update sees the same windows
 whatever the world size. Dev/test windows are sharded over ranks and their per-window NLL sums
-(float64) gathered in window order. Only rank 0 prints and writes logs and checkpoints.
+(float64) gathered in window order. Only rank 0 prints and writes logs and checkpoints; rank 0
+also prepares the dataset, so on several machines --data_root must be on a shared file system.
 
 Debug hook: with env var TRAIN_DEBUG_DUMP=PREFIX every rank appends one JSON line per update to
 PREFIX.rank<R>.jsonl: {"iter", "starts" (the train windows this rank used, per micro-batch),
