@@ -298,3 +298,22 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, text_dir, flags, ne
     assert not (tmp_path / "out").exists()
     leftovers = [f for f in (tmp_path / "data").rglob("*")] if (tmp_path / "data").exists() else []
     assert all(".tmp" not in str(f) and "tmp" not in f.name for f in leftovers)
+
+
+def test_eval_depths_sweep_and_diagnostics(tmp_path, text_dir):
+    """--eval_depths evaluates the best checkpoint at each depth (here Parcae: the depth-2 value
+    equals the dev NLL it was selected on, since it trains and evaluates at --depth 2), and the
+    looped models log their recurrent-state diagnostics."""
+    p = run_train(tmp_path, "--model", "parcae", "--depth", "2", "--n_prelude", "1", "--n_core", "1",
+                  "--n_coda", "1", "--dataset", str(text_dir), "--eval_depths", "1,2,4", *TINY)
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    curve = s["depth_sweep"]["dev_nll"]
+    assert s["depth_sweep"]["depths"] == [1, 2, 4] and len(set(curve)) == 3
+    assert curve[1] == pytest.approx(s["dev_nll"], rel=1e-9)
+    assert "K=4" in p.stdout
+    log = [json.loads(l) for l in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    diag = [r["diag"] for r in log if r["event"] == "eval"]
+    assert diag and all(0 < d["abar_max"] < 1 and len(d["state_norm"]) == 2 for d in diag)
+    bad = run_train(tmp_path / "bad", "--model", "untied", "--dataset", str(text_dir), "--eval_depths", "1,2",
+                    *TINY, check=False)
+    assert bad.returncode == 2 and "--eval_depths" in bad.stderr

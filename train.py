@@ -83,7 +83,10 @@ LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
 # --resume: these must agree with the checkpoint (they define the model, its data order or the
 # meaning of "best dev"); MACHINE_FLAGS are never taken from it; every other flag is taken from the
 # checkpoint unless given explicitly, in which case the given value wins and the change is logged.
-IDENTITY_FLAGS = ("model", "depth", "size", "window", "block_size", "seed", "data_seed", "eval_windows")
+IDENTITY_FLAGS = ("model", "depth", "size", "window", "block_size", "seed", "data_seed", "eval_windows",
+                  "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
+# models whose one block (or unit, or recurrent core) can be applied any number of times
+SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
 MACHINE_FLAGS = ("out_dir", "data_root", "resume", "quiet", "device", "dtype", "compile")
 TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
                  "seed", "data_seed")
@@ -111,6 +114,14 @@ def build_parser(suppress_defaults=False):
     a("--depth", type=int, default=8, help="K, number of block applications")
     a("--size", default=None, help=f"tier: {', '.join(TIERS)} (default: cpu without a GPU, 70M with one)")
     a("--window", type=int, default=256, help="Windowed TANGO window W")
+    a("--mu_rec", type=int, default=0, help="Parcae/RDM: mean training recurrence (0: --depth)")
+    a("--mu_bwd", type=int, default=0, help="Parcae/RDM: recurrences backpropagated (0: ceil(mu_rec/2))")
+    a("--n_prelude", type=int, default=2, help="Parcae/RDM: blocks before the recurrent core")
+    a("--n_core", type=int, default=2, help="Parcae/RDM: blocks in the recurrent core")
+    a("--n_coda", type=int, default=2, help="Parcae/RDM: blocks after the recurrent core")
+    a("--kl_threshold", type=float, default=5e-4, help="RDM: KL early-exit threshold (rdm_generate_depths)")
+    a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
+      "1,2,4,8,16,32 (shared-block models: the TANGO family, loop, gau, flash, parcae, rdm)")
     a("--dataset", default="stdlib", help="stdlib, dmmath, or a path to a text file or folder")
     a("--data_dir", default=None, help="dmmath: folder in the official layout (default ../shared/data/dmmath)")
     a("--data_root", default="data", help="where prepared token bins are cached")
@@ -263,6 +274,15 @@ def resolve_args(args, dist=None):
     if args.gradient_accumulation_steps % dist.world:
         raise UsageError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: must be divisible "
                          f"by the number of processes ({dist.world}); it counts micro-batches over all of them")
+    try:
+        args.depth_list = [int(k) for k in args.eval_depths.split(",")] if args.eval_depths else []
+    except ValueError:
+        raise UsageError(f"--eval_depths {args.eval_depths}: give comma-separated depths, e.g. 1,2,4,8") from None
+    if args.depth_list and (args.model not in SHARED_BLOCK or min(args.depth_list) < 1):
+        raise UsageError(f"--eval_depths {args.eval_depths}: needs depths >= 1 and a shared-block model "
+                         f"({', '.join(SHARED_BLOCK)})")
+    if not 0 < args.kl_threshold < math.inf:
+        raise UsageError(f"--kl_threshold {args.kl_threshold}: must be a finite number > 0")
     if args.dtype == "auto":
         bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
         args.dtype = "bfloat16" if bf16 else "float32"
@@ -386,7 +406,9 @@ def sample_starts(rng, n_tokens, batch_size, block_size):
 def model_config(args, data):
     d, H, target = TIERS[args.size]
     cfg = ModelConfig(model=args.model, vocab_size=data.vocab_size, block_size=args.block_size,
-                      n_embd=d, n_head=H, depth=args.depth, window=args.window)
+                      n_embd=d, n_head=H, depth=args.depth, window=args.window, mu_rec=args.mu_rec,
+                      mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
+                      kl_threshold=args.kl_threshold)
     return solve_width(cfg, target, strict=args.size != "cpu"), target
 
 
@@ -793,7 +815,8 @@ def train_loop(r):
         r.it += 1
         rates.append(tokens_per_update / (time.time() - t0))
         dump.write(r.it, my_share(starts, r.dist), r.model)
-        r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1])
+        r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
+                   **diagnostics(r.model, spectral=False))
         r.log.progress(loss=f"{loss:.3f}", tok_s=f"{rates[-1]:.0f}")
         if r.it in eval_at:
             eval_and_checkpoint(r, dev_starts)
@@ -843,10 +866,33 @@ def eval_and_checkpoint(r, dev_starts):
                             f"checkpoint is {r.latest_path}")
     improved = dev < r.best_dev
     r.best_dev = min(r.best_dev, dev)
-    r.log.emit(event="eval", iter=r.it, dev_nll=dev, best=improved)
+    r.log.emit(event="eval", iter=r.it, dev_nll=dev, best=improved, **diagnostics(r.model, spectral=True))
     r.log.say(f"update {r.it}: dev NLL {dev:.4f}" + (" (best)" if improved else ""))
     if r.dist.main:
         save_checkpoints(r, dev, improved)
+
+
+def diagnostics(model, spectral):
+    """The looped models' training diagnostics (Parcae, RDM: recurrent state norm per step, max Abar,
+    spectral norms when spectral=True), as {"diag": {...}} for the log; {} for other models."""
+    fn = getattr(model.body, "diagnostics", None)
+    return {"diag": fn(spectral=spectral)} if fn is not None else {}
+
+
+def depth_sweep(r, model):
+    """Dev NLL of the (best) model at each --eval_depths recurrence count; restores the depth."""
+    args, body = r.args, model.body
+    dev_starts = r.data.eval_windows("dev", args.block_size, args.eval_windows)
+    trained, curve = body.depth, []
+    try:
+        for k in args.depth_list:
+            body.depth = k
+            curve.append(evaluate(model, r.data, "dev", dev_starts, args.block_size, args.eval_batch_size,
+                                  args.device, r.ctx, r.dist))
+    finally:
+        body.depth = trained
+    r.log.emit(event="depth_sweep", depths=args.depth_list, dev_nll=curve)
+    return curve
 
 
 def save_checkpoints(r, dev, improved):
@@ -903,6 +949,7 @@ def finish(r, rates, t_start):
     test_starts = data.eval_windows(data.test_split, args.block_size, args.eval_windows)
     test = evaluate(model, data, data.test_split, test_starts, args.block_size, args.eval_batch_size,
                     args.device, r.ctx, r.dist)
+    curve = depth_sweep(r, model) if args.depth_list else None
     if not r.dist.main:
         return None
     tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
@@ -914,6 +961,8 @@ def finish(r, rates, t_start):
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
                "wall_s": time.time() - t_start}
+    if curve is not None:
+        summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
     for split in data.meta.get("em_splits", []):
         summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, args.device, r.ctx)
     r.log.emit(event="summary", **summary)
@@ -935,6 +984,9 @@ def print_report(s, data, args):
     for split in data.meta.get("em_splits", []):
         n = min(args.em_samples, len(data.problems(split)))
         print(f"exact match {split:12s} {s[f'exact_match_{split}']:.2%}  ({n} problems)")
+    if "depth_sweep" in s:
+        print("dev NLL by test-time depth: " + ", ".join(
+            f"K={k}: {v:.4f}" for k, v in zip(s["depth_sweep"]["depths"], s["depth_sweep"]["dev_nll"])))
     print(f"wall time              {s['wall_s']:.0f} s")
 
 
@@ -943,6 +995,7 @@ def print_sample(model, data, args, device, ctx):
     if args.sample_tokens == 0:
         return
     torch.manual_seed(args.seed)
+    model.eval()  # Parcae/RDM: fixed depth and seeded initial state
     if data.problems(data.test_split) is not None:
         q0, a0, a1 = data.problems(data.test_split)[0]
         tok = data.tokens(data.test_split)
