@@ -24,20 +24,24 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_dir(root, dataset, model, depth, seed):
-    return os.path.join(root, os.path.basename(dataset.rstrip("/")), f"{model}-K{depth}-s{seed}")
+def run_dir(root, dataset, model, depth, seed, lr=None):
+    name = f"{model}-K{depth}-s{seed}" + (f"-lr{lr}" if lr else "")
+    return os.path.join(root, os.path.basename(dataset.rstrip("/")), name)
 
 
 def cmd_run(args, extra):
-    grid = [(ds, m, int(k), int(s)) for ds in args.datasets.split(",") for k in args.depths.split(",")
-            for m in args.models.split(",") for s in range(1, args.seeds + 1)]
-    for i, (ds, m, k, s) in enumerate(grid, 1):
-        out = run_dir(args.root, ds, m, k, s)
+    lrs = args.lrs.split(",") if args.lrs else [None]
+    grid = [(ds, m, int(k), int(s), lr) for ds in args.datasets.split(",") for k in args.depths.split(",")
+            for m in args.models.split(",") for lr in lrs for s in range(1, args.seeds + 1)]
+    for i, (ds, m, k, s, lr) in enumerate(grid, 1):
+        out = run_dir(args.root, ds, m, k, s, lr)
         if os.path.exists(os.path.join(out, "summary.json")):
             print(f"[{i}/{len(grid)}] {out}: done, skipped")
             continue
         cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", m, "--depth", str(k), "--dataset", ds,
                "--seed", str(s), "--data_seed", str(s), "--out_dir", out, "--quiet", *extra]
+        if lr:
+            cmd += ["--learning_rate", lr]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
         print(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), flush=True)
@@ -93,6 +97,38 @@ def report(root):
     return "\n".join(out).lstrip("\n") + "\n"
 
 
+def lr_report(root):
+    """Learning-rate sweep table (runs named ...-lr<LR>): final training loss (mean of the last 10
+    updates), best dev NLL, the largest recurrent-state norm seen in training and, from the last
+    evaluation, max Abar (Parcae) or ||W_1||_2 (RDM). A run stopped by a non-finite loss shows as
+    diverged."""
+    out = ["| model | K | peak lr | final train loss | best dev NLL | max state norm | max Abar | "
+           "spectral norm (Parcae: diag(Delta) B, RDM: W_1) | status |", "|---|---|---|---|---|---|---|---|---|"]
+    runs = sorted(glob.glob(os.path.join(root, "*", "*-lr*")), key=lambda p: (p.split("-K")[0], float(p.split("-lr")[1])))
+    for d in runs:
+        if not os.path.isdir(d):
+            continue
+        recs = []
+        if os.path.exists(os.path.join(d, "log.jsonl")):
+            with open(os.path.join(d, "log.jsonl")) as f:
+                recs = [json.loads(line) for line in f]
+        train = [r for r in recs if r["event"] == "train"]
+        evals = [r for r in recs if r["event"] == "eval"]
+        done = os.path.exists(os.path.join(d, "summary.json"))
+        name = os.path.basename(d)
+        model, depth = name.split("-K")[0], name.split("-K")[1].split("-")[0]
+        norms = [r["diag"]["state_norm_max"] for r in train if "diag" in r]
+        last = evals[-1].get("diag", {}) if evals else {}
+        spec = last.get("bbar_spectral_norm", last.get("w1_spectral_norm"))
+        fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)
+        out.append(f"| {model} | {depth} | {name.split('-lr')[1]} | "
+                   f"{fmt(statistics.fmean(r['loss'] for r in train[-10:]) if train else None)} | "
+                   f"{fmt(min((r['dev_nll'] for r in evals), default=None))} | {fmt(max(norms, default=None), '{:.1f}')} | "
+                   f"{fmt(last.get('abar_max'))} | {fmt(spec, '{:.2f}')} | "
+                   f"{'finished' if done else 'diverged or incomplete'} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = []
@@ -107,14 +143,16 @@ def main(argv=None):
     r.add_argument("--depths", default="4")
     r.add_argument("--seeds", type=int, default=1)
     r.add_argument("--datasets", default="stdlib")
+    r.add_argument("--lrs", default="", help="comma-separated peak learning rates (a learning-rate sweep)")
     q = sub.add_parser("report")
     q.add_argument("--root", required=True)
     q.add_argument("--out", default=None)
+    q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     args = p.parse_args(argv)
     if args.cmd == "run":
         cmd_run(args, extra)
     else:
-        text = report(args.root)
+        text = lr_report(args.root) if args.lr else report(args.root)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
