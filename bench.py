@@ -9,10 +9,11 @@ it; a timed-out or failed row says so and the model's larger T are skipped). The
 model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),
 AdamW as in train.py (weight decay on matrices), random tokens, and times full training steps:
 forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
-max(1, batch_tokens // T) sequences, so every step does about the same number of tokens.
+max(1, batch_tokens // T) sequences, so every step does about the same number of tokens (T above
+batch_tokens: one sequence of T tokens).
 
-tokens/s    B T / median step time over --steps timed steps (after --warmup untimed ones; the
-            last warm-up step is the memory measurement).
+tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
+            seconds, at least one), after --warmup untimed ones (the last is the memory measurement).
 MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T, B T)
             = 6 x (SPEC 7 forward MACs of one sequence) / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
@@ -181,7 +182,7 @@ def child(spec):
         mem_mb, method = _cpu_step_memory(step)
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
-    for _ in range(spec["steps"]):
+    while len(times) < spec["steps"] and (not times or sum(times) < spec["step_budget"]):
         sync()
         t = time.perf_counter()
         loss = step()
@@ -372,10 +373,12 @@ def parse(argv):
     p.add_argument("--size", default="cpu", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K")
     p.add_argument("--block_sizes", default=DEFAULT_BLOCK_SIZES, help="comma-separated sequence lengths T")
-    p.add_argument("--batch_tokens", type=int, default=4096, help="tokens per step; batch = max(1, batch_tokens // T)")
+    p.add_argument("--batch_tokens", type=int, default=2048, help="tokens per step; batch = max(1, batch_tokens // T)")
     p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (default GPT-2, as in training)")
     p.add_argument("--window", type=int, default=256, help="Windowed TANGO window W")
     p.add_argument("--steps", type=int, default=3, help="timed training steps per configuration (median)")
+    p.add_argument("--step_budget", type=float, default=30,
+                   help="stop timing once the timed steps took this many seconds (at least one step)")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps first, the last one measures memory (>= 1; compile: at least 2 used)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
@@ -442,7 +445,7 @@ def main(argv=None):
             for T in a.block_sizes:
                 spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
                         "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
-                        "batch_tokens": a.batch_tokens, "steps": a.steps,
+                        "batch_tokens": a.batch_tokens, "steps": a.steps, "step_budget": a.step_budget,
                         "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads}
                 if failed:
                     row = {**spec, "status": f"skipped ({failed})"}
@@ -461,7 +464,7 @@ def main(argv=None):
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
         "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,
-        "steps": a.steps, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
+        "steps": a.steps, "step_budget_s": a.step_budget, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
         "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
         "flops_convention": FLOPS_DEF, "mfu_reference": REFERENCE,
         "memory_definition": MEMORY_DEF_CUDA if a.device.startswith("cuda") else MEMORY_DEF_CPU,
@@ -473,7 +476,8 @@ def main(argv=None):
     out = {"meta": meta, "rows": rows, "targets": tg}
     md = (f"`{meta['command']}`\n\n{a.device}, {a.dtype}, {threads} threads, tier {a.size} (d={meta['tier']['d']}, "
           f"~{meta['tier']['target']:,} non-embedding parameters), K={a.depth}, V={a.vocab_size}, "
-          f"{a.batch_tokens} tokens per step, median of {a.steps} steps after {a.warmup} warm-up; "
+          f"batch max(1, {a.batch_tokens} // T), median of up to {a.steps} timed steps (fewer past {a.step_budget:g} s) "
+          f"after {a.warmup} warm-up; "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "
           f"max {meta['load_average_max_during']} during.\n\n"
           f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
