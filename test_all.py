@@ -317,3 +317,36 @@ def test_eval_depths_sweep_and_diagnostics(tmp_path, text_dir):
     bad = run_train(tmp_path / "bad", "--model", "untied", "--dataset", str(text_dir), "--eval_depths", "1,2",
                     *TINY, check=False)
     assert bad.returncode == 2 and "--eval_depths" in bad.stderr
+
+
+def test_readme_results_table_regenerates_from_committed_summaries():
+    """The README's results table is `python sweep.py report --root results/readme`, byte for byte."""
+    import sweep
+    readme = open(os.path.join(HERE, "README.md")).read()
+    begin, end = "<!-- sweep report --root results/readme -->\n", "<!-- end of sweep report -->"
+    table = readme[readme.index(begin) + len(begin):readme.index(end)]
+    assert table == sweep.report(os.path.join(HERE, "results", "readme"))
+    assert table.count("| tango |") == 2  # stdlib and dmmath rows are there
+
+
+@pytest.fixture(scope="module")
+def shared_root(tmp_path_factory):
+    """One data_root for the per-model runs below, so stdlib and dmmath are prepared once."""
+    return tmp_path_factory.mktemp("shared_data")
+
+
+@pytest.mark.parametrize("dataset", ["stdlib", "dmmath"])
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_model_trains_on_stdlib_and_dmmath(tmp_path, shared_root, name, dataset):
+    """Every registered model trains through the same flags on both datasets and reports dev/test
+    NLL (and exact match on dmmath's interpolate and extrapolate)."""
+    depth = "3" if name == "tango-3set" else "2"
+    run_train(tmp_path, "--model", name, "--depth", depth, "--dataset", dataset, "--data_root", str(shared_root),
+              "--max_iters", "2", "--eval_interval", "1", "--block_size", "64" if dataset == "stdlib" else "256",
+              "--batch_size", "2", "--eval_windows", "2", "--em_samples", "2", "--sample_tokens", "4",
+              env_extra={"OMP_NUM_THREADS": "1"})
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["model"] == name and np.isfinite(s["dev_nll"]) and np.isfinite(s["test_nll"])
+    assert s["test_split"] == ("interpolate" if dataset == "dmmath" else "test")
+    if dataset == "dmmath":
+        assert 0 <= s["exact_match_interpolate"] <= 1 and 0 <= s["exact_match_extrapolate"] <= 1

@@ -1,6 +1,6 @@
 """Train any registered model on a prepared dataset (SPEC.md section 8).
 
-    python train.py --model tango --depth 8                      # CPU tier, stdlib, ~5 min
+    python train.py --model tango --depth 8                      # CPU tier, stdlib, ~7 min
     python train.py --model loop --depth 4 --dataset dmmath
     python train.py --model tango --size 70M --block_size 2048   # one GPU: bf16 + torch.compile
     torchrun --standalone --nproc_per_node 8 train.py --model tango --size 70M   # 8 GPUs, DDP
