@@ -9,8 +9,12 @@ it; a timed-out or failed row says so and the model's larger T are skipped). The
 model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),
 AdamW as in train.py (weight decay on matrices), random tokens, and times full training steps:
 forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
-max(1, batch_tokens // T) sequences, so every step does about the same number of tokens (T above
-batch_tokens: one sequence of T tokens).
+max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
+row does the same number of tokens per step. That matters on CPU: glibc serves allocations above
+32 MiB (its largest mmap threshold) with fresh mmaps, whose pages fault in on every step, so per-
+token cost jumps once a step's intermediates cross that size (Windowed TANGO, cpu tier, one
+thread: 2.0 s for 2048 tokens, 7.1 s for 4096, 17x the minor page faults), and rows with
+different tokens per step would compare allocators, not architectures.
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one), after --warmup untimed ones (the last is the memory measurement).
@@ -373,11 +377,12 @@ def parse(argv):
     p.add_argument("--size", default="cpu", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K")
     p.add_argument("--block_sizes", default=DEFAULT_BLOCK_SIZES, help="comma-separated sequence lengths T")
-    p.add_argument("--batch_tokens", type=int, default=2048, help="tokens per step; batch = max(1, batch_tokens // T)")
+    p.add_argument("--batch_tokens", type=int, default=0,
+                   help="tokens per step; batch = max(1, batch_tokens // T) (default: the largest block size)")
     p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (default GPT-2, as in training)")
     p.add_argument("--window", type=int, default=256, help="Windowed TANGO window W")
-    p.add_argument("--steps", type=int, default=3, help="timed training steps per configuration (median)")
-    p.add_argument("--step_budget", type=float, default=30,
+    p.add_argument("--steps", type=int, default=2, help="timed training steps per configuration (median)")
+    p.add_argument("--step_budget", type=float, default=20,
                    help="stop timing once the timed steps took this many seconds (at least one step)")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps first, the last one measures memory (>= 1; compile: at least 2 used)")
@@ -404,11 +409,12 @@ def parse(argv):
         a.block_sizes = sorted({int(t) for t in a.block_sizes.split(",") if t})
     except ValueError:
         p.error(f"--block_sizes {a.block_sizes}: comma-separated integers")
+    if not a.block_sizes or min(a.block_sizes) < 1:
+        p.error("--block_sizes: need positive integers")
+    a.batch_tokens = a.batch_tokens or max(a.block_sizes)
     for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
-    if not a.block_sizes or min(a.block_sizes) < 1:
-        p.error("--block_sizes: need positive integers")
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         p.error(f"--device {a.device}: CUDA is not available")
