@@ -25,6 +25,7 @@ REGISTRY = {
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
 # is this project's small tier (the default without a GPU), solved by the same rule.
 TIERS = {
+    "tiny": (64, 2, 400_000),
     "cpu": (128, 4, 1_000_000),
     "70M": (512, 16, 44_270_000),
     "160M": (768, 24, 121_400_000),

@@ -1,25 +1,37 @@
-"""Run a grid of train.py runs and report them as markdown tables.
+"""Run a grid of train.py runs and report them as markdown tables and loss-curve plots.
 
     python sweep.py run --root runs/readme --models tango,loop --depths 4 --seeds 1 --datasets stdlib
     python sweep.py report --root runs/readme [--out table.md]
+    python sweep.py collect --root runs/grid --to results/grid      # small JSON copies to commit
+    python sweep.py report --grid --root results/grid               # the paper-style tables
+    python sweep.py plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
 
 `run` trains every (dataset, model, depth, seed) combination as its own train.py process in
 `<root>/<dataset>/<model>-K<depth>-s<seed>/`, with the paper's protocol from train.py: matched
 non-embedding parameters (the tier's width solving), the same data order for the same seed
 (`--data_seed` = seed), dev-selected checkpoint, test on that checkpoint. A run whose
 `summary.json` exists is skipped; one with only `ckpt_latest.pt` is resumed, so a sweep can be
-stopped and continued across sessions. Extra flags after `--` go to every run.
+stopped and continued across sessions. Extra flags after `--` go to every run. `--jobs N` runs N
+train.py processes at once, each with OMP_NUM_THREADS = (CPU cores) / N unless that is set; the
+grid is ordered depth first, so the smaller depths finish first.
 
 `report` reads every `summary.json` under the root and prints one table per dataset: mean ± std
-over seeds of test NLL (and dev NLL, exact match where present), lowest mean in bold.
+over seeds of test NLL (and dev NLL, exact match where present), lowest mean in bold. `report
+--grid` prints the paper-style tables instead (section 4.1 of the TANGO paper): test NLL (and
+exact match) at the held-out depths, dev NLL over every depth, and the paper's claims checked
+one by one. `collect` copies each run's summary.json and its curves (dev NLL per evaluation,
+training loss per update) into a folder small enough to commit; `plot` draws those curves.
 """
 import argparse
+import concurrent.futures
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,13 +43,18 @@ def run_dir(root, dataset, model, depth, seed, lr=None):
 
 def cmd_run(args, extra):
     lrs = args.lrs.split(",") if args.lrs else [None]
-    grid = [(ds, m, int(k), int(s), lr) for ds in args.datasets.split(",") for k in args.depths.split(",")
+    grid = [(ds, m, int(k), int(s), lr) for k in args.depths.split(",") for ds in args.datasets.split(",")
             for m in args.models.split(",") for lr in lrs for s in range(1, args.seeds + 1)]
-    for i, (ds, m, k, s, lr) in enumerate(grid, 1):
+    env = dict(os.environ)
+    if args.jobs > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    t0 = time.time()
+
+    def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
         if os.path.exists(os.path.join(out, "summary.json")):
-            print(f"[{i}/{len(grid)}] {out}: done, skipped")
-            continue
+            print(f"[{i}/{len(grid)}] {out}: done, skipped", flush=True)
+            return 0
         cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", m, "--depth", str(k), "--dataset", ds,
                "--seed", str(s), "--data_seed", str(s), "--out_dir", out, "--quiet", *extra]
         if lr:
@@ -47,9 +64,45 @@ def cmd_run(args, extra):
         print(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), flush=True)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stdout.txt"), "w") as f:
-            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            print(f"  failed with exit code {rc}; see {out}/stdout.txt")
+            print(f"  failed with exit code {rc}; see {out}/stdout.txt", flush=True)
+        return rc
+
+    if args.jobs > 1 and grid:  # the first run prepares the data; the others then find it
+        first = one(1, *grid[0])
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            rcs = [first] + list(pool.map(lambda a: one(*a), [(i, *g) for i, g in enumerate(grid[1:], 2)]))
+    else:
+        rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
+    failed = sum(rc != 0 for rc in rcs)
+    print(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+def cmd_collect(root, to):
+    """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ and write curves.json
+    there: {"tokens_per_update", "eval": [[update, dev NLL], ...], "train": [[update, loss], ...]}."""
+    n = 0
+    for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
+        run = os.path.dirname(path)
+        dest = os.path.join(to, os.path.relpath(run, root))
+        os.makedirs(dest, exist_ok=True)
+        shutil.copyfile(path, os.path.join(dest, "summary.json"))
+        recs = []
+        if os.path.exists(os.path.join(run, "log.jsonl")):
+            with open(os.path.join(run, "log.jsonl")) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+        start = [r for r in recs if r.get("event") == "start"]
+        a = start[-1]["args"] if start else {}
+        curves = {"tokens_per_update": a.get("batch_size", 0) * a.get("block_size", 0)
+                  * a.get("gradient_accumulation_steps", 0),
+                  "eval": sorted({r["iter"]: round(r["dev_nll"], 5) for r in recs if r.get("event") == "eval"}.items()),
+                  "train": sorted({r["iter"]: round(r["loss"], 4) for r in recs if r.get("event") == "train"}.items())}
+        with open(os.path.join(dest, "curves.json"), "w") as f:
+            json.dump(curves, f, separators=(",", ":"))
+        n += 1
+    print(f"collected {n} runs from {root} into {to}")
 
 
 def mean_std(xs):
@@ -129,6 +182,192 @@ def lr_report(root):
     return "\n".join(out) + "\n"
 
 
+# ----------------------------------------------------------------------------- paper-style report
+
+PAPER_MODELS = ("tango", "tango-windowed", "loop", "untied", "gau", "flash")  # section 4.1's six
+HELD_OUT = (4, 8)  # depths with test NLL; every other depth is compared on dev NLL only (paper)
+
+
+def load_runs(root):
+    """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root."""
+    rows = {}
+    for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
+        with open(path) as f:
+            s = json.load(f)
+        s["_dir"] = os.path.dirname(path)
+        rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
+    for v in rows.values():
+        v.sort(key=lambda s: s["seed"])
+    return rows
+
+
+def _order(models):
+    return sorted(models, key=lambda m: (PAPER_MODELS.index(m) if m in PAPER_MODELS else len(PAPER_MODELS), m))
+
+
+def _stat(rows, key, metric):
+    return mean_std([r[metric] for r in rows.get(key, []) if r.get(metric) is not None])
+
+
+def _table(rows, ds, models, cols):
+    """cols: [(header, depth, metric, fmt)]; the lowest (NLL) or highest (EM) mean of a column is bold."""
+    out = ["| model | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---|" * len(cols)]
+    stats = {(m, i): _stat(rows, (ds, m, c[1]), c[2]) for m in models for i, c in enumerate(cols)}
+    for m in models:
+        cells = []
+        for i, (_, k, metric, fmt) in enumerate(cols):
+            mu, sd = stats[m, i]
+            if mu is None:
+                cells.append("-")
+                continue
+            if metric == "non_embedding_params":  # a size, not a result: no spread, no bold
+                cells.append(fmt.format(mu))
+                continue
+            col = [stats[j, i][0] for j in models if stats[j, i][0] is not None]
+            n = len(rows[ds, m, k])
+            txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == 3 else f" (n={n})")
+            best = mu == (max(col) if metric.startswith("exact") else min(col))
+            cells.append(f"**{txt}**" if best and len(col) > 1 else txt)
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
+
+
+def grid_report(root):
+    """Markdown: per dataset, held-out test NLL (and exact match) at K in HELD_OUT, dev NLL at every
+    depth, then the TANGO paper's section 4.1 claims recomputed on these runs (over PAPER_MODELS;
+    extra rows such as Parcae are shown but not part of the claims)."""
+    rows = load_runs(root)
+    out = []
+    datasets = sorted({k[0] for k in rows})
+    depths = sorted({k[2] for k in rows})
+    held = [k for k in HELD_OUT if k in depths]
+    for ds in datasets:
+        models = _order({k[1] for k in rows if k[0] == ds})
+        first = next(r[0] for k, r in rows.items() if k[0] == ds)
+        out.append(f"**{ds}**: test NLL on `{first.get('test_split', 'test')}` (nats/token, mean ± std over "
+                   f"seeds; unigram entropy of dev {first['unigram_dev']:.3f}); lowest mean per column in bold.\n")
+        cols = [(f"non-emb params K={k}", k, "non_embedding_params", "{:,.0f}") for k in held[:1]]
+        cols += [(f"test NLL K={k}", k, "test_nll", "{:.3f}") for k in held]
+        if "exact_match_interpolate" in first:
+            cols += [(f"EM {sp[:6]} K={k}", k, f"exact_match_{sp}", "{:.1%}") for k in held
+                     for sp in ("interpolate", "extrapolate")]
+        out += _table(rows, ds, models, cols) + [""]
+        out.append(f"**{ds}**: dev NLL at every depth (the checkpoint-selection split).\n")
+        out += _table(rows, ds, models, [(f"dev NLL K={k}", k, "dev_nll", "{:.3f}") for k in depths]) + [""]
+    out += claims(rows, datasets, depths, held)
+    return "\n".join(out) + "\n"
+
+
+def claims(rows, datasets, depths, held):
+    """The paper's section 4.1 claims, each as | claim | paper | here |."""
+    mean = lambda ds, m, k, metric="test_nll": _stat(rows, (ds, m, k), metric)[0]
+    settings = [(ds, k) for ds in datasets for k in held
+                if all(mean(ds, m, k) is not None for m in PAPER_MODELS)]
+    n = len(settings)
+    others = [m for m in PAPER_MODELS if m != "tango"]
+    lowest = sum(mean(ds, "tango", k) < min(mean(ds, m, k) for m in others) for ds, k in settings)
+    paired = total = 0
+    for ds, k in settings:
+        by_seed = {m: {r["seed"]: r["test_nll"] for r in rows[ds, m, k]} for m in PAPER_MODELS}
+        for seed, v in by_seed["tango"].items():
+            rivals = [by_seed[m][seed] for m in others if seed in by_seed[m]]
+            if len(rivals) == len(others):
+                total += 1
+                paired += v < min(rivals)
+    beats = lambda a, b: sum(mean(ds, a, k) < mean(ds, b, k) for ds, k in settings)
+    sd = lambda m: max((_stat(rows, (ds, m, k), "test_nll")[1] for ds, k in settings), default=float("nan"))
+    other_sd = [sd(m) for m in others]
+    out = ["**The paper's claims (section 4.1) at this scale**, over the six paper architectures "
+           f"({n} dataset × depth settings with test NLL):\n",
+           "| claim | paper (70M/160M, 4 datasets) | here |", "|---|---|---|",
+           f"| TANGO has the lowest mean test NLL | 16 of 16 settings | {lowest} of {n} |",
+           f"| TANGO is lower than every other model with the same seed | 47 of 48 | {paired} of {total} |",
+           f"| Windowed TANGO is lower than Loop Transformer++ | 13 of 16 | {beats('tango-windowed', 'loop')} of {n} |",
+           f"| Windowed TANGO is lower than FLASH | 13 of 16 | {beats('tango-windowed', 'flash')} of {n} |",
+           f"| largest test-NLL std over seeds: TANGO vs the others | 0.045 vs 0.053-0.319 | "
+           f"{sd('tango'):.3f} vs {min(other_sd):.3f}-{max(other_sd):.3f} |"]
+    if len(depths) >= 3:
+        trio = [k for k in depths]
+        rises = lambda m: sum(any(mean(ds, m, b, "dev_nll") > mean(ds, m, a, "dev_nll") for a, b in zip(trio, trio[1:]))
+                              for ds in datasets if all(mean(ds, m, k, "dev_nll") is not None for k in trio))
+        full = lambda m: sum(all(mean(ds, m, k, "dev_nll") is not None for k in trio) for ds in datasets)
+        path = " → ".join(map(str, trio))
+        out.append(f"| TANGO's dev NLL never rises over K = {path} | 0 of 8 settings rise | "
+                   f"rises in {rises('tango')} of {full('tango')} |")
+        out.append(f"| Loop Transformer++'s dev NLL rises over K = {path} | 4 of 8 | {rises('loop')} of {full('loop')} |")
+        out.append(f"| Untied Transformer++'s dev NLL rises over K = {path} | 3 of 8 | {rises('untied')} of {full('untied')} |")
+        top = max(depths)
+        at_top = [ds for ds in datasets if all(mean(ds, m, top, "dev_nll") is not None for m in PAPER_MODELS)]
+        won = sum(mean(ds, "tango", top, "dev_nll") < min(mean(ds, m, top, "dev_nll") for m in others) for ds in at_top)
+        out.append(f"| TANGO has the lowest dev NLL at K = {top} | 7 of 8 | {won} of {len(at_top)} |")
+    em = [(ds, k) for ds, k in settings if mean(ds, "tango", k, "exact_match_interpolate") is not None]
+    for ds, k in em:
+        for sp in ("interpolate", "extrapolate"):
+            best = max(others[1:], key=lambda m: mean(ds, m, k, f"exact_match_{sp}"))
+            out.append(f"| exact match ({ds} {sp}, K = {k}): TANGO / Windowed TANGO / best other | "
+                       + ("51.9 % / 52.1 % / 43.0 % (GAU)" if sp == "interpolate" else "41.0 % / 39.7 % / 30.2 % (GAU)")
+                       + " at 160M, K = 8 | "
+                       + f"{mean(ds, 'tango', k, f'exact_match_{sp}'):.1%} / "
+                       + f"{mean(ds, 'tango-windowed', k, f'exact_match_{sp}'):.1%} / "
+                       + f"{mean(ds, best, k, f'exact_match_{sp}'):.1%} ({best}) |")
+    return out
+
+
+def plot(root, out):
+    """<out>/<dataset>.png: per depth, training loss (moving average over 10 updates) and dev NLL
+    against tokens seen, one line per model (mean over seeds). Needs matplotlib (optional extra);
+    raises SystemExit with a one-line message when it is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("sweep.py plot needs matplotlib (an optional extra): pip install matplotlib", file=sys.stderr)
+        raise SystemExit(2)
+    rows = load_runs(root)
+    written = []
+    for ds in sorted({k[0] for k in rows}):
+        depths = sorted({k[2] for k in rows if k[0] == ds})
+        models = _order({k[1] for k in rows if k[0] == ds})
+        fig, axes = plt.subplots(2, len(depths), figsize=(4.2 * len(depths), 7), squeeze=False)
+        for j, k in enumerate(depths):
+            for i, m in enumerate(models):
+                curves = []
+                for s in rows.get((ds, m, k), []):
+                    with open(os.path.join(s["_dir"], "curves.json")) as f:
+                        curves.append(json.load(f))
+                if not curves:
+                    continue
+                color, tpu = f"C{i}", curves[0]["tokens_per_update"]
+                for row, key, smooth in ((0, "train", 10), (1, "eval", 1)):
+                    its = [it for it, _ in curves[0][key]]
+                    ys = [statistics.fmean(dict(c[key]).get(it, float("nan")) for c in curves) for it in its]
+                    if smooth > 1:
+                        ys = [statistics.fmean(ys[max(0, t - smooth + 1):t + 1]) for t in range(len(ys))]
+                    axes[row][j].plot([it * tpu / 1e3 for it in its], ys, color=color, label=m,
+                                      marker="o" if key == "eval" else None, ms=3)
+            axes[0][j].set_title(f"{ds}, K = {k}")
+            axes[0][j].set_ylabel("training loss (nats/token, 10-update mean)")
+            axes[1][j].set_ylabel("dev NLL (nats/token)")
+            for row in (0, 1):
+                axes[row][j].set_xlabel("training tokens (thousands)")
+                axes[row][j].grid(alpha=0.3)
+            lo = min(min(ln.get_ydata()) for ln in axes[1][j].get_lines()) if axes[1][j].get_lines() else None
+            if lo is not None:
+                axes[0][j].set_ylim(lo - 0.3, lo + 2.5)
+                axes[1][j].set_ylim(lo - 0.05, lo + 1.0)
+        axes[1][0].legend(fontsize=8)
+        fig.suptitle(f"{ds}: mean over seeds ({root})")
+        fig.tight_layout()
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, f"{ds}.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    print("wrote " + ", ".join(written))
+    return written
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = []
@@ -144,15 +383,29 @@ def main(argv=None):
     r.add_argument("--seeds", type=int, default=1)
     r.add_argument("--datasets", default="stdlib")
     r.add_argument("--lrs", default="", help="comma-separated peak learning rates (a learning-rate sweep)")
+    r.add_argument("--jobs", type=int, default=1, help="train.py processes at once (threads split between them)")
+    c = sub.add_parser("collect")
+    c.add_argument("--root", required=True)
+    c.add_argument("--to", required=True)
+    g = sub.add_parser("plot")
+    g.add_argument("--root", required=True)
+    g.add_argument("--out", required=True)
     q = sub.add_parser("report")
     q.add_argument("--root", required=True)
     q.add_argument("--out", default=None)
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
+    q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
     args = p.parse_args(argv)
     if args.cmd == "run":
-        cmd_run(args, extra)
+        if args.jobs < 1:
+            p.error(f"--jobs {args.jobs}: must be >= 1")
+        return cmd_run(args, extra)
+    if args.cmd == "collect":
+        return cmd_collect(args.root, args.to)
+    if args.cmd == "plot":
+        return plot(args.root, args.out) and 0
     else:
-        text = lr_report(args.root) if args.lr else report(args.root)
+        text = lr_report(args.root) if args.lr else grid_report(args.root) if args.grid else report(args.root)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
@@ -160,4 +413,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -69,13 +69,21 @@ from common import ModelConfig, UsageError
 from models import REGISTRY, TIERS, build_model, solve_width
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes).
+# window (Windowed TANGO W), chunk (FLASH C) and gau_s (GAU/FLASH s) scale with the context: at
+# W >= T Windowed TANGO is exactly full-prefix TANGO and at C >= T FLASH is one quadratic chunk.
 TIER_DEFAULTS = {
+    "tiny": dict(block_size=128, batch_size=8, gradient_accumulation_steps=1, max_iters=120,
+                 eval_interval=20, learning_rate=6e-3, warmup_iters=10, eval_windows=32, em_samples=100,
+                 window=32, chunk=32, gau_s=32),
     "cpu": dict(block_size=256, batch_size=8, gradient_accumulation_steps=1, max_iters=150,
-                eval_interval=25, learning_rate=2e-3, warmup_iters=10, eval_windows=48, em_samples=100),
+                eval_interval=25, learning_rate=2e-3, warmup_iters=10, eval_windows=48, em_samples=100,
+                window=64, chunk=64, gau_s=128),
     "70M": dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000,
-                eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000),
+                eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000,
+                window=256, chunk=256, gau_s=128),
     "160M": dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000,
-                 eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000),
+                 eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000,
+                 window=256, chunk=256, gau_s=128),
 }
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
@@ -83,8 +91,8 @@ LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
 # --resume: these must agree with the checkpoint (they define the model, its data order or the
 # meaning of "best dev"); MACHINE_FLAGS are never taken from it; every other flag is taken from the
 # checkpoint unless given explicitly, in which case the given value wins and the change is logged.
-IDENTITY_FLAGS = ("model", "depth", "size", "window", "block_size", "seed", "data_seed", "eval_windows",
-                  "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
+IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
+                  "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
 # models whose one block (or unit, or recurrent core) can be applied any number of times
 SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
 MACHINE_FLAGS = ("out_dir", "data_root", "resume", "quiet", "device", "dtype", "compile")
@@ -113,7 +121,9 @@ def build_parser(suppress_defaults=False):
     a("--model", default="tango", help=f"one of {', '.join(REGISTRY)}")
     a("--depth", type=int, default=8, help="K, number of block applications")
     a("--size", default=None, help=f"tier: {', '.join(TIERS)} (default: cpu without a GPU, 70M with one)")
-    a("--window", type=int, default=256, help="Windowed TANGO window W")
+    a("--window", type=int, default=None, help="Windowed TANGO window W (default: the tier's)")
+    a("--chunk", type=int, default=None, help="FLASH chunk C (default: the tier's)")
+    a("--gau_s", type=int, default=None, help="GAU/FLASH shared dimension s (default: the tier's)")
     a("--mu_rec", type=int, default=0, help="Parcae/RDM: mean training recurrence (0: --depth)")
     a("--mu_bwd", type=int, default=0, help="Parcae/RDM: recurrences backpropagated (0: ceil(mu_rec/2))")
     a("--n_prelude", type=int, default=2, help="Parcae/RDM: blocks before the recurrent core")
@@ -258,7 +268,8 @@ def resolve_args(args, dist=None):
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     for flag in ("depth", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
-                 "lr_decay_iters", "eval_interval", "eval_windows", "eval_batch_size", "window", "em_samples"):
+                 "lr_decay_iters", "eval_interval", "eval_windows", "eval_batch_size", "window", "chunk", "gau_s",
+                 "em_samples"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     for flag in ("learning_rate", "grad_clip"):
@@ -406,10 +417,11 @@ def sample_starts(rng, n_tokens, batch_size, block_size):
 def model_config(args, data):
     d, H, target = TIERS[args.size]
     cfg = ModelConfig(model=args.model, vocab_size=data.vocab_size, block_size=args.block_size,
-                      n_embd=d, n_head=H, depth=args.depth, window=args.window, mu_rec=args.mu_rec,
+                      n_embd=d, n_head=H, depth=args.depth, window=args.window, chunk=args.chunk,
+                      gau_s=args.gau_s, mu_rec=args.mu_rec,
                       mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
                       kl_threshold=args.kl_threshold)
-    return solve_width(cfg, target, strict=args.size != "cpu"), target
+    return solve_width(cfg, target, strict=args.size not in ("tiny", "cpu")), target
 
 
 def lr_at(it, args):
