@@ -69,15 +69,26 @@ def cmd_run(args, extra):
             print(f"  failed with exit code {rc}; see {out}/stdout.txt", flush=True)
         return rc
 
-    if args.jobs > 1 and grid:  # the first run prepares the data; the others then find it
-        first = one(1, *grid[0])
+    if args.jobs > 1:  # tokenize each dataset once, here, so parallel runs never prepare the same folder
+        prepare_data(args.datasets.split(","), extra)
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            rcs = [first] + list(pool.map(lambda a: one(*a), [(i, *g) for i, g in enumerate(grid[1:], 2)]))
+            rcs = list(pool.map(lambda a: one(*a), [(i, *g) for i, g in enumerate(grid, 1)]))
     else:
         rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
     failed = sum(rc != 0 for rc in rcs)
     print(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", flush=True)
     return 1 if failed else 0
+
+
+def prepare_data(datasets, extra):
+    """data.prepare every dataset with the --data_root/--data_dir that the runs will get."""
+    import data
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--data_root", default="data")
+    p.add_argument("--data_dir", default=None)
+    a, _ = p.parse_known_args(extra)
+    for ds in datasets:
+        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root)
 
 
 def cmd_collect(root, to):
@@ -413,4 +424,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common import UsageError
+    try:
+        sys.exit(main())
+    except UsageError as e:  # e.g. no GPT-2 vocabulary while preparing the data for --jobs
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

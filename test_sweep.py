@@ -127,6 +127,8 @@ def test_run_skips_finished_and_runs_in_parallel(tmp_path, monkeypatch):
         return 0 if "loop" not in cmd else 3
 
     monkeypatch.setattr(sweep.subprocess, "call", fake_call)
+    prepared = []
+    monkeypatch.setattr(sweep, "prepare_data", lambda ds, extra: prepared.append((ds, extra)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(sweep.os, "cpu_count", lambda: 4)
     done = tmp_path / "stdlib" / "tango-K4-s1"
@@ -135,6 +137,7 @@ def test_run_skips_finished_and_runs_in_parallel(tmp_path, monkeypatch):
     rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop", "--depths", "4,8", "--seeds", "2",
                      "--jobs", "2", "--", "--size", "tiny"])
     assert rc == 1  # the loop runs failed
+    assert prepared == [(["stdlib"], ["--size", "tiny"])]
     assert len(calls) == 7 and all(env == "2" for _, env in calls)
     first = calls[0][0]
     assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]
