@@ -314,7 +314,10 @@ def claims(rows, datasets, depths, held):
     em = [(ds, k) for ds, k in settings if mean(ds, "tango", k, "exact_match_interpolate") is not None]
     for ds, k in em:
         for sp in ("interpolate", "extrapolate"):
-            best = max(others[1:], key=lambda m: mean(ds, m, k, f"exact_match_{sp}"))
+            rivals = [m for m in others[1:] if mean(ds, m, k, f"exact_match_{sp}") is not None]
+            if mean(ds, "tango-windowed", k, f"exact_match_{sp}") is None or not rivals:
+                continue
+            best = max(rivals, key=lambda m: mean(ds, m, k, f"exact_match_{sp}"))
             out.append(f"| exact match ({ds} {sp}, K = {k}): TANGO / Windowed TANGO / best other | "
                        + ("51.9 % / 52.1 % / 43.0 % (GAU)" if sp == "interpolate" else "41.0 % / 39.7 % / 30.2 % (GAU)")
                        + " at 160M, K = 8 | "
