@@ -23,7 +23,8 @@ REGISTRY = {
 }
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
-# is this project's small tier (the default without a GPU), solved by the same rule.
+# is this project's small tier (the default without a GPU) and "tiny" the one of the README's
+# reproduction grid (126 runs in about two hours on 2 cores), solved by the same rule.
 TIERS = {
     "tiny": (64, 2, 400_000),
     "cpu": (128, 4, 1_000_000),
@@ -62,7 +63,7 @@ def solve_width(cfg: ModelConfig, target: int, strict: bool = True) -> ModelConf
     count is closest to target. The count is affine in the width, so two evaluations give the slope.
 
     Raises UsageError when no width lands within 0.20 % of the target and strict is set (the
-    paper tiers); the small CPU tier is too coarse for that at large depth (untied K >= 8 moves
+    paper tiers); the small tiny/cpu tiers are too coarse for that at large depth (untied K >= 8 moves
     in steps of ~1 %), so there train.py reports the error instead of failing.
     """
     m = width_multiple(cfg)
