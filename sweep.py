@@ -45,6 +45,7 @@ def cmd_run(args, extra):
     lrs = args.lrs.split(",") if args.lrs else [None]
     grid = [(ds, m, int(k), int(s), lr) for k in args.depths.split(",") for ds in args.datasets.split(",")
             for m in args.models.split(",") for lr in lrs for s in range(1, args.seeds + 1)]
+    grid = list({run_dir(args.root, *g): g for g in grid}.values())  # a repeated entry would race on one folder
     env = dict(os.environ)
     if args.jobs > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
@@ -56,14 +57,14 @@ def cmd_run(args, extra):
             print(f"[{i}/{len(grid)}] {out}: done, skipped", flush=True)
             return 0
         cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", m, "--depth", str(k), "--dataset", ds,
-               "--seed", str(s), "--data_seed", str(s), "--out_dir", out, "--quiet", *extra]
+               "--seed", str(s), "--data_seed", str(s), "--out_dir", out, "--quiet", *flags_for(ds, extra)]
         if lr:
             cmd += ["--learning_rate", lr]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
         print(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), flush=True)
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "stdout.txt"), "w") as f:
+        with open(os.path.join(out, "stdout.txt"), "a") as f:  # a resumed run keeps the earlier output
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
             print(f"  failed with exit code {rc}; see {out}/stdout.txt", flush=True)
@@ -71,13 +72,32 @@ def cmd_run(args, extra):
 
     if args.jobs > 1:  # tokenize each dataset once, here, so parallel runs never prepare the same folder
         prepare_data(args.datasets.split(","), extra)
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            rcs = list(pool.map(lambda a: one(*a), [(i, *g) for i, g in enumerate(grid, 1)]))
+        pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
+        try:
+            futures = [pool.submit(one, i, *g) for i, g in enumerate(grid, 1)]
+            rcs = [f.result() for f in futures]
+        except KeyboardInterrupt:  # Ctrl-C: start nothing new (the running train.py got the signal too)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
     else:
         rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
     failed = sum(rc != 0 for rc in rcs)
     print(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", flush=True)
     return 1 if failed else 0
+
+
+def flags_for(dataset, extra):
+    """extra without --data_dir X unless dataset is dmmath (train.py accepts it only there)."""
+    out, skip = [], False
+    for i, f in enumerate(extra):
+        if skip:
+            skip = False
+        elif dataset != "dmmath" and f == "--data_dir":
+            skip = True
+        elif not (dataset != "dmmath" and f.startswith("--data_dir=")):
+            out.append(f)
+    return out
 
 
 def prepare_data(datasets, extra):
@@ -91,29 +111,40 @@ def prepare_data(datasets, extra):
         data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root)
 
 
+def curves_of(run):
+    """A run folder's curves: {"tokens_per_update", "eval": [[update, dev NLL], ...], "train":
+    [[update, loss], ...]}, from its curves.json (collected) or else from its log.jsonl (a resumed
+    run logs redone updates twice; the last record of an update wins)."""
+    if os.path.exists(os.path.join(run, "curves.json")):
+        with open(os.path.join(run, "curves.json")) as f:
+            return json.load(f)
+    recs = []
+    if os.path.exists(os.path.join(run, "log.jsonl")):
+        with open(os.path.join(run, "log.jsonl")) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+    start = [r for r in recs if r.get("event") == "start"]
+    a = start[-1]["args"] if start else {}
+    pairs = lambda event, key, nd: [list(p) for p in sorted(
+        {r["iter"]: round(r[key], nd) for r in recs if r.get("event") == event}.items())]
+    return {"tokens_per_update": a.get("batch_size", 0) * a.get("block_size", 0)
+            * a.get("gradient_accumulation_steps", 0),
+            "eval": pairs("eval", "dev_nll", 5), "train": pairs("train", "loss", 4)}
+
+
 def cmd_collect(root, to):
-    """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ and write curves.json
-    there: {"tokens_per_update", "eval": [[update, dev NLL], ...], "train": [[update, loss], ...]}."""
+    """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
+    (curves_of), small enough to commit."""
     n = 0
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         run = os.path.dirname(path)
         dest = os.path.join(to, os.path.relpath(run, root))
         os.makedirs(dest, exist_ok=True)
         shutil.copyfile(path, os.path.join(dest, "summary.json"))
-        recs = []
-        if os.path.exists(os.path.join(run, "log.jsonl")):
-            with open(os.path.join(run, "log.jsonl")) as f:
-                recs = [json.loads(line) for line in f if line.strip()]
-        start = [r for r in recs if r.get("event") == "start"]
-        a = start[-1]["args"] if start else {}
-        curves = {"tokens_per_update": a.get("batch_size", 0) * a.get("block_size", 0)
-                  * a.get("gradient_accumulation_steps", 0),
-                  "eval": sorted({r["iter"]: round(r["dev_nll"], 5) for r in recs if r.get("event") == "eval"}.items()),
-                  "train": sorted({r["iter"]: round(r["loss"], 4) for r in recs if r.get("event") == "train"}.items())}
         with open(os.path.join(dest, "curves.json"), "w") as f:
-            json.dump(curves, f, separators=(",", ":"))
+            json.dump(curves_of(run), f, separators=(",", ":"))
         n += 1
     print(f"collected {n} runs from {root} into {to}")
+    return 0
 
 
 def mean_std(xs):
@@ -200,15 +231,20 @@ HELD_OUT = (4, 8)  # depths with test NLL; every other depth is compared on dev 
 
 
 def load_runs(root):
-    """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root."""
+    """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
+    (learning-rate sweep runs, named ...-lr<LR>, are left out). ValueError for a repeated seed."""
     rows = {}
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
+        if "-lr" in os.path.basename(os.path.dirname(path)):
+            continue
         with open(path) as f:
             s = json.load(f)
         s["_dir"] = os.path.dirname(path)
         rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
-    for v in rows.values():
+    for key, v in rows.items():
         v.sort(key=lambda s: s["seed"])
+        if len({s["seed"] for s in v}) != len(v):
+            raise ValueError(f"{root}: {key} has two runs with the same seed")
     return rows
 
 
@@ -216,12 +252,18 @@ def _order(models):
     return sorted(models, key=lambda m: (PAPER_MODELS.index(m) if m in PAPER_MODELS else len(PAPER_MODELS), m))
 
 
+def _values(rows, key, metric):
+    return [r[metric] for r in rows.get(key, []) if r.get(metric) is not None]
+
+
 def _stat(rows, key, metric):
-    return mean_std([r[metric] for r in rows.get(key, []) if r.get(metric) is not None])
+    return mean_std(_values(rows, key, metric))
 
 
 def _table(rows, ds, models, cols):
-    """cols: [(header, depth, metric, fmt)]; the lowest (NLL) or highest (EM) mean of a column is bold."""
+    """cols: [(header, depth, metric, fmt)]. Cells: mean ± std over seeds, "(n=...)" when fewer
+    seeds than the grid's most; the lowest NLL or highest exact match of a column is bold."""
+    seeds = max(len(v) for v in rows.values())
     out = ["| model | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---|" * len(cols)]
     stats = {(m, i): _stat(rows, (ds, m, c[1]), c[2]) for m in models for i, c in enumerate(cols)}
     for m in models:
@@ -235,8 +277,8 @@ def _table(rows, ds, models, cols):
                 cells.append(fmt.format(mu))
                 continue
             col = [stats[j, i][0] for j in models if stats[j, i][0] is not None]
-            n = len(rows[ds, m, k])
-            txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == 3 else f" (n={n})")
+            n = len(_values(rows, (ds, m, k), metric))
+            txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == seeds else f" (n={n})")
             best = mu == (max(col) if metric.startswith("exact") else min(col))
             cells.append(f"**{txt}**" if best and len(col) > 1 else txt)
         out.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -250,32 +292,35 @@ def grid_report(root):
     rows = load_runs(root)
     out = []
     datasets = sorted({k[0] for k in rows})
-    depths = sorted({k[2] for k in rows})
-    held = [k for k in HELD_OUT if k in depths]
     for ds in datasets:
         models = _order({k[1] for k in rows if k[0] == ds})
-        first = next(r[0] for k, r in rows.items() if k[0] == ds)
-        out.append(f"**{ds}**: test NLL on `{first.get('test_split', 'test')}` (nats/token, mean ± std over "
-                   f"seeds; unigram entropy of dev {first['unigram_dev']:.3f}); lowest mean per column in bold.\n")
+        depths = sorted({k[2] for k in rows if k[0] == ds})
+        held = [k for k in HELD_OUT if k in depths]
+        runs = [r for k, v in rows.items() if k[0] == ds for r in v]
+        out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` (nats/token, mean ± std over "
+                   f"seeds; unigram entropy of dev {runs[0]['unigram_dev']:.3f}); bold: the lowest NLL or highest "
+                   "exact match of each column, extra rows included.\n")
         cols = [(f"non-emb params K={k}", k, "non_embedding_params", "{:,.0f}") for k in held[:1]]
         cols += [(f"test NLL K={k}", k, "test_nll", "{:.3f}") for k in held]
-        if "exact_match_interpolate" in first:
+        if any("exact_match_interpolate" in r for r in runs):
             cols += [(f"EM {sp[:6]} K={k}", k, f"exact_match_{sp}", "{:.1%}") for k in held
                      for sp in ("interpolate", "extrapolate")]
         out += _table(rows, ds, models, cols) + [""]
         out.append(f"**{ds}**: dev NLL at every depth (the checkpoint-selection split).\n")
         out += _table(rows, ds, models, [(f"dev NLL K={k}", k, "dev_nll", "{:.3f}") for k in depths]) + [""]
-    out += claims(rows, datasets, depths, held)
+    out += claims(rows, datasets)
     return "\n".join(out) + "\n"
 
 
-def claims(rows, datasets, depths, held):
-    """The paper's section 4.1 claims, each as | claim | paper | here |."""
+def claims(rows, datasets):
+    """The paper's section 4.1 claims, each as | claim | paper | here |, over PAPER_MODELS; a
+    setting counts only when all six have runs there."""
     mean = lambda ds, m, k, metric="test_nll": _stat(rows, (ds, m, k), metric)[0]
-    settings = [(ds, k) for ds in datasets for k in held
-                if all(mean(ds, m, k) is not None for m in PAPER_MODELS)]
+    complete = lambda ds, k, metric="test_nll": all(mean(ds, m, k, metric) is not None for m in PAPER_MODELS)
+    settings = [(ds, k) for ds in datasets for k in HELD_OUT if complete(ds, k)]
     n = len(settings)
     others = [m for m in PAPER_MODELS if m != "tango"]
+    baselines = others[1:]  # Loop/Untied Transformer++, GAU, FLASH: the paper's "non-TANGO baselines"
     lowest = sum(mean(ds, "tango", k) < min(mean(ds, m, k) for m in others) for ds, k in settings)
     paired = total = 0
     for ds, k in settings:
@@ -286,51 +331,55 @@ def claims(rows, datasets, depths, held):
                 total += 1
                 paired += v < min(rivals)
     beats = lambda a, b: sum(mean(ds, a, k) < mean(ds, b, k) for ds, k in settings)
-    sd = lambda m: max((_stat(rows, (ds, m, k), "test_nll")[1] for ds, k in settings), default=float("nan"))
-    other_sd = [sd(m) for m in others]
+
+    def max_sd(m):  # the largest std over seeds of m's test NLL across the settings (None: < 2 seeds)
+        sds = [statistics.stdev(v) for ds, k in settings for v in [_values(rows, (ds, m, k), "test_nll")] if len(v) > 1]
+        return max(sds) if sds else None
+    base_sd = [x for x in map(max_sd, baselines) if x is not None]
+    spread = (f"{max_sd('tango'):.3f} vs {min(base_sd):.3f}-{max(base_sd):.3f}"
+              if max_sd("tango") is not None and base_sd else "- (fewer than 2 seeds)")
     out = ["**The paper's claims (section 4.1) at this scale**, over the six paper architectures "
-           f"({n} dataset × depth settings with test NLL):\n",
+           f"({n} dataset × depth settings with test NLL for all six):\n",
            "| claim | paper (70M/160M, 4 datasets) | here |", "|---|---|---|",
            f"| TANGO has the lowest mean test NLL | 16 of 16 settings | {lowest} of {n} |",
            f"| TANGO is lower than every other model with the same seed | 47 of 48 | {paired} of {total} |",
            f"| Windowed TANGO is lower than Loop Transformer++ | 13 of 16 | {beats('tango-windowed', 'loop')} of {n} |",
            f"| Windowed TANGO is lower than FLASH | 13 of 16 | {beats('tango-windowed', 'flash')} of {n} |",
-           f"| largest test-NLL std over seeds: TANGO vs the others | 0.045 vs 0.053-0.319 | "
-           f"{sd('tango'):.3f} vs {min(other_sd):.3f}-{max(other_sd):.3f} |"]
-    if len(depths) >= 3:
-        trio = [k for k in depths]
-        rises = lambda m: sum(any(mean(ds, m, b, "dev_nll") > mean(ds, m, a, "dev_nll") for a, b in zip(trio, trio[1:]))
-                              for ds in datasets if all(mean(ds, m, k, "dev_nll") is not None for k in trio))
-        full = lambda m: sum(all(mean(ds, m, k, "dev_nll") is not None for k in trio) for ds in datasets)
-        path = " → ".join(map(str, trio))
-        out.append(f"| TANGO's dev NLL never rises over K = {path} | 0 of 8 settings rise | "
-                   f"rises in {rises('tango')} of {full('tango')} |")
-        out.append(f"| Loop Transformer++'s dev NLL rises over K = {path} | 4 of 8 | {rises('loop')} of {full('loop')} |")
-        out.append(f"| Untied Transformer++'s dev NLL rises over K = {path} | 3 of 8 | {rises('untied')} of {full('untied')} |")
-        top = max(depths)
-        at_top = [ds for ds in datasets if all(mean(ds, m, top, "dev_nll") is not None for m in PAPER_MODELS)]
-        won = sum(mean(ds, "tango", top, "dev_nll") < min(mean(ds, m, top, "dev_nll") for m in others) for ds in at_top)
-        out.append(f"| TANGO has the lowest dev NLL at K = {top} | 7 of 8 | {won} of {len(at_top)} |")
-    em = [(ds, k) for ds, k in settings if mean(ds, "tango", k, "exact_match_interpolate") is not None]
-    for ds, k in em:
+           f"| largest test-NLL std over seeds: TANGO vs the lowest-highest of Loop, Untied, GAU, FLASH "
+           f"| 0.045 vs 0.053-0.319 | {spread} |"]
+    trio = (4, 8, 16)
+    dev = lambda ds, m: [mean(ds, m, k, "dev_nll") for k in trio]
+    full = [ds for ds in datasets if all(complete(ds, k, "dev_nll") for k in trio)]
+    if full:
+        falls = lambda m: sum(all(b < a for a, b in zip(dev(ds, m), dev(ds, m)[1:])) for ds in full)
+        rises = lambda m: sum(any(b > a for a, b in zip(dev(ds, m), dev(ds, m)[1:])) for ds in full)
+        out.append(f"| TANGO's dev NLL over K = 4 → 8 → 16: falls at each step / rises at some step | "
+                   f"7 / 0 of 8 settings | {falls('tango')} / {rises('tango')} of {len(full)} |")
+        out.append(f"| Loop Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16 | 4 of 8 | "
+                   f"{rises('loop')} of {len(full)} |")
+        out.append(f"| Untied Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16 | 3 of 8 | "
+                   f"{rises('untied')} of {len(full)} |")
+        won = sum(mean(ds, "tango", 16, "dev_nll") < min(mean(ds, m, 16, "dev_nll") for m in others) for ds in full)
+        out.append(f"| TANGO has the lowest dev NLL at K = 16 | 7 of 8 | {won} of {len(full)} |")
+    for ds, k in settings:
         for sp in ("interpolate", "extrapolate"):
-            rivals = [m for m in others[1:] if mean(ds, m, k, f"exact_match_{sp}") is not None]
-            if mean(ds, "tango-windowed", k, f"exact_match_{sp}") is None or not rivals:
+            metric = f"exact_match_{sp}"
+            if not all(mean(ds, m, k, metric) is not None for m in PAPER_MODELS):
                 continue
-            best = max(rivals, key=lambda m: mean(ds, m, k, f"exact_match_{sp}"))
-            out.append(f"| exact match ({ds} {sp}, K = {k}): TANGO / Windowed TANGO / best other | "
+            best = max(baselines, key=lambda m: mean(ds, m, k, metric))
+            out.append(f"| exact match ({ds} {sp}, K = {k}): TANGO / Windowed TANGO / best of the other four | "
                        + ("51.9 % / 52.1 % / 43.0 % (GAU)" if sp == "interpolate" else "41.0 % / 39.7 % / 30.2 % (GAU)")
                        + " at 160M, K = 8 | "
-                       + f"{mean(ds, 'tango', k, f'exact_match_{sp}'):.1%} / "
-                       + f"{mean(ds, 'tango-windowed', k, f'exact_match_{sp}'):.1%} / "
-                       + f"{mean(ds, best, k, f'exact_match_{sp}'):.1%} ({best}) |")
+                       + f"{mean(ds, 'tango', k, metric):.1%} / {mean(ds, 'tango-windowed', k, metric):.1%} / "
+                       + f"{mean(ds, best, k, metric):.1%} ({best}) |")
     return out
 
 
 def plot(root, out):
     """<out>/<dataset>.png: per depth, training loss (moving average over 10 updates) and dev NLL
-    against tokens seen, one line per model (mean over seeds). Needs matplotlib (optional extra);
-    raises SystemExit with a one-line message when it is missing."""
+    against tokens seen, one line per model (mean over seeds), from curves_of each run. Needs
+    matplotlib (optional extra); SystemExit(2) with a one-line message when it is missing or root
+    has no runs. Returns the paths written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -339,6 +388,9 @@ def plot(root, out):
         print("sweep.py plot needs matplotlib (an optional extra): pip install matplotlib", file=sys.stderr)
         raise SystemExit(2)
     rows = load_runs(root)
+    if not rows:
+        print(f"sweep.py plot: no summary.json under {root}/<dataset>/<run>/", file=sys.stderr)
+        raise SystemExit(2)
     written = []
     for ds in sorted({k[0] for k in rows}):
         depths = sorted({k[2] for k in rows if k[0] == ds})
@@ -346,10 +398,7 @@ def plot(root, out):
         fig, axes = plt.subplots(2, len(depths), figsize=(4.2 * len(depths), 7), squeeze=False)
         for j, k in enumerate(depths):
             for i, m in enumerate(models):
-                curves = []
-                for s in rows.get((ds, m, k), []):
-                    with open(os.path.join(s["_dir"], "curves.json")) as f:
-                        curves.append(json.load(f))
+                curves = [c for c in (curves_of(s["_dir"]) for s in rows.get((ds, m, k), [])) if c["train"]]
                 if not curves:
                     continue
                 color, tpu = f"C{i}", curves[0]["tokens_per_update"]
@@ -417,7 +466,8 @@ def main(argv=None):
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
     if args.cmd == "plot":
-        return plot(args.root, args.out) and 0
+        plot(args.root, args.out)
+        return 0
     else:
         text = lr_report(args.root) if args.lr else grid_report(args.root) if args.grid else report(args.root)
         if args.out:

@@ -11,21 +11,24 @@ import sweep
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def fake_grid(root, nll, seeds=(1, 2, 3), depths=(4, 8, 16), em=False, curves=True):
-    """Write summary.json (+ curves.json) for nll[(model, depth)] = base test NLL; seed s adds
-    0.01 * (s - 2) and dev NLL = test NLL + 0.1."""
+NOISE = {"untied": 0.3, "flash": 0.05, "gau": 0.02, "tango-windowed": 0.005}  # default 0.01
+
+
+def fake_grid(root, test, dev=None, seeds=(1, 2, 3), em=False, curves=True):
+    """Write summary.json (+ curves.json) per run: test[(model, K)] is the mean test NLL, dev[(model,
+    K)] the mean dev NLL (default: test + 0.1); seed s adds NOISE[model] * (s - 2) to both."""
     ds = "dmmath" if em else "stdlib"
-    for (m, k), v in nll.items():
-        if k not in depths:
-            continue
+    dev = dev or {key: v + 0.1 for key, v in test.items()}
+    for (m, k), dv in dev.items():
         for s in seeds:
             d = os.path.join(root, ds, f"{m}-K{k}-s{s}")
             os.makedirs(d, exist_ok=True)
-            t = v + 0.01 * (s - 2)
-            summ = dict(model=m, depth=k, seed=s, test_nll=t, dev_nll=t + 0.1, non_embedding_params=1000 + k,
+            off = NOISE.get(m, 0.01) * (s - 2)
+            t = test[m, k] + off
+            summ = dict(model=m, depth=k, seed=s, test_nll=t, dev_nll=dv + off, non_embedding_params=1000 + k,
                         unigram_dev=5.0, test_split="interpolate" if em else "test")
             if em:
-                summ.update(exact_match_interpolate=0.5 - v / 10, exact_match_extrapolate=0.25 - v / 20)
+                summ.update(exact_match_interpolate=0.5 - t / 10, exact_match_extrapolate=0.25 - t / 20)
             with open(os.path.join(d, "summary.json"), "w") as f:
                 json.dump(summ, f)
             if curves:
@@ -34,50 +37,68 @@ def fake_grid(root, nll, seeds=(1, 2, 3), depths=(4, 8, 16), em=False, curves=Tr
                                "train": [[i, t + 1 - i / 20] for i in range(1, 21)]}, f)
 
 
-PAPER = {("tango", 4): 3.0, ("tango-windowed", 4): 3.2, ("loop", 4): 3.3, ("untied", 4): 3.1,
-         ("gau", 4): 3.4, ("flash", 4): 3.15, ("parcae", 4): 2.9,
-         ("tango", 8): 3.25, ("tango-windowed", 8): 3.2, ("loop", 8): 3.1, ("untied", 8): 3.3,
-         ("gau", 8): 3.4, ("flash", 8): 3.5, ("parcae", 8): 2.8,
-         ("tango", 16): 3.2, ("tango-windowed", 16): 3.3, ("loop", 16): 3.0, ("untied", 16): 3.4,
-         ("gau", 16): 3.5, ("flash", 16): 3.6, ("parcae", 16): 2.7}
+MODELS = ("tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae")
+TEST = {**{(m, 4): v for m, v in zip(MODELS, (3.0, 3.2, 3.3, 3.1, 3.4, 3.15, 2.9))},
+        **{(m, 8): v for m, v in zip(MODELS, (3.25, 3.2, 3.1, 3.3, 3.4, 3.5, 2.8))},
+        **{(m, 16): v for m, v in zip(MODELS, (3.2, 3.3, 3.0, 3.4, 3.5, 3.6, 2.7))}}
+# dev NLL ordered differently from test NLL, so the depth claims must read dev_nll
+DEV = {**{(m, 4): v for m, v in zip(MODELS, (3.5, 3.45, 3.6, 3.7, 3.55, 3.4, 3.0))},
+       **{(m, 8): v for m, v in zip(MODELS, (3.4, 3.4, 3.55, 3.8, 3.5, 3.45, 2.9))},
+       **{(m, 16): v for m, v in zip(MODELS, (3.3, 3.35, 3.6, 3.9, 3.5, 3.45, 2.8))}}
 
 
 def test_grid_report_tables_and_claims(tmp_path):
-    fake_grid(str(tmp_path), PAPER)
+    fake_grid(str(tmp_path), TEST, DEV)
     text = sweep.grid_report(str(tmp_path))
     lines = text.splitlines()
     # held-out table: K = 4 and 8 only; Parcae (an extra row) has the lowest means, so it is bold
     head = next(ln for ln in lines if ln.startswith("| model | non-emb params K=4"))
-    assert "test NLL K=4 | test NLL K=8 |" in head and "K=16" not in head
-    row = next(ln for ln in lines if ln.startswith("| tango | 1,004 | 3.000 ± 0.010 | 3.250 ± 0.010 |"))
-    assert "**" not in row
+    assert head == "| model | non-emb params K=4 | test NLL K=4 | test NLL K=8 |"
+    assert "| tango | 1,004 | 3.000 ± 0.010 | 3.250 ± 0.010 |" in lines
+    assert "| untied | 1,004 | 3.100 ± 0.300 | 3.300 ± 0.300 |" in lines
     assert "| parcae | 1,004 | **2.900 ± 0.010** | **2.800 ± 0.010** |" in lines
-    assert any(ln.startswith("| model | dev NLL K=4 | dev NLL K=8 | dev NLL K=16 |") for ln in lines)
-    claims = {ln.split(" | ")[0]: ln.split(" | ")[-1].rstrip(" |") for ln in lines if ln.startswith("| ")}
-    # K=4: TANGO lowest of the six; K=8: loop lowest -> 1 of 2
-    assert claims["| TANGO has the lowest mean test NLL"] == "1 of 2"
-    assert claims["| TANGO is lower than every other model with the same seed"] == "3 of 6"
-    assert claims["| Windowed TANGO is lower than Loop Transformer++"] == "1 of 2"   # K=4 yes, K=8 no
-    assert claims["| Windowed TANGO is lower than FLASH"] == "1 of 2"               # K=4 no, K=8 yes
-    assert claims["| largest test-NLL std over seeds: TANGO vs the others"] == "0.010 vs 0.010-0.010"
-    assert claims["| TANGO's dev NLL never rises over K = 4 → 8 → 16"] == "rises in 1 of 1"
-    assert claims["| Loop Transformer++'s dev NLL rises over K = 4 → 8 → 16"] == "0 of 1"
-    assert claims["| Untied Transformer++'s dev NLL rises over K = 4 → 8 → 16"] == "1 of 1"
-    assert claims["| TANGO has the lowest dev NLL at K = 16"] == "0 of 1"
+    assert "| model | dev NLL K=4 | dev NLL K=8 | dev NLL K=16 |" in lines
+    assert "| tango | 3.500 ± 0.010 | 3.400 ± 0.010 | 3.300 ± 0.010 |" in lines
+    assert "| parcae | **3.000 ± 0.010** | **2.900 ± 0.010** | **2.800 ± 0.010** |" in lines
+    c = lambda claim: claims_line(text, claim)
+    assert "(2 dataset × depth settings with test NLL for all six)" in text
+    assert c("TANGO has the lowest mean test NLL") == "1 of 2"  # K=4 yes (parcae is not a rival), K=8 no
+    # per seed: untied's seed 1 (3.1 - 0.3) beats TANGO at K=4; at K=8 loop is lower for every seed
+    assert c("TANGO is lower than every other model with the same seed") == "2 of 6"
+    assert c("Windowed TANGO is lower than Loop Transformer++") == "1 of 2"   # K=4 yes, K=8 no
+    assert c("Windowed TANGO is lower than FLASH") == "1 of 2"               # K=4 no, K=8 yes
+    # TANGO 0.01; Loop 0.01, Untied 0.3, GAU 0.02, FLASH 0.05 (Windowed TANGO's 0.005 is not a baseline)
+    assert c("largest test-NLL std over seeds: TANGO vs the lowest-highest of Loop, Untied, GAU, FLASH") \
+        == "0.010 vs 0.010-0.300"
+    assert c("TANGO's dev NLL over K = 4 → 8 → 16: falls at each step / rises at some step") == "1 / 0 of 1"
+    assert c("Loop Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16") == "1 of 1"
+    assert c("Untied Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16") == "1 of 1"
+    assert c("TANGO has the lowest dev NLL at K = 16") == "1 of 1"
 
 
-def test_grid_report_exact_match_and_missing_runs(tmp_path):
-    nll = {k: v for k, v in PAPER.items() if k[1] != 16}
-    fake_grid(str(tmp_path), nll, seeds=(1, 2), depths=(4, 8), em=True, curves=False)
+def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
+    test = {key: v for key, v in TEST.items() if key[1] != 16}
+    fake_grid(str(tmp_path), test, seeds=(1, 2), em=True, curves=False)
     os.remove(os.path.join(tmp_path, "dmmath", "gau-K8-s2", "summary.json"))  # an unfinished run
+    os.remove(os.path.join(tmp_path, "dmmath", "flash-K4-s1", "summary.json"))
     text = sweep.grid_report(str(tmp_path))
-    assert "| gau | 1,004 | 3.395 ± 0.007 (n=2) | 3.390 (n=1) |" in text
+    assert ("| gau | 1,004 | 3.390 ± 0.014 | 3.380 (n=1) | 16.1% ± 0.1% | 8.1% ± 0.1% | 16.2% (n=1) | 8.1% (n=1) |"
+            in text)
     # exact match: higher is better, so the lowest NLL (Parcae) has the bold EM
-    assert "| **21.0% ± 0.0% (n=2)** |" in text  # parcae K=4 interpolate: 0.5 - 2.9 / 10
-    assert claims_line(text, "TANGO is lower than every other model with the same seed") == "2 of 3"  # gau K=8 s2 missing
-    assert "| exact match (dmmath interpolate, K = 4): TANGO / Windowed TANGO / best other |" in text
-    assert "| 20.0% / 18.0% / 19.0% (untied) |" in text  # the best of loop, untied, gau, flash
-    assert "dev NLL never rises" not in text  # only two depths
+    assert ("| parcae | 1,004 | **2.895 ± 0.007** | **2.795 ± 0.007** | **21.1% ± 0.1%** | **10.5% ± 0.0%** | "
+            "**22.1% ± 0.1%** | **11.0% ± 0.0%** |") in text
+    # seeds with a run of every model: K=4 seed 2 (TANGO lowest), K=8 seed 1 (loop lower)
+    assert claims_line(text, "TANGO is lower than every other model with the same seed") == "1 of 2"
+    assert claims_line(text, "exact match (dmmath interpolate, K = 4): TANGO / Windowed TANGO / best of the "
+                             "other four") == "20.0% / 18.0% / 20.5% (untied)"
+    assert "dev NLL over K = 4 → 8 → 16" not in text  # no K = 16 runs
+    # one seed: no std, and the spread claim says so instead of printing 0.000
+    one = tmp_path / "one"
+    fake_grid(str(one), test, seeds=(1,), curves=False)
+    text = sweep.grid_report(str(one))
+    assert "| tango | 1,004 | 2.990 | 3.240 |" in text
+    assert claims_line(text, "largest test-NLL std over seeds: TANGO vs the lowest-highest of Loop, Untied, "
+                             "GAU, FLASH") == "- (fewer than 2 seeds)"
 
 
 def claims_line(text, claim):
@@ -99,8 +120,9 @@ def test_collect_and_plot(tmp_path):
     c = json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s1" / "curves.json").read_text())
     assert c == {"tokens_per_update": 48, "eval": [[2, 4.5]], "train": [[1, 5.0], [2, 4.0]]}
     assert json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s1" / "summary.json").read_text())["test_nll"] == 3.0
+    assert sweep.curves_of(str(run)) == c  # the same curves straight from log.jsonl
     pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
-    fake_grid(str(tmp_path / "grid"), PAPER, seeds=(1, 2))
+    fake_grid(str(tmp_path / "grid"), TEST, seeds=(1, 2))
     (png,) = sweep.plot(str(tmp_path / "grid"), str(tmp_path / "plots"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -116,11 +138,17 @@ def test_plot_without_matplotlib_is_a_one_line_error(tmp_path):
     assert not os.path.exists(tmp_path / "p")
 
 
-def test_run_skips_finished_and_runs_in_parallel(tmp_path, monkeypatch):
-    calls = []
+def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
+    import threading
+    calls, lock = [], threading.Lock()
+    barrier = threading.Barrier(2, timeout=10)  # the first two runs must be in flight at the same time
 
     def fake_call(cmd, stdout, stderr, env):
-        calls.append((cmd, env.get("OMP_NUM_THREADS")))
+        with lock:
+            calls.append((cmd, env.get("OMP_NUM_THREADS")))
+            first_two = len(calls) <= 2
+        if first_two:
+            barrier.wait()  # BrokenBarrierError (a failed test) if the runs were sequential
         out = cmd[cmd.index("--out_dir") + 1]
         with open(os.path.join(out, "summary.json"), "w") as f:
             f.write("{}")
@@ -134,13 +162,23 @@ def test_run_skips_finished_and_runs_in_parallel(tmp_path, monkeypatch):
     done = tmp_path / "stdlib" / "tango-K4-s1"
     done.mkdir(parents=True)
     (done / "summary.json").write_text("{}")
-    rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop", "--depths", "4,8", "--seeds", "2",
-                     "--jobs", "2", "--", "--size", "tiny"])
+    half = tmp_path / "stdlib" / "tango-K8-s2"  # interrupted: resumed
+    half.mkdir(parents=True)
+    (half / "ckpt_latest.pt").write_text("")
+    rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop,tango", "--depths", "4,8",
+                     "--seeds", "2", "--jobs", "2", "--", "--size", "tiny", "--data_dir", "x"])
     assert rc == 1  # the loop runs failed
-    assert prepared == [(["stdlib"], ["--size", "tiny"])]
-    assert len(calls) == 7 and all(env == "2" for _, env in calls)
+    assert prepared == [(["stdlib"], ["--size", "tiny", "--data_dir", "x"])]
+    assert len(calls) == 7 and all(env == "2" for _, env in calls)  # the repeated "tango" is run once
     first = calls[0][0]
-    assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]
-    assert sorted((c[c.index("--model") + 1], c[c.index("--depth") + 1], c[c.index("--seed") + 1]) for c, _ in calls) \
-        == [("loop", "4", "1"), ("loop", "4", "2"), ("loop", "8", "1"), ("loop", "8", "2"),
-            ("tango", "4", "2"), ("tango", "8", "1"), ("tango", "8", "2")]
+    assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]  # no --data_dir for stdlib
+    key = lambda c: (c[c.index("--model") + 1], c[c.index("--depth") + 1], c[c.index("--seed") + 1], c[-1])
+    assert sorted(key(c) for c, _ in calls) == [
+        ("loop", "4", "1", "tiny"), ("loop", "4", "2", "tiny"), ("loop", "8", "1", "tiny"), ("loop", "8", "2", "tiny"),
+        ("tango", "4", "2", "tiny"), ("tango", "8", "1", "tiny"), ("tango", "8", "2", "--resume")]
+
+
+def test_flags_for_sends_data_dir_to_dmmath_only():
+    extra = ["--size", "tiny", "--data_dir", "/d", "--data_dir=/e", "--max_iters", "3"]
+    assert sweep.flags_for("dmmath", extra) == extra
+    assert sweep.flags_for("stdlib", extra) == ["--size", "tiny", "--max_iters", "3"]
