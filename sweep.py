@@ -262,7 +262,8 @@ def _stat(rows, key, metric):
 
 def _table(rows, ds, models, cols):
     """cols: [(header, depth, metric, fmt)]. Cells: mean ± std over seeds, "(n=...)" when fewer
-    seeds than the grid's most; the lowest NLL or highest exact match of a column is bold."""
+    seeds than the grid's most; the lowest NLL or highest exact match of a column is bold (nothing
+    when every mean of the column is equal, e.g. 0 % exact match everywhere)."""
     seeds = max(len(v) for v in rows.values())
     out = ["| model | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---|" * len(cols)]
     stats = {(m, i): _stat(rows, (ds, m, c[1]), c[2]) for m in models for i, c in enumerate(cols)}
@@ -280,7 +281,7 @@ def _table(rows, ds, models, cols):
             n = len(_values(rows, (ds, m, k), metric))
             txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == seeds else f" (n={n})")
             best = mu == (max(col) if metric.startswith("exact") else min(col))
-            cells.append(f"**{txt}**" if best and len(col) > 1 else txt)
+            cells.append(f"**{txt}**" if best and len(set(col)) > 1 else txt)  # all equal: no bold
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
 

@@ -329,6 +329,24 @@ def test_readme_results_table_regenerates_from_committed_summaries():
     assert table.count("| tango |") == 2  # stdlib and dmmath rows are there
 
 
+def test_readme_reproduction_grid_regenerates_from_committed_results():
+    """The README's reproduction tables are `python sweep.py report --grid --root results/grid`,
+    byte for byte, from the committed summaries; every grid run is there (7 models x K in
+    {4, 8, 16} x 3 seeds x 2 datasets) and its plots are committed PNGs."""
+    import sweep
+    readme = open(os.path.join(HERE, "README.md")).read()
+    begin, end = "<!-- sweep report --grid --root results/grid -->\n", "<!-- end of grid report -->"
+    table = readme[readme.index(begin) + len(begin):readme.index(end)]
+    root = os.path.join(HERE, "results", "grid")
+    assert table == sweep.grid_report(root)
+    runs = sweep.load_runs(root)
+    assert len(runs) == 2 * 7 * 3 and all(len(v) == 3 for v in runs.values())
+    for ds in ("stdlib", "dmmath"):
+        with open(os.path.join(root, f"{ds}.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert f"results/grid/{ds}.png" in readme
+
+
 @pytest.fixture(scope="module")
 def shared_root(tmp_path_factory):
     """One data_root for the per-model runs below, so stdlib and dmmath are prepared once."""

@@ -97,6 +97,9 @@ def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
     fake_grid(str(one), test, seeds=(1,), curves=False)
     text = sweep.grid_report(str(one))
     assert "| tango | 1,004 | 2.990 | 3.240 |" in text
+    for p in one.glob("stdlib/*/summary.json"):  # every dev NLL equal: no bold in that table
+        p.write_text(json.dumps({**json.loads(p.read_text()), "dev_nll": 4.0}))
+    assert "| tango | 4.000 | 4.000 |" in sweep.grid_report(str(one)).splitlines()
     assert claims_line(text, "largest test-NLL std over seeds: TANGO vs the lowest-highest of Loop, Untied, "
                              "GAU, FLASH") == "- (fewer than 2 seeds)"
 
