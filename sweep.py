@@ -416,10 +416,11 @@ def plot(root, out):
             for row in (0, 1):
                 axes[row][j].set_xlabel("training tokens (thousands)")
                 axes[row][j].grid(alpha=0.3)
-            lo = min(min(ln.get_ydata()) for ln in axes[1][j].get_lines()) if axes[1][j].get_lines() else None
-            if lo is not None:
-                axes[0][j].set_ylim(lo - 0.3, lo + 2.5)
-                axes[1][j].set_ylim(lo - 0.05, lo + 1.0)
+            for row, span in ((0, 2.5), (1, 1.0)):  # zoom on the end of training (the first updates are ~ln V)
+                lines = axes[row][j].get_lines()
+                if lines:
+                    lo = min(min(ln.get_ydata()) for ln in lines)
+                    axes[row][j].set_ylim(lo - 0.05, lo + span)
         axes[1][0].legend(fontsize=8)
         fig.suptitle(f"{ds}: mean over seeds ({root})")
         fig.tight_layout()
