@@ -92,6 +92,10 @@ def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
     assert claims_line(text, "exact match (dmmath interpolate, K = 4): TANGO / Windowed TANGO / best of the "
                              "other four") == "20.0% / 18.0% / 20.5% (untied)"
     assert "dev NLL over K = 4 → 8 → 16" not in text  # no K = 16 runs
+    for p in tmp_path.glob("dmmath/*/summary.json"):  # nobody answers an extrapolation problem
+        p.write_text(json.dumps({**json.loads(p.read_text()), "exact_match_extrapolate": 0.0}))
+    assert claims_line(sweep.grid_report(str(tmp_path)), "exact match (dmmath extrapolate, K = 8): TANGO / "
+                       "Windowed TANGO / best of the other four") == "0.0% / 0.0% / 0.0% (4 tied)"
     # one seed: no std, and the spread claim says so instead of printing 0.000
     one = tmp_path / "one"
     fake_grid(str(one), test, seeds=(1,), curves=False)
