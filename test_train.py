@@ -294,6 +294,25 @@ def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
     assert not any(k.startswith("_orig_mod.") for k in load(out / "ckpt_latest.pt")["model"])
 
 
+def test_checkpoint_from_before_chunk_and_gau_s_flags_resumes(runs, mdm, data_root, tmp_path, capsys):
+    """Checkpoints written before --chunk/--gau_s existed have them only in the model config (then
+    fixed at 256/128); --resume takes them from there instead of the tier's new defaults."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    ck = load(out / "ckpt_latest.pt")
+    del ck["args"]["chunk"], ck["args"]["gau_s"]
+    ck["config"].update(chunk=256, gau_s=128)
+    torch.save(ck, out / "ckpt_latest.pt")
+    best = load(out / "ckpt_best.pt")
+    best["config"].update(chunk=256, gau_s=128)
+    torch.save(best, out / "ckpt_best.pt")
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
+    assert code == 0, err
+    args = records(out, "start")[-1]["args"]
+    assert (args["chunk"], args["gau_s"]) == (256, 128)
+    assert load(out / "ckpt_latest.pt")["config"]["chunk"] == 256
+
+
 # ----------------------------------------------------------------------------- safe checkpoints, failures
 
 def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch):

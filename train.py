@@ -69,7 +69,7 @@ from common import ModelConfig, UsageError
 from models import REGISTRY, TIERS, build_model, solve_width
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
-# the tiny tier so the README's 126-run reproduction grid runs in about two hours on 2 cores).
+# the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
 # window (Windowed TANGO W), chunk (FLASH C) and gau_s (GAU/FLASH s) scale with the context: at
 # W >= T Windowed TANGO is exactly full-prefix TANGO and at C >= T FLASH is one quadratic chunk.
 TIER_DEFAULTS = {
@@ -759,7 +759,11 @@ def setup(args, given):
         ckpt = load_checkpoint(latest_path, keys=TRAINING_KEYS)
         if not isinstance(ckpt["args"], dict):
             raise UsageError(f"{latest_path}: malformed args entry")
-        changed = merge_resume_args(args, given, ckpt["args"])
+        saved = dict(ckpt["args"])
+        for k in ("chunk", "gau_s"):  # not flags before these became tier defaults: the model config has them
+            if k not in saved and isinstance(ckpt["config"], dict) and k in ckpt["config"]:
+                saved[k] = ckpt["config"][k]
+        changed = merge_resume_args(args, given, saved)
     args = resolve_args(args, dist)
     start_distributed(args, dist)
     data = load_data(args, dist)
