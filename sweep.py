@@ -11,7 +11,8 @@
 non-embedding parameters (the tier's width solving), the same data order for the same seed
 (`--data_seed` = seed), dev-selected checkpoint, test on that checkpoint. A run whose
 `summary.json` exists is skipped; one with only `ckpt_latest.pt` is resumed, so a sweep can be
-stopped and continued across sessions. Extra flags after `--` go to every run. `--jobs N` runs N
+stopped and continued across sessions. Extra flags after `--` go to every run (`--data_dir` to the
+dmmath runs only). `--jobs N` runs N
 train.py processes at once, each with OMP_NUM_THREADS = (CPU cores) / N unless that is set; the
 grid is ordered depth first, so the smaller depths finish first.
 
