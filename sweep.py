@@ -12,9 +12,9 @@ non-embedding parameters (the tier's width solving), the same data order for the
 (`--data_seed` = seed), dev-selected checkpoint, test on that checkpoint. A run whose
 `summary.json` exists is skipped; one with only `ckpt_latest.pt` is resumed, so a sweep can be
 stopped and continued across sessions. Extra flags after `--` go to every run (`--data_dir` to the
-dmmath runs only). `--jobs N` runs N
-train.py processes at once, each with OMP_NUM_THREADS = (CPU cores) / N unless that is set; the
-grid is ordered depth first, so the smaller depths finish first.
+dmmath runs only). `--jobs N` runs N train.py processes at once, each with OMP_NUM_THREADS =
+(CPU cores) / N unless that is set; the grid is ordered depth first, so the smaller depths
+finish first.
 
 `report` reads every `summary.json` under the root and prints one table per dataset: mean ± std
 over seeds of test NLL (and dev NLL, exact match where present), lowest mean in bold. `report
