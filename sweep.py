@@ -32,9 +32,19 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
+from common import UsageError
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+_print_lock = threading.Lock()
+
+
+def say(msg):
+    """print from several job threads without interleaving their lines."""
+    with _print_lock:
+        print(msg, flush=True)
 
 
 def run_dir(root, dataset, model, depth, seed, lr=None):
@@ -55,7 +65,7 @@ def cmd_run(args, extra):
     def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
         if os.path.exists(os.path.join(out, "summary.json")):
-            print(f"[{i}/{len(grid)}] {out}: done, skipped", flush=True)
+            say(f"[{i}/{len(grid)}] {out}: done, skipped")
             return 0
         cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", m, "--depth", str(k), "--dataset", ds,
                "--seed", str(s), "--data_seed", str(s), "--out_dir", out, "--quiet", *flags_for(ds, extra)]
@@ -63,16 +73,16 @@ def cmd_run(args, extra):
             cmd += ["--learning_rate", lr]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
-        print(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), flush=True)
+        say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]))
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stdout.txt"), "a") as f:  # a resumed run keeps the earlier output
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            print(f"  failed with exit code {rc}; see {out}/stdout.txt", flush=True)
+            say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt")
         return rc
 
-    if args.jobs > 1:  # tokenize each dataset once, here, so parallel runs never prepare the same folder
-        prepare_data(args.datasets.split(","), extra)
+    prepare_data(args.datasets.split(","), extra)  # once, here: parallel runs never prepare the same folder
+    if args.jobs > 1:
         pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
         try:
             futures = [pool.submit(one, i, *g) for i, g in enumerate(grid, 1)]
@@ -297,7 +307,7 @@ def grid_report(root):
     for ds in datasets:
         models = _order({k[1] for k in rows if k[0] == ds})
         depths = sorted({k[2] for k in rows if k[0] == ds})
-        held = [k for k in HELD_OUT if k in depths]
+        held = [k for k in HELD_OUT if k in depths] or depths  # a grid without K = 4/8: test NLL at every depth
         runs = [r for k, v in rows.items() if k[0] == ds for r in v]
         out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` (nats/token, mean ± std over "
                    f"seeds; unigram entropy of dev {runs[0]['unigram_dev']:.3f}); bold: the lowest NLL or highest "
@@ -340,6 +350,9 @@ def claims(rows, datasets):
     base_sd = [x for x in map(max_sd, baselines) if x is not None]
     spread = (f"{max_sd('tango'):.3f} vs {min(base_sd):.3f}-{max(base_sd):.3f}"
               if max_sd("tango") is not None and base_sd else "- (fewer than 2 seeds)")
+    if not settings:
+        return ["**The paper's claims (section 4.1)**: no dataset has test NLL for all six paper architectures "
+                f"({', '.join(PAPER_MODELS)}) at K = 4 or 8, so none is checked."]
     out = ["**The paper's claims (section 4.1) at this scale**, over the six paper architectures "
            f"({n} dataset × depth settings with test NLL for all six):\n",
            "| claim | paper (70M/160M, 4 datasets) | here |", "|---|---|---|",
@@ -436,6 +449,24 @@ def plot(root, out):
     return written
 
 
+def check_run_flags(args, extra):
+    """UsageError (one line, exit 2) before any run starts: a typo would otherwise fail every run."""
+    from models import REGISTRY, TIERS
+    bad = [m for m in args.models.split(",") if m not in REGISTRY]
+    if bad:
+        raise UsageError(f"--models: unknown {', '.join(bad)}; choose from {', '.join(REGISTRY)}")
+    if not all(k.isdigit() and int(k) >= 1 for k in args.depths.split(",")):
+        raise UsageError(f"--depths {args.depths}: comma-separated integers >= 1")
+    for flag in ("seeds", "jobs"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    size = argparse.ArgumentParser(add_help=False)
+    size.add_argument("--size", default=None)
+    tier = size.parse_known_args(extra)[0].size
+    if tier is not None and tier not in TIERS:
+        raise UsageError(f"-- --size {tier}: choose one of {', '.join(TIERS)}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = []
@@ -465,9 +496,10 @@ def main(argv=None):
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
     args = p.parse_args(argv)
     if args.cmd == "run":
-        if args.jobs < 1:
-            p.error(f"--jobs {args.jobs}: must be >= 1")
+        check_run_flags(args, extra)
         return cmd_run(args, extra)
+    if not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
+        raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
     if args.cmd == "plot":
@@ -482,9 +514,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from common import UsageError
     try:
         sys.exit(main())
-    except UsageError as e:  # e.g. no GPT-2 vocabulary while preparing the data for --jobs
+    except UsageError as e:  # bad flags, an empty root, no GPT-2 vocabulary while preparing data
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("sweep.py: interrupted; run the same command again to skip finished runs and resume the rest",
+              file=sys.stderr)
+        sys.exit(130)

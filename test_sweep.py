@@ -137,6 +137,7 @@ def test_collect_and_plot(tmp_path):
 
 
 def test_plot_without_matplotlib_is_a_one_line_error(tmp_path):
+    fake_grid(str(tmp_path), TEST, seeds=(1,))
     code = ("import sys; sys.modules['matplotlib'] = None; import sweep; "
             f"sweep.main(['plot', '--root', {str(tmp_path)!r}, '--out', {str(tmp_path / 'p')!r}])")
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
@@ -189,3 +190,29 @@ def test_flags_for_sends_data_dir_to_dmmath_only():
     extra = ["--size", "tiny", "--data_dir", "/d", "--data_dir=/e", "--max_iters", "3"]
     assert sweep.flags_for("dmmath", extra) == extra
     assert sweep.flags_for("stdlib", extra) == ["--size", "tiny", "--max_iters", "3"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--root", "R", "--models", "tango,bogus"], "error: --models: unknown bogus; choose from "),
+    (["run", "--root", "R", "--depths", "4,abc"], "error: --depths 4,abc: comma-separated integers >= 1"),
+    (["run", "--root", "R", "--seeds", "0"], "error: --seeds 0: must be >= 1"),
+    (["run", "--root", "R", "--jobs", "0"], "error: --jobs 0: must be >= 1"),
+    (["run", "--root", "R", "--", "--size", "huge"], "error: -- --size huge: choose one of tiny, cpu, 70M, 160M"),
+    (["report", "--grid", "--root", "R"], "error: --root R: no finished runs (<root>/<dataset>/<run>/summary.json)"),
+    (["collect", "--root", "R", "--to", "S"], "error: --root R: no finished runs"),
+])
+def test_bad_flags_are_one_line_errors_before_any_run(tmp_path, argv, message):
+    argv = [str(tmp_path / a) if a in ("R", "S") else a for a in argv]
+    p = subprocess.run([sys.executable, os.path.join(HERE, "sweep.py"), *argv], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(message.replace(" R:", f" {tmp_path / 'R'}:").replace(" R ", f" {tmp_path / 'R'} "))
+    assert p.stdout == "" and sorted(os.listdir(tmp_path)) == []  # nothing started, nothing written
+
+
+def test_grid_report_without_held_out_depths(tmp_path):
+    fake_grid(str(tmp_path), {key: v for key, v in TEST.items()}, {key: v for key, v in DEV.items() if key[1] == 16})
+    text = sweep.grid_report(str(tmp_path))
+    assert "| model | non-emb params K=16 | test NLL K=16 |" in text
+    assert "| tango | 1,016 | 3.200 ± 0.010 |" in text
+    assert text.endswith("at K = 4 or 8, so none is checked.\n")
