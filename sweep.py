@@ -114,12 +114,23 @@ def flags_for(dataset, extra):
 def prepare_data(datasets, extra):
     """data.prepare every dataset with the --data_root/--data_dir that the runs will get."""
     import data
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--data_root", default="data")
-    p.add_argument("--data_dir", default=None)
-    a, _ = p.parse_known_args(extra)
+    a = train_flags(extra)
     for ds in datasets:
         data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root)
+
+
+def log_records(run):
+    """The JSON records of <run>/log.jsonl (train.py's log), [] when there is none."""
+    if not os.path.exists(os.path.join(run, "log.jsonl")):
+        return []
+    with open(os.path.join(run, "log.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_flags(extra):
+    """The train.py flags in extra, with train.py's own defaults (its parser, so the two agree)."""
+    import train
+    return train.build_parser().parse_known_args(extra)[0]
 
 
 def curves_of(run):
@@ -129,10 +140,7 @@ def curves_of(run):
     if os.path.exists(os.path.join(run, "curves.json")):
         with open(os.path.join(run, "curves.json")) as f:
             return json.load(f)
-    recs = []
-    if os.path.exists(os.path.join(run, "log.jsonl")):
-        with open(os.path.join(run, "log.jsonl")) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
+    recs = log_records(run)
     start = [r for r in recs if r.get("event") == "start"]
     a = start[-1]["args"] if start else {}
     pairs = lambda event, key, nd: [list(p) for p in sorted(
@@ -214,10 +222,7 @@ def lr_report(root):
     for d in runs:
         if not os.path.isdir(d):
             continue
-        recs = []
-        if os.path.exists(os.path.join(d, "log.jsonl")):
-            with open(os.path.join(d, "log.jsonl")) as f:
-                recs = [json.loads(line) for line in f]
+        recs = log_records(d)
         train = [r for r in recs if r["event"] == "train"]
         evals = [r for r in recs if r["event"] == "eval"]
         done = os.path.exists(os.path.join(d, "summary.json"))
@@ -460,9 +465,7 @@ def check_run_flags(args, extra):
     for flag in ("seeds", "jobs"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    size = argparse.ArgumentParser(add_help=False)
-    size.add_argument("--size", default=None)
-    tier = size.parse_known_args(extra)[0].size
+    tier = train_flags(extra).size
     if tier is not None and tier not in TIERS:
         raise UsageError(f"-- --size {tier}: choose one of {', '.join(TIERS)}")
 
