@@ -46,6 +46,30 @@ QK_PAD = 40  # 32 score dims + 1 null-option dim, padded to a multiple of 8 for 
 #   g:  (B, H, S, F/H) source gates, split into H groups
 #   b:  (H,)           null-option scores
 # and return G: (B, H, L, F/H).
+#
+# Precision of the fast paths (fixed on purpose, the same with and without autocast): queries,
+# keys, scores, their log-sum-exp, the normalizing sums and the running sums of old sources are
+# float32 (float64 if the inputs are); only the products of weights with gates run in the gates'
+# compute dtype: autocast's (bfloat16) when autocast is on, else the gates' own dtype. Scores near
+# tau = 10 in bfloat16 would resolve in steps of 1/16, i.e. weights off by up to 3 %.
+
+def _acc_dtype(t):
+    """float32, or float64 for float64 inputs: the dtype of scores and sums."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _gate_dtype(g):
+    """The dtype of the weight x gate products: autocast's when it is on (and g is not float64), else g's."""
+    dev = g.device.type
+    if g.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return g.dtype
+
+
+def _no_autocast(t):
+    """Autocast off for t's device: the custom functions below choose every dtype themselves."""
+    return torch.autocast(t.device.type, enabled=False)
+
 
 def tango_reference(qs, kh, g, b):
     """Plain full-prefix TANGO average: explicit weights w (B, H, L, S), then w @ g."""
@@ -66,30 +90,55 @@ def _augment(qs, kh, b):
     return qa, ka, null_k
 
 
+def _batched(t):
+    """t (B, H, ...) with B and H mergeable into one batch dimension (a copy only if they are not)."""
+    return t if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) else t.contiguous()
+
+
+def _bh(t):
+    """(B, H, ...) -> (B H, ...) as a view (also of a slice along T), for in-place batched matmuls."""
+    return t.view(-1, *t.shape[2:])
+
+
+def _add_matmul_(out, a, b):
+    """out += a @ b for (B, H, m, n) tensors, without a temporary when the dtypes agree."""
+    if a.dtype == b.dtype == out.dtype:
+        _bh(out).baddbmm_(_bh(a), _bh(b))
+    else:
+        out += (a @ b).to(out.dtype)
+
+
 class ChunkedCausalAttention(torch.autograd.Function):
-    """softmax(q k^T + causal mask) v in query chunks, saving only the output and the row
-    log-sum-exp for backward (the FlashAttention recipe in plain PyTorch): memory O(chunk x S)
-    per head instead of O(L x S), so TANGO's activation memory is linear in T. Lower-right causal
-    alignment: query i sees keys j <= i + (S - L). q: (B, H, L, dk), k: (B, H, S, dk),
-    v: (B, H, S, dv) -> (B, H, L, dv). No scaling (callers pre-scale q)."""
+    """softmax(q k^T + causal mask) v in query chunks, saving only q, k, v, the output and the row
+    log-sum-exp for backward and recomputing the weights there (the FlashAttention recipe in plain
+    PyTorch; FlashAttention, arXiv 2205.14135, section 3.1): memory O(chunk x S) per head instead
+    of O(L x S), so TANGO's activation memory is linear in T. Lower-right causal alignment: query i
+    sees keys j <= i + (S - L). q: (B, H, L, dk), k: (B, H, S, dk), v: (B, H, S, dv) ->
+    (B, H, L, dv) in v's compute dtype (see "Precision" above). No scaling (callers pre-scale q)."""
 
     @staticmethod
     def _scores(q, k, r0, r1, off):
         s = q[:, :, r0:r1] @ k[:, :, :r1 + off].transpose(-1, -2)  # keys beyond the chunk's last row are never visible
         rows = torch.arange(r0, r1, device=q.device).view(-1, 1)
-        return s.masked_fill(torch.arange(r1 + off, device=q.device) > rows + off, float("-inf"))
+        return s.masked_fill_(torch.arange(r1 + off, device=q.device) > rows + off, float("-inf"))
 
     @staticmethod
     def forward(ctx, q, k, v, chunk):
-        L, S = q.shape[2], k.shape[2]
-        off = S - L
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        lse = q.new_empty(q.shape[:3])
-        for r0 in range(0, L, chunk):
-            r1 = min(r0 + chunk, L)
-            s = ChunkedCausalAttention._scores(q, k, r0, r1, off)
-            lse[:, :, r0:r1] = torch.logsumexp(s, -1)
-            out[:, :, r0:r1] = torch.exp(s - lse[:, :, r0:r1, None]) @ v[:, :, :r1 + off]
+        acc, dt = _acc_dtype(q), _gate_dtype(v)
+        with _no_autocast(q):
+            q, k, v = _batched(q.to(acc)), _batched(k.to(acc)), _batched(v.to(dt))
+            L, S = q.shape[2], k.shape[2]
+            off = S - L
+            out = v.new_empty(*q.shape[:3], v.shape[-1])
+            lse = q.new_empty(q.shape[:3])
+            for r0 in range(0, L, chunk):
+                r1 = min(r0 + chunk, L)
+                p = ChunkedCausalAttention._scores(q, k, r0, r1, off)
+                m = p.amax(-1, keepdim=True)
+                p = p.sub_(m).exp_()
+                l = p.sum(-1, keepdim=True)
+                lse[:, :, r0:r1] = (m + l.log())[..., 0]
+                out[:, :, r0:r1] = p.div_(l).to(dt) @ v[:, :, :r1 + off]  # normalized weights x values
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.chunk = chunk
         return out
@@ -97,20 +146,23 @@ class ChunkedCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        L, S = q.shape[2], k.shape[2]
-        off = S - L
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (dout * out).sum(-1)  # rowsum(dO * O)
-        for r0 in range(0, L, ctx.chunk):
-            r1 = min(r0 + ctx.chunk, L)
-            n = r1 + off
-            p = torch.exp(ChunkedCausalAttention._scores(q, k, r0, r1, off) - lse[:, :, r0:r1, None])
-            do = dout[:, :, r0:r1]
-            ds = p * (do @ v[:, :, :n].transpose(-1, -2) - delta[:, :, r0:r1, None])
-            dq[:, :, r0:r1] = ds @ k[:, :, :n]
-            dk[:, :, :n] += ds.transpose(-1, -2) @ q[:, :, r0:r1]
-            dv[:, :, :n] += p.transpose(-1, -2) @ do
-        return dq, dk, dv, None
+        with _no_autocast(q):
+            acc, dt = q.dtype, v.dtype
+            L, S = q.shape[2], k.shape[2]
+            off = S - L
+            dout = _batched(dout.to(dt))
+            dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
+            delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+            for r0 in range(0, L, ctx.chunk):
+                r1 = min(r0 + ctx.chunk, L)
+                n = r1 + off
+                p = ChunkedCausalAttention._scores(q, k, r0, r1, off).sub_(lse[:, :, r0:r1, None]).exp_()
+                do = dout[:, :, r0:r1]
+                _add_matmul_(dv[:, :, :n], p.to(dt).transpose(-1, -2), do)  # dV += P^T dO
+                ds = (do @ v[:, :, :n].transpose(-1, -2)).to(acc).sub_(delta[:, :, r0:r1]).mul_(p)  # P (dO V^T - delta)
+                dq[:, :, r0:r1] = ds @ k[:, :, :n]
+                _add_matmul_(dk[:, :, :n], ds.transpose(-1, -2), q[:, :, r0:r1])
+        return dq, dk, dv.to(dt), None
 
 
 ATTN_CHUNK = 256  # query rows per chunk in ChunkedCausalAttention
@@ -151,76 +203,164 @@ def windowed_reference(qs, kh, g, b, window):
     return torch.stack(out, 2)
 
 
+class WindowedAttention(torch.autograd.Function):
+    """Windowed TANGO average (L == S == T) in chunks of C query rows, saving for backward only q, k,
+    g, b, the output and the row log-sum-exp (as ChunkedCausalAttention) and recomputing the rest.
+    q, k: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) -> (B, H, T, F/H) in g's compute dtype.
+
+    Query i has the logits: null b; window scores s_ij = q_i . k_j for i-W < j <= i; and one
+    summary logit z_i = so_i + log n_i, so_i = q_i . unit(K_i), for its n_i = i-W+1 old sources
+    j <= i-W (K_i: their key sum), whose value is their mean gate. So the summary adds
+    exp(so_i - lse_i) x (sum of old gates) to the output: every old source gets the weight
+    exp(so_i - lse_i). A chunk of queries [r0, r1) reads the key/gate slice [lo, r1),
+    lo = max(r0 - W, 0) (a view: gates are never copied): in its (C x (C + W)) weight tile the keys
+    j > i - W carry window weights and the keys j <= i - W the old-source weight; the old sources
+    before lo enter through a running gate sum (B, H, 1, F/H). Work O(T (C + W) (32 + F/H)) per
+    head, memory O(C (C + W)) per head besides inputs, output and the summary keys K (a cumulative
+    sum of k over T, recomputed in backward).
+    """
+
+    @staticmethod
+    def _summary(q, k, W):
+        """unit(K_i), |K_i| and so_i (-inf where n_i = 0) for every query; K_i = sum_{j <= i-W} k_j."""
+        T = q.shape[2]
+        K = F.pad(k.cumsum(2), (0, 0, W, 0))[:, :, :T]
+        norm = K.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+        unit = K / norm
+        so = (q * unit).sum(-1).masked_fill(torch.arange(T, device=q.device) < W, float("-inf"))
+        return unit, norm, so
+
+    @staticmethod
+    def _tile(q, k, W, so, r0, r1):
+        """Logits of queries [r0, r1) for keys [lo, r1): window scores, so_i at old keys, -inf at
+        future keys; the mask of old keys; lo."""
+        lo = max(r0 - W, 0)
+        s = q[:, :, r0:r1] @ k[:, :, lo:r1].transpose(-1, -2)
+        i = torch.arange(r0, r1, device=q.device).view(-1, 1)
+        j = torch.arange(lo, r1, device=q.device)
+        old = j <= i - W
+        return torch.where(old, so[:, :, r0:r1, None], s.masked_fill_(j > i, float("-inf"))), old, lo
+
+    @staticmethod
+    def forward(ctx, q, k, g, b, W, chunk):
+        acc, dt = _acc_dtype(q), _gate_dtype(g)
+        with _no_autocast(q):
+            q, k, g, b = _batched(q.to(acc)), _batched(k.to(acc)), _batched(g.to(dt)), b.to(acc)
+            B, H, T, _ = q.shape
+            so = WindowedAttention._summary(q, k, W)[2]
+            out = g.new_empty(B, H, T, g.shape[-1])
+            lse = q.new_empty(B, H, T)
+            g_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of the gates before lo
+            done = 0  # g_old holds gates [0, done)
+            for r0 in range(0, T, chunk):
+                r1 = min(r0 + chunk, T)
+                p, old, lo = WindowedAttention._tile(q, k, W, so, r0, r1)
+                g_old += g[:, :, done:lo].to(acc).sum(2, keepdim=True)
+                done = lo
+                so_c = so[:, :, r0:r1, None]
+                m = torch.maximum(p.amax(-1, keepdim=True), torch.maximum(b.view(1, H, 1, 1), so_c))
+                p = p.sub_(m).exp_()  # unnormalized weights, each <= 1
+                e = (so_c - m).exp()  # weight of each old source, unnormalized
+                l = p.sum(-1, keepdim=True) + (b.view(1, H, 1, 1) - m).exp() + lo * e  # + null + old before lo
+                lse[:, :, r0:r1] = (m + l.log())[..., 0]
+                out[:, :, r0:r1] = ((p.div_(l).to(dt) @ g[:, :, lo:r1]).to(acc) + e / l * g_old).to(dt)
+        ctx.save_for_backward(q, k, g, b, out, lse)
+        ctx.W, ctx.chunk = W, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, g, b, out, lse = ctx.saved_tensors
+        W, chunk = ctx.W, ctx.chunk
+        with _no_autocast(q):
+            acc, dt = q.dtype, g.dtype
+            B, H, T, _ = q.shape
+            unit, norm, so = WindowedAttention._summary(q, k, W)
+            dout = _batched(dout.to(dt))
+            delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+            w_null = torch.exp(b.view(1, H, 1, 1) - lse[..., None])  # null weight per query
+            dq, dk, dg = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, g))
+            dz = torch.zeros_like(so)  # gradient of the summary logit z_i
+            starts = list(range(0, T, chunk))
+            los = [max(r0 - W, 0) for r0 in starts]
+            d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_i dO_i over the chunks after c
+            for c in reversed(range(len(starts))):
+                r0 = starts[c]
+                r1 = min(r0 + chunk, T)
+                if c + 1 < len(starts):  # gates [lo_c, lo_c+1) are old sources before lo of chunks c+1, ...
+                    dg[:, :, los[c]:los[c + 1]] += d_old
+                p, old, lo = WindowedAttention._tile(q, k, W, so, r0, r1)
+                p = p.sub_(lse[:, :, r0:r1, None]).exp_()  # normalized weights
+                do = dout[:, :, r0:r1]
+                _add_matmul_(dg[:, :, lo:r1], p.to(dt).transpose(-1, -2), do)  # window and old gates in the tile
+                d_old += (so[:, :, r0:r1, None] - lse[:, :, r0:r1, None]).exp().mul(do).sum(2, keepdim=True)
+                ds = (do @ g[:, :, lo:r1].transpose(-1, -2)).to(acc).sub_(delta[:, :, r0:r1]).mul_(p)
+                ds.masked_fill_(old, 0.0)  # window scores only
+                # softmax gradients over all logits sum to 0: dz = -(null + window parts)
+                dz[:, :, r0:r1] = (w_null[:, :, r0:r1] * delta[:, :, r0:r1] - ds.sum(-1, keepdim=True))[..., 0]
+                dq[:, :, r0:r1] = ds @ k[:, :, lo:r1]
+                _add_matmul_(dk[:, :, lo:r1], ds.transpose(-1, -2), q[:, :, r0:r1])
+            # so_i = q_i . unit(K_i), K_i = sum_{j <= i-W} k_j (dz_i = 0 where there are no old sources)
+            dz = dz.masked_fill(torch.arange(T, device=q.device) < W, 0.0)[..., None]
+            dq += dz * unit
+            du = dz * q
+            dK = (du - unit * (unit * du).sum(-1, keepdim=True)) / norm
+            if T > W:
+                dk[:, :, :T - W] += dK.flip(2).cumsum(2).flip(2)[:, :, W:]
+            db = -(w_null * delta).sum((0, 2, 3))
+        return dq, dk, dg.to(dt), db, None, None
+
+
+WINDOW_CHUNK = 64  # query rows per chunk in WindowedAttention
+
+
 def windowed_fast(qs, kh, g, b, window):
-    """Windowed TANGO in chunks of W queries: each chunk scores its own and the previous chunk's
-    keys (a (W x 2W) band), and one summary 'key' per query stands for all sources j <= i-W.
-    Memory and time O(T W (d + F/H)) per head. L == S required (no cache)."""
-    B, H, T, dh = qs.shape
-    W = min(window, T)
-    fh = g.shape[-1]
-    # older sources for query i: j <= i - W, summarized by prefix sums taken at i - W
-    n_old = (torch.arange(T, device=qs.device) - W + 1).clamp(min=0)
-    k_old = F.pad(kh.cumsum(2), (0, 0, W, 0))[:, :, :T]
-    g_old = F.pad(g.cumsum(2), (0, 0, W, 0))[:, :, :T]
-    s_old = (qs * F.normalize(k_old, dim=-1)).sum(-1)
-    s_old = torch.where(n_old > 0, s_old + n_old.clamp(min=1).log(), torch.full_like(s_old, float("-inf")))
-    # window sources, chunked: chunk c holds queries [cW, cW+W) and keys [cW-W, cW+W)
-    nc = -(-T // W)
-    pad = nc * W - T
-    chunk = lambda t: F.pad(t, (0, 0, 0, pad)).view(B, H, nc, W, t.shape[-1])
-    qc, kc, gc = chunk(qs), chunk(kh), chunk(g)
-    two = lambda t: torch.cat((F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1], t), 3)  # (B, H, nc, 2W, .)
-    scores = qc @ two(kc).transpose(-1, -2)  # (B, H, nc, W, 2W)
-    r = torch.arange(W, device=qs.device).view(W, 1)
-    s = torch.arange(2 * W, device=qs.device).view(1, 2 * W)
-    band = (s > r) & (s <= r + W)  # key cW-W+s is in (i-W, i] for query i = cW+r
-    first = torch.zeros(nc, 1, 2 * W, dtype=torch.bool, device=qs.device)
-    first[0, :, :W] = True  # chunk 0 has no previous chunk
-    scores = scores.masked_fill(~band | first, float("-inf"))
-    null = b.to(qs.dtype).view(1, H, 1, 1, 1).expand(B, H, nc, W, 1)
-    w = torch.softmax(torch.cat((null, chunk(s_old[..., None]), scores), -1), -1)
-    mean_old = g_old / n_old.clamp(min=1).view(1, 1, T, 1).to(g.dtype)
-    out = w[..., 2:] @ two(gc) + w[..., 1:2] * chunk(mean_old)
-    return out.reshape(B, H, nc * W, fh)[:, :, :T]
+    """Windowed TANGO (WindowedAttention): memory and time O(T (C + W) (32 + F/H)) per head,
+    C = WINDOW_CHUNK query rows per chunk. L == S required (no cache)."""
+    return WindowedAttention.apply(qs, kh, g, b, window, WINDOW_CHUNK)
 
 
 def windowed_step(qs, kh, g, b, window, cache):
     """Windowed TANGO decoding of new queries one at a time with O(1) state per token: the last
-    W-1 keys/gates plus the running sums of older keys and gates and their count."""
+    W-1 keys/gates plus the running sums of older keys and gates and their count (all in float32
+    or wider)."""
+    acc = _acc_dtype(qs)
     outs = []
-    for t in range(qs.shape[2]):
-        q, keys, gates = qs[:, :, t:t + 1], kh[:, :, t:t + 1], g[:, :, t:t + 1]
-        if "k" in cache:
-            keys, gates = torch.cat((cache["k"], keys), 2), torch.cat((cache["g"], gates), 2)
-        B, H = q.shape[:2]
-        logits = [b.to(q.dtype).view(1, H, 1, 1).expand(B, H, 1, 1), q @ keys.transpose(-1, -2)]
-        values = [torch.zeros_like(gates[:, :, :1]), gates]
-        n = cache.get("n", 0)
-        if n > 0:
-            s_old = (q * F.normalize(cache["sk"], dim=-1)).sum(-1, keepdim=True)
-            logits.append(s_old + math.log(n))
-            values.append(cache["sg"] / n)
-        w = torch.softmax(torch.cat(logits, -1), -1)
-        outs.append(w @ torch.cat(values, 2))
-        if keys.shape[2] > window - 1:  # the oldest window source becomes an old source
-            k0, g0 = keys[:, :, :1], gates[:, :, :1]
-            cache["sk"] = cache["sk"] + k0 if n else k0
-            cache["sg"] = cache["sg"] + g0 if n else g0
-            cache["n"] = n + 1
-            keys, gates = keys[:, :, 1:], gates[:, :, 1:]
-        cache["k"], cache["g"] = keys, gates
-    return torch.cat(outs, 2)
+    with _no_autocast(qs):
+        for t in range(qs.shape[2]):
+            q, keys, gates = qs[:, :, t:t + 1].to(acc), kh[:, :, t:t + 1].to(acc), g[:, :, t:t + 1].to(acc)
+            if "k" in cache:
+                keys, gates = torch.cat((cache["k"], keys), 2), torch.cat((cache["g"], gates), 2)
+            B, H = q.shape[:2]
+            logits = [b.to(acc).view(1, H, 1, 1).expand(B, H, 1, 1), q @ keys.transpose(-1, -2)]
+            values = [torch.zeros_like(gates[:, :, :1]), gates]
+            n = cache.get("n", 0)
+            if n > 0:
+                s_old = (q * F.normalize(cache["sk"], dim=-1)).sum(-1, keepdim=True)
+                logits.append(s_old + math.log(n))
+                values.append(cache["sg"] / n)
+            w = torch.softmax(torch.cat(logits, -1), -1)
+            outs.append(w @ torch.cat(values, 2))
+            if keys.shape[2] > window - 1:  # the oldest window source becomes an old source
+                k0, g0 = keys[:, :, :1], gates[:, :, :1]
+                cache["sk"] = cache["sk"] + k0 if n else k0
+                cache["sg"] = cache["sg"] + g0 if n else g0
+                cache["n"] = n + 1
+                keys, gates = keys[:, :, 1:], gates[:, :, 1:]
+            cache["k"], cache["g"] = keys, gates
+    return torch.cat(outs, 2).to(_gate_dtype(g))
 
 
 def windowed_prefill(qs, kh, g, b, window, cache):
     """Windowed TANGO over a whole prompt (empty cache), then the decoding state for its end."""
     out = windowed_fast(qs, kh, g, b, window)
+    acc = _acc_dtype(qs)
     T = kh.shape[2]
     keep = min(T, window - 1)
-    cache["k"], cache["g"] = kh[:, :, T - keep:], g[:, :, T - keep:]
+    cache["k"], cache["g"] = kh[:, :, T - keep:].to(acc), g[:, :, T - keep:].to(acc)
     n = T - keep
     if n > 0:
-        cache["sk"], cache["sg"] = kh[:, :, :n].sum(2, keepdim=True), g[:, :, :n].sum(2, keepdim=True)
+        cache["sk"], cache["sg"] = (t[:, :, :n].to(acc).sum(2, keepdim=True) for t in (kh, g))
     cache["n"] = n
     return out
 
