@@ -39,7 +39,7 @@ import sys
 
 import models
 from common import ModelConfig, UsageError
-from tango import QK_PAD  # fast-path query/key width (32 score dims + null dim, padded to 40)
+from tango import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
 
 # SPEC 7 check values: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
 PAPER_MACS = {"tango": 9.44e12, "tango-windowed": 1.90e12, "loop": 1.94e12, "untied": 0.85e12}
@@ -92,8 +92,9 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     differences, all from padding:
       tango, tango-3set: one causal attention over [null key, T keys] with 40-dim padded
         queries/keys: per application T (T+1) (40 H) score + T (T+1) F gate MACs.
-      tango-windowed: T padded to Tp = ceil(T/W) W; each W-query chunk scores a W x 2W band
-        (its own and the previous chunk's keys): Tp 2W (d + F) per application.
+      tango-windowed: each chunk of C = tango.WINDOW_CHUNK queries [r0, r1) scores the keys
+        [max(r0 - W, 0), r1) and averages their gates: sum over chunks of (r1 - r0) (r1 - lo) (d + F)
+        per application (window, old sources in the slice, and the masked future of the chunk).
       flash (T > C): T padded to Tp = ceil(T/C) C; local Tp C (s + e), global 2 Tp s e
         (K_l^T V per chunk, Q_l times the prefix state). T <= C: one unpadded chunk, T^2 (s + e).
     """
@@ -104,8 +105,9 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     if m in ("tango", "tango-3set"):
         return base + K * T * (T + 1) * (QK_PAD * H + F)
     if m == "tango-windowed":
-        W = min(cfg.window, T)
-        return base + K * math.ceil(T / W) * W * 2 * W * (d + F)
+        C = WINDOW_CHUNK
+        return base + K * (d + F) * sum((min(r0 + C, T) - r0) * (min(r0 + C, T) - max(r0 - cfg.window, 0))
+                                        for r0 in range(0, T, C))
     if m == "flash":
         e, s, C = _gau_dims(cfg)
         n = C if T > C else T  # flash_chunked: a single chunk is left unpadded

@@ -80,14 +80,41 @@ def test_tango_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, chu
         assert (a - b).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
 @pytest.mark.parametrize("window", [1, 4, 7, 19, 40])
-def test_windowed_fast_equals_reference_outputs_and_gradients(f64, window):
+def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, window, chunk):
+    """WindowedAttention (any query-chunk size) == the plain formula, outputs and gradients of
+    qs, kh, g, b. T = 19: W = 4 and 7 do not divide T and leave most queries with old sources
+    (T > 2 W), W = 1 has only the own token in the window, W >= T is full-prefix TANGO."""
+    monkeypatch.setattr(tango, "WINDOW_CHUNK", chunk)
     args = qkgb()
     out_f, out_r = windowed_fast(*args, window), windowed_reference(*args, window)
     assert (out_f - out_r).abs().max() < 1e-10
     w = torch.randn_like(out_f)
     for a, b in zip(torch.autograd.grad((out_f * w).sum(), args), torch.autograd.grad((out_r * w).sum(), args)):
         assert (a - b).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("fast", ["tango", "tango-windowed"])
+def test_fast_paths_save_only_inputs_output_and_lse(fast, monkeypatch):
+    """What autograd keeps for backward from TANGO's averages: the inputs (queries, keys and gates;
+    full-prefix: padded to 40 dims and with the null key/gate), the output and one log-sum-exp per
+    query, nothing of size T x W or T x T (weights are recomputed in backward)."""
+    monkeypatch.setattr(tango, "WINDOW_CHUNK", 8)
+    monkeypatch.setattr(tango, "ATTN_CHUNK", 8)
+    B, H, T, fh = 2, 3, 37, 5
+    qs, kh, g, b = qkgb(B=B, H=H, T=T, fh=fh)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        if fast == "tango":
+            tango_fast(qs, kh, g, b)
+        else:
+            windowed_fast(qs, kh, g, b, 4)
+    if fast == "tango":  # q (T x 40), [null, keys] ((T+1) x 40), [0, gates] ((T+1) x fh), out, lse
+        expected = B * H * (T * 40 + (T + 1) * 40 + (T + 1) * fh + T * fh + T)
+    else:  # q, k (T x 32), g (T x fh), b (H), out (T x fh), lse (T)
+        expected = B * H * (2 * T * 32 + 2 * T * fh + T) + H
+    assert sum(saved) == expected
 
 
 def test_windowed_with_large_window_equals_full_tango(f64):

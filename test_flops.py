@@ -11,8 +11,8 @@ differences from the SPEC 7 convention are the implementations' padding, modelle
 flops.counter_expected_macs (not a tolerance):
   tango / tango-3set (fast path): keys are [null key, T keys] and q/k are padded to 40 dims, so
       per application T (T+1) (40 H + F) instead of T^2 (32 H + F);
-  tango-windowed: T padded to a multiple of W, and every W-query chunk scores a W x 2W band,
-      so Tp 2W (d + F) instead of T W (d + F);
+  tango-windowed: every chunk of C queries [r0, r1) scores the keys [max(r0 - W, 0), r1), so
+      sum (r1 - r0) (r1 - lo) (d + F) over chunks instead of T W (d + F);
   flash: T padded to a multiple of C; local Tp C (s + e), global 2 Tp s e;
   loop / untied / gau: none (SDPA and GAU's explicit matmuls are full T x T products).
 The reference TANGO path computes exactly the convention, so there the counter equals forward_macs.
