@@ -263,7 +263,9 @@ class WindowedAttention(torch.autograd.Function):
                 e = (so_c - m).exp()  # weight of each old source, unnormalized
                 l = p.sum(-1, keepdim=True) + (b.view(1, H, 1, 1) - m).exp() + lo * e  # + null + old before lo
                 lse[:, :, r0:r1] = (m + l.log())[..., 0]
-                out[:, :, r0:r1] = ((p.div_(l).to(dt) @ g[:, :, lo:r1]).to(acc) + e / l * g_old).to(dt)
+                o = (p.div_(l).to(dt) @ g[:, :, lo:r1]).to(acc)  # window and old sources in the slice
+                _add_matmul_(o, e / l, g_old)  # + old sources before lo
+                out[:, :, r0:r1] = o
         ctx.save_for_backward(q, k, g, b, out, lse)
         ctx.W, ctx.chunk = W, chunk
         return out
@@ -277,10 +279,10 @@ class WindowedAttention(torch.autograd.Function):
             B, H, T, _ = q.shape
             unit, norm, so = WindowedAttention._summary(q, k, W)
             dout = _batched(dout.to(dt))
-            delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
             w_null = torch.exp(b.view(1, H, 1, 1) - lse[..., None])  # null weight per query
             dq, dk, dg = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, g))
             dz = torch.zeros_like(so)  # gradient of the summary logit z_i
+            db = torch.zeros_like(b)
             starts = list(range(0, T, chunk))
             los = [max(r0 - W, 0) for r0 in starts]
             d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_i dO_i over the chunks after c
@@ -292,12 +294,15 @@ class WindowedAttention(torch.autograd.Function):
                 p, old, lo = WindowedAttention._tile(q, k, W, so, r0, r1)
                 p = p.sub_(lse[:, :, r0:r1, None]).exp_()  # normalized weights
                 do = dout[:, :, r0:r1]
+                delta = (do.to(acc) * out[:, :, r0:r1].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
+                db -= (w_null[:, :, r0:r1] * delta).sum((0, 2, 3))
                 _add_matmul_(dg[:, :, lo:r1], p.to(dt).transpose(-1, -2), do)  # window and old gates in the tile
-                d_old += (so[:, :, r0:r1, None] - lse[:, :, r0:r1, None]).exp().mul(do).sum(2, keepdim=True)
-                ds = (do @ g[:, :, lo:r1].transpose(-1, -2)).to(acc).sub_(delta[:, :, r0:r1]).mul_(p)
+                e = (so[:, :, r0:r1, None] - lse[:, :, r0:r1, None]).exp()  # weight of each old source
+                _add_matmul_(d_old, e.transpose(-1, -2).to(dt), do)
+                ds = (do @ g[:, :, lo:r1].transpose(-1, -2)).to(acc).sub_(delta).mul_(p)
                 ds.masked_fill_(old, 0.0)  # window scores only
                 # softmax gradients over all logits sum to 0: dz = -(null + window parts)
-                dz[:, :, r0:r1] = (w_null[:, :, r0:r1] * delta[:, :, r0:r1] - ds.sum(-1, keepdim=True))[..., 0]
+                dz[:, :, r0:r1] = (w_null[:, :, r0:r1] * delta - ds.sum(-1, keepdim=True))[..., 0]
                 dq[:, :, r0:r1] = ds @ k[:, :, lo:r1]
                 _add_matmul_(dk[:, :, lo:r1], ds.transpose(-1, -2), q[:, :, r0:r1])
             # so_i = q_i . unit(K_i), K_i = sum_{j <= i-W} k_j (dz_i = 0 where there are no old sources)
@@ -307,7 +312,6 @@ class WindowedAttention(torch.autograd.Function):
             dK = (du - unit * (unit * du).sum(-1, keepdim=True)) / norm
             if T > W:
                 dk[:, :, :T - W] += dK.flip(2).cumsum(2).flip(2)[:, :, W:]
-            db = -(w_null * delta).sum((0, 2, 3))
         return dq, dk, dg.to(dt), db, None, None
 
 
