@@ -1,4 +1,4 @@
-"""TANGO: tokens as operators (SPEC.md section 3; paper: ../shared/seeds/000_*.txt, section 2).
+"""TANGO: tokens as operators (SPEC.md section 3; paper: "TANGO: Treating Tokens as Operators", section 2).
 
 One gated update replaces attention and the feed-forward network; one block is applied K times:
 
@@ -17,13 +17,29 @@ Init (our choice, not in the paper): tau_a = 10, b_a = 0, linear maps N(0, 0.02)
 
 Fast path: the null option is one extra key whose score is b_a and whose value is 0, so the whole
 average is a single causal softmax attention whose values are the gates (queries/keys padded to
-40 dims: [tau q^, 1, 0...] . [k^, 0, 0...] = l_ij and [tau q^, 1, 0...] . [0, b_a, 0...] = b_a).
-No (T x T x F) tensor is ever formed. `tango_reference` is the plain formula, used by the tests.
+40 dims: [tau q^, 1, 0...] . [k^, 0, 0...] = l_ij and [tau q^, 1, 0...] . [0, b_a, 0...] = b_a),
+computed by ChunkedCausalAttention in chunks of query rows (the FlashAttention recipe). No
+(T x T x F) tensor is ever formed. `tango_reference` is the plain formula, used by the tests.
 
 Windowed TANGO: sources in the window j in (i-W, i] get the scores above; all older sources
 j <= i-W share one score tau_a <q^_i, unit(sum_{j<=i-W} k^_j)>, contribute exp(score) * sum g_j
-and mass exp(score) * n_old, n_old = i-W+1 (0-based). Cost O(T W (d + F)); decoding keeps the
-last W-1 keys/gates plus two running sums. With W >= T it equals full-prefix TANGO.
+and mass exp(score) * n_old, n_old = i-W+1 (0-based). WindowedAttention computes it in chunks of
+C query rows, each reading one contiguous slice of W + C keys and gates (no copies), with a running
+sum for the older gates: cost O(T (W + C) (32 + F/H)) per head, time per token flat in T.
+`windowed_reference` is the plain formula. Decoding keeps the last W-1 keys/gates plus two running
+sums. With W >= T it equals full-prefix TANGO.
+
+Memory: both fast paths save for backward only their inputs (queries, keys, gates, b), the output
+and one log-sum-exp per query, and recompute the weights in backward, so the activation memory of
+one update is O(B T (d + F)) and the transients O(B H C S) (full prefix: S = T keys per chunk of C
+rows) or O(B H C (C + W)) (windowed).
+
+Precision (bfloat16 autocast): the custom autograd functions turn autocast off inside and choose
+every dtype themselves: queries, keys, scores, the running maximum / log-sum-exp, the normalizing
+sums and the old-source sums are float32 (float64 for float64 inputs), only the weight x gate
+products run in autocast's dtype. In bfloat16, scores near tau = 10 would resolve in steps of 1/16
+(weights off by up to 3 %, averages by 1-2 %); with float32 scores the averages are within about
+0.3 % of float64, like PyTorch's attention in bfloat16 (tests/test_bf16.py).
 
 TANGO with three gated-projection sets: {W_g, W_v, W_o} set 1 for the first application, set 2
 for the middle ones, set 3 for the last; W_q, W_k, norm, tau, b shared. Needs K >= 3.
@@ -50,8 +66,7 @@ QK_PAD = 40  # 32 score dims + 1 null-option dim, padded to a multiple of 8 for 
 # Precision of the fast paths (fixed on purpose, the same with and without autocast): queries,
 # keys, scores, their log-sum-exp, the normalizing sums and the running sums of old sources are
 # float32 (float64 if the inputs are); only the products of weights with gates run in the gates'
-# compute dtype: autocast's (bfloat16) when autocast is on, else the gates' own dtype. Scores near
-# tau = 10 in bfloat16 would resolve in steps of 1/16, i.e. weights off by up to 3 %.
+# compute dtype: autocast's (bfloat16) when autocast is on, else the gates' own dtype.
 
 def _acc_dtype(t):
     """float32, or float64 for float64 inputs: the dtype of scores and sums."""
