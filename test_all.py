@@ -320,9 +320,9 @@ def test_eval_depths_sweep_and_diagnostics(tmp_path, text_dir):
 
 
 def test_readme_results_table_regenerates_from_committed_summaries():
-    """The README's results table is `python sweep.py report --root results/readme`, byte for byte."""
+    """results/README.md's CPU-tier table is `python sweep.py report --root results/readme`, byte for byte."""
     import sweep
-    readme = open(os.path.join(HERE, "README.md")).read()
+    readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --root results/readme -->\n", "<!-- end of sweep report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end)]
     assert table == sweep.report(os.path.join(HERE, "results", "readme"))
@@ -330,11 +330,11 @@ def test_readme_results_table_regenerates_from_committed_summaries():
 
 
 def test_readme_reproduction_grid_regenerates_from_committed_results():
-    """The README's reproduction tables are `python sweep.py report --grid --root results/grid`,
+    """results/README.md's reproduction tables are `python sweep.py report --grid --root results/grid`,
     byte for byte, from the committed summaries; every grid run is there (7 models x 2 datasets
     x (K in {4, 8} x 3 seeds + K = 16 x 1 seed)) and its plots are committed PNGs."""
     import sweep
-    readme = open(os.path.join(HERE, "README.md")).read()
+    readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --grid --root results/grid -->\n", "<!-- end of grid report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end)]
     root = os.path.join(HERE, "results", "grid")
@@ -344,7 +344,7 @@ def test_readme_reproduction_grid_regenerates_from_committed_results():
     for ds in ("stdlib", "dmmath"):
         with open(os.path.join(root, f"{ds}.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-        assert f"results/grid/{ds}.png" in readme
+        assert f"](grid/{ds}.png)" in readme
 
 
 @pytest.fixture(scope="module")
