@@ -205,7 +205,7 @@ def test_lr_schedule():
 
 
 def run_train(tmp_path, *flags, env_extra=None, check=True):
-    env = {**os.environ, "GPT2_BPE_FILE": BPE, **(env_extra or {})}
+    env = {**os.environ, "GPT2_BPE_FILE": BPE, "OMP_NUM_THREADS": "1", **(env_extra or {})}  # 1 thread: 2 cores, shared
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--data_root", str(tmp_path / "data"),
            "--out_dir", str(tmp_path / "out"), "--quiet", *flags]

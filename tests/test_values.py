@@ -103,9 +103,14 @@ def parcae_runs(mdm, data_root, tmp_path_factory):
     """A: 6 Parcae updates. B: 3 updates on A's schedule, then --resume to 6."""
     root = tmp_path_factory.mktemp("parcae")
     where = ["--data_dir", mdm, "--data_root", data_root]
-    main([*PARCAE, *where, "--out_dir", root / "A", "--max_iters", "6"])
-    main([*PARCAE, *where, "--out_dir", root / "B", "--max_iters", "3", "--lr_decay_iters", "6"])
-    main([*PARCAE, *where, "--out_dir", root / "B", "--max_iters", "6", "--resume"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the function-scoped one_thread
+    try:
+        main([*PARCAE, *where, "--out_dir", root / "A", "--max_iters", "6"])
+        main([*PARCAE, *where, "--out_dir", root / "B", "--max_iters", "3", "--lr_decay_iters", "6"])
+        main([*PARCAE, *where, "--out_dir", root / "B", "--max_iters", "6", "--resume"])
+    finally:
+        torch.set_num_threads(threads)
     return dict(A=root / "A", B=root / "B")
 
 
