@@ -157,10 +157,9 @@ def sandwich_block(x, blk, pos, H):
     return rms(x + swiglu(rms(x, blk.n3.weight), blk.mlp), blk.n4.weight)
 
 
-def tango_update(x, body, gset, pos, window=None):
+def tango_update(x, body, gset, pos, H, window=None):
     """One TANGO update (tango.py docstring), per head a and query i, as written there."""
     T, _ = x.shape
-    H = body.n_head
     u = rms(x, body.norm.weight)
     q, k = lin(u, body.wq.weight), lin(u, body.wk.weight)
     g = silu(lin(u, gset.wg.weight))  # source gate
@@ -189,7 +188,7 @@ def tango_body(x, model, pos):
     for k in range(K):
         s = 0 if cfg.model != "tango-3set" or k == 0 else 2 if k == K - 1 else 1  # first, middle, last
         window = cfg.window if cfg.model == "tango-windowed" else None
-        x = x + tango_update(x, body, body.sets[s], pos, window)
+        x = x + tango_update(x, body, body.sets[s], pos, cfg.n_head, window)
     return x
 
 
@@ -201,10 +200,10 @@ def tpp_body(x, model, pos):
     return x
 
 
-def gau_unit(x, unit_, pos, c, chunk=None):
-    """GAU (chunk None): relu(Q K^T / c)^2 causal; FLASH: local relu^2 in the chunk + global linear."""
+def gau_unit(x, unit_, pos, e, c, chunk=None):
+    """GAU (chunk None): relu(Q K^T / c)^2 causal; FLASH: local relu^2 in the chunk + global linear.
+    [U | V | Z] = SiLU(u W_in) with U, V e wide and Z the rest (s wide)."""
     T = x.shape[0]
-    e, s = unit_.e, unit_.s
     uvz = silu(lin(rms(x, unit_.norm.weight), unit_.w_in.weight))
     U, Vv, Z = uvz[:, :e], uvz[:, e:2 * e], uvz[:, 2 * e:]
     heads = [rope(Z * unit_.gamma[h] + unit_.beta[h], pos) for h in range(unit_.gamma.shape[0])]
@@ -225,7 +224,8 @@ def gau_body(x, model, pos):
     assert len(units) == (1 if cfg.tie_unit else cfg.depth)
     for k in range(cfg.depth):
         unit_ = units[k % len(units)]
-        x = x + gau_unit(x, unit_, pos, cfg.block_size, cfg.chunk if cfg.model == "flash" else None)
+        assert unit_.gamma.shape == (4 if cfg.model == "flash" else 2, cfg.gau_s)  # scale-offset heads on Z
+        x = x + gau_unit(x, unit_, pos, cfg.width, cfg.block_size, cfg.chunk if cfg.model == "flash" else None)
     return x
 
 
