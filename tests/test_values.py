@@ -3,7 +3,6 @@ learning-rate schedule, resume of a run that draws random numbers (Parcae), the 
 rate, dev/test NLL, the exact-match scorer, the strict width solver, the document split and the
 latent-token position ids. Every run here is in-process (train.main) and tiny."""
 import json
-import math
 import os
 from types import SimpleNamespace
 
