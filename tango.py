@@ -163,7 +163,7 @@ def windowed_fast(qs, kh, g, b, window):
     k_old = F.pad(kh.cumsum(2), (0, 0, W, 0))[:, :, :T]
     g_old = F.pad(g.cumsum(2), (0, 0, W, 0))[:, :, :T]
     s_old = (qs * F.normalize(k_old, dim=-1)).sum(-1)
-    s_old = torch.where(n_old > 0, s_old + n_old.clamp(min=1).log(), torch.full_like(s_old, float("-inf")))
+    s_old = torch.where(n_old > 0, s_old + n_old.clamp(min=1).to(qs.dtype).log(), torch.full_like(s_old, float("-inf")))
     # window sources, chunked: chunk c holds queries [cW, cW+W) and keys [cW-W, cW+W)
     nc = -(-T // W)
     pad = nc * W - T
