@@ -221,7 +221,7 @@ TINY = ["--max_iters", "4", "--eval_interval", "2", "--block_size", "32", "--bat
 
 
 @pytest.fixture(scope="module")
-def text_dir(tmp_path_factory):
+def text_dir(gpt2_bpe, tmp_path_factory):  # a GPT-2 BPE corpus: its tests skip without the vocabulary
     d = tmp_path_factory.mktemp("text")
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "(", ")", ":", "\n"]
@@ -355,9 +355,11 @@ def shared_root(tmp_path_factory):
 
 @pytest.mark.parametrize("dataset", ["stdlib", "dmmath"])
 @pytest.mark.parametrize("name", list(REGISTRY))
-def test_every_model_trains_on_stdlib_and_dmmath(tmp_path, shared_root, name, dataset):
+def test_every_model_trains_on_stdlib_and_dmmath(request, tmp_path, shared_root, name, dataset):
     """Every registered model trains through the same flags on both datasets and reports dev/test
     NLL (and exact match on dmmath's interpolate and extrapolate)."""
+    if dataset == "stdlib":
+        request.getfixturevalue("gpt2_bpe")  # skips without the GPT-2 vocabulary
     depth = "3" if name == "tango-3set" else "2"
     run_train(tmp_path, "--model", name, "--depth", depth, "--dataset", dataset, "--data_root", str(shared_root),
               "--max_iters", "2", "--eval_interval", "1", "--block_size", "64" if dataset == "stdlib" else "256",
