@@ -6,12 +6,12 @@
     torchrun --standalone --nproc_per_node 8 train.py --model tango --size 70M   # 8 GPUs, DDP
     python train.py --model tango --depth 8 --resume             # continue out/ exactly
 
-Protocol: AdamW (fp32 states), linear warmup then cosine decay, weight decay 0.1 on weight
-matrices only (each model declares its exempt parameters: no_decay_parameters), gradient
-clipping 1.0 once per update, micro-batches with gradient accumulation (the update minimises the
-NLL summed over the scored targets of all its micro-batches on all processes divided by their
-count; that is the logged loss), dev NLL on a
-fixed set of dev windows at update counts fixed in advance (every --eval_interval and the last
+Protocol: AdamW (fp32 states), linear warmup then cosine decay, weight decay 0.1 on the weight
+matrices and the embedding only (each model declares its exempt parameters: no_decay_parameters),
+gradient clipping 1.0 once per update, micro-batches with gradient accumulation (the update
+minimises the NLL summed over the scored targets of all its micro-batches on all processes divided
+by their count; that is the logged loss), dev NLL on a fixed set of dev windows at update counts
+fixed in advance (every --eval_interval and the last
 update), the best-dev checkpoint kept and only it evaluated on test. NLL is in nats/token;
 throughput is the median training tokens/s over the final 100 updates.
 
@@ -43,7 +43,9 @@ Multi-GPU (DDP; gloo on CPU, nccl on CUDA), one process per device:
 number of processes; each rank runs accum/world micro-batches, gradients are synchronised on the
 last one only (no_sync). Every rank draws the windows of all accum micro-batches of an update
 from the shared data RNG and takes its own contiguous share, so an update sees the same windows
-whatever the world size. Dev/test windows are sharded over ranks and their per-window NLL sums
+whatever the world size; the random draws inside a training step (Parcae's and RDM's depths and
+initial states) are seeded from (--seed, update, the micro-batch's global index) (step_seed), so
+they do not depend on it either. Dev/test windows are sharded over ranks and their per-window NLL sums
 (float64) gathered in window order. Only rank 0 prints and writes logs and checkpoints; rank 0
 also prepares the dataset, so on several machines --data_root must be on a shared file system.
 
