@@ -159,7 +159,7 @@ def child(spec):
         grp["lr"] = 0.0
     with ctx():
         model(x[:1, :min(T, 8)], y[:1, :min(T, 8)])[1].backward()
-    for p in params:
+    for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     opt.step()

@@ -206,10 +206,10 @@ def test_the_drawing_models_are_parcae_and_rdm():
     assert drawing_models() == ["parcae", "rdm"]
 
 
-def run_train(argv, torchrun=0, env_extra=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                    str(torchrun)] if torchrun else [])
+def run_train(argv, torchrun=2):
+    """train.py under torchrun with that many processes (gloo on CPU)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun)]
     p = subprocess.run([*launcher, os.path.join(REPO, "train.py"), *argv], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -232,7 +232,7 @@ def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_p
              "--eval_interval", "1", "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2",
              "--sample_tokens", "0", "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),
              "--quiet"]
-    run_train([*flags, "--out_dir", str(tmp_path / "one")])
+    train.main([*flags, "--out_dir", str(tmp_path / "one")])  # in this process: saves a start-up
     run_train([*flags, "--out_dir", str(tmp_path / "ddp")], torchrun=2)
     a = torch.load(tmp_path / "one" / "ckpt_latest.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "ddp" / "ckpt_latest.pt", weights_only=True)["model"]
