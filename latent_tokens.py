@@ -733,6 +733,7 @@ def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, war
     total = epochs * per_epoch
     warm = max(1, math.ceil(warmup * total))
     rng = np.random.default_rng(seed)
+    was_training = llm.training
     llm.train()
     losses, step = [], 0
     for ep in range(epochs):
@@ -752,7 +753,7 @@ def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, war
             step += 1
         if log:
             log(f"  epoch {ep + 1}/{epochs}: mean loss {np.mean(losses[-per_epoch:]):.4f}")
-    llm.eval()
+    llm.train(was_training)  # the mode it found
     return losses
 
 

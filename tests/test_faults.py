@@ -263,7 +263,9 @@ def test_latent_table_and_adam_state_stay_float32(dtype):
     augs = [llm.augment([1] + list(rng.integers(3, 13, 12)) + [2] + list(rng.integers(3, 13, 6)), 6)
             for _ in range(16)]
     z0 = llm.Z.detach().clone()
+    llm.train()
     losses = lt.train_latents(llm, augs, epochs=3, batch_size=4, lr=5e-2, min_lr=5e-5, warmup=0.01)
+    assert llm.training and not base.training  # the mode it found (the base stays frozen in eval)
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
     assert llm.Z.dtype == torch.float32
     assert (llm.Z.detach() != z0).float().mean().item() > 0.99  # every entry moved, also late in the schedule
