@@ -240,6 +240,7 @@ class GAUUnit(nn.Module):
     """One gated attention unit's parameters: norm gain (d), fused W_in (d x (2e + s)), n_qk
     per-dim scale-offset pairs on Z (gamma ~ N(1, 0.02), beta = 0), W_o (e x d).
     Parameters: 3de + ds + 2 n_qk s + d."""
+    no_decay = ("gamma", "beta")  # per-dimension scale and offset: no weight decay (train.no_decay_parameters)
 
     def __init__(self, d, e, s, n_qk):
         super().__init__()
@@ -353,10 +354,24 @@ def sub_cache(cache, key):
 
 
 @torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def random_state(shape, std, device, dtype):
-    """h_0 ~ TruncNormal(0, std, +-3 std) from torch's global RNG (training; train.py seeds it)."""
+def seeded_generators(seed, device):
+    """The generators of one training forward's random draws: (CPU generator for the recurrence
+    depths, generator on `device` for h_0), both seeded with seed; (None, None) when seed is None,
+    which means torch's global RNG. train.py sets a body's rng_seed per micro-batch
+    (train.step_seed: a function of --seed, the update and the micro-batch's global index), so the
+    draws do not depend on the number of processes."""
+    if seed is None:
+        return None, None
+    cpu = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    return cpu, (cpu if device.type == "cpu" else torch.Generator(device).manual_seed(seed))
+
+
+@torch.compiler.disable  # RNG / host-side work: always eager, never traced
+def random_state(shape, std, device, dtype, generator=None):
+    """h_0 ~ TruncNormal(0, std, +-3 std) from generator (None: torch's global RNG) (training)."""
     h = torch.empty(shape, device=device, dtype=torch.float32)
-    nn.init.trunc_normal_(h, 0.0, std, -TRUNC_SD * std, TRUNC_SD * std)
+    nn.init.trunc_normal_(h, 0.0, std, -TRUNC_SD * std, TRUNC_SD * std, generator=generator)
     return h.to(dtype)
 
 
@@ -410,11 +425,11 @@ class SandwichBlock(nn.Module):
 
 
 @torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def rdm_sample_depths(n, mu_rec, sigma=0.5):
+def rdm_sample_depths(n, mu_rec, sigma=0.5, generator=None):
     """n draws of RDM's depth T = Poisson(exp(tau)) + 1, tau ~ N(log mu_rec - sigma^2/2, sigma),
-    from torch's global CPU RNG: (n,) int64 with E[T] = mu_rec + 1."""
-    tau = torch.randn(n, dtype=torch.float64) * sigma + (math.log(mu_rec) - sigma ** 2 / 2)
-    return torch.poisson(tau.exp()).long() + 1
+    from a CPU generator (None: torch's global CPU RNG): (n,) int64 with E[T] = mu_rec + 1."""
+    tau = torch.randn(n, dtype=torch.float64, generator=generator) * sigma + (math.log(mu_rec) - sigma ** 2 / 2)
+    return torch.poisson(tau.exp(), generator=generator).long() + 1
 
 
 class RecurrentDepth(nn.Module):
@@ -441,10 +456,7 @@ class RecurrentDepth(nn.Module):
         self.core = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_core))
         self.coda = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_coda))
         self._norms, self._steps = [], 0
-
-    def no_decay_parameters(self):
-        """RDM has no special parameters beyond norm gains (already without weight decay)."""
-        return []
+        self.rng_seed = None  # seed of the training draws (baselines.seeded_generators); None: global RNG
 
     def encode(self, x, cos, sin, cache=None):
         """Scaled embedding -> prelude -> e."""
@@ -458,10 +470,11 @@ class RecurrentDepth(nn.Module):
             h = blk(h, cos, sin, sub_cache(cache, ("coda", j)))
         return h
 
-    def initial_state(self, e, cache=None):
+    @torch.compiler.disable  # RNG / host-side work: always eager, never traced
+    def initial_state(self, e, cache=None, generator=None):
         B, T, d = e.shape
         if self.training:
-            return random_state((B, T, d), self.h0_std, e.device, e.dtype)
+            return random_state((B, T, d), self.h0_std, e.device, e.dtype, generator)
         start = cache.get("len", 0) if cache is not None else 0
         return eval_state(start, T, d, self.h0_std, e.device, e.dtype).expand(B, T, d)
 
@@ -475,9 +488,10 @@ class RecurrentDepth(nn.Module):
     @torch.compiler.disable(recursive=False)
     def recur(self, e, cos, sin, cache=None, n_steps=None, h0=None):
         norms = []
+        cpu_gen, gen = seeded_generators(self.rng_seed, e.device)
         if n_steps is None and self.training and torch.is_grad_enabled():
-            n_steps = int(rdm_sample_depths(1, self.mu_rec, self.sigma)[0])  # drawn first, then h_0
-        h = self.initial_state(e, cache) if h0 is None else h0
+            n_steps = int(rdm_sample_depths(1, self.mu_rec, self.sigma, cpu_gen)[0])  # drawn first, then h_0
+        h = self.initial_state(e, cache, gen) if h0 is None else h0
         if n_steps is not None:  # training-style: truncated backprop through depth
             if cache is not None:
                 raise ValueError("decoding runs a fixed depth (eval mode)")

@@ -7,7 +7,7 @@
 Each (model, block size T, compile) configuration runs in a fresh subprocess (`--timeout` caps
 it; a timed-out or failed row says so and the model's larger T are skipped). The child builds the
 model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),
-AdamW as in train.py (weight decay on matrices), random tokens, and times full training steps:
+AdamW as in train.py (its weight-decay groups), random tokens, and times full training steps:
 forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
 max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
 row does the same number of tokens per step. That matters on CPU: glibc serves allocations above
@@ -130,12 +130,8 @@ def child(spec):
     B = max(1, spec["batch_tokens"] // T)
     model = models.build_model(cfg, device=dev)
     model.train()
-    exempt = {id(p) for p in getattr(model.body, "no_decay_parameters", lambda: [])()}
-    params = list(model.parameters())
-    decay = lambda p: p.dim() >= 2 and id(p) not in exempt
-    opt = torch.optim.AdamW([{"params": [p for p in params if decay(p)], "weight_decay": 0.1},
-                             {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    from train import param_groups  # the same weight-decay groups as training
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
     fwd = torch.compile(model) if spec["compile"] else model
     if spec["dtype"] == "bfloat16":
         ctx = lambda: torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16)
@@ -163,7 +159,7 @@ def child(spec):
         grp["lr"] = 0.0
     with ctx():
         model(x[:1, :min(T, 8)], y[:1, :min(T, 8)])[1].backward()
-    for p in params:
+    for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     opt.step()

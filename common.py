@@ -10,6 +10,7 @@ embedding, the tied head, the loss, cached generation and parameter counting liv
     out = model.generate(idx, max_new_tokens, temperature=1.0, top_k=None)
     model.num_params()                             # non-embedding parameters
 """
+import numbers
 from dataclasses import dataclass, asdict, fields
 
 import torch
@@ -68,6 +69,7 @@ class ModelConfig:
 
 class RMSNorm(nn.Module):
     """RMSNorm with a learned gain (SPEC section 1). x: (..., d) -> (..., d)."""
+    no_decay = ("weight",)  # a gain: no weight decay (train.no_decay_parameters)
 
     def __init__(self, d, eps=1e-6):
         super().__init__()
@@ -169,8 +171,11 @@ class LM(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, stop_token=None):
         """Sample max_new_tokens continuing idx (B, T) with a decoding cache; returns (B, T + n).
 
-        temperature 0 means greedy. Generation stops early when every row emitted stop_token.
+        max_new_tokens: int >= 0; temperature, top_k: as in sample_next (temperature 0 = greedy,
+        top_k None = all tokens, top_k > V keeps all V). Generation stops early when every row
+        emitted stop_token. Raises ValueError naming the argument for a value outside these ranges.
         """
+        check_sampling(temperature, top_k, max_new_tokens)
         cache = {}
         logits, _ = self(idx, cache=cache)
         out = idx
@@ -186,12 +191,34 @@ class LM(nn.Module):
         return out
 
 
+def check_sampling(temperature=1.0, top_k=None, max_new_tokens=0):
+    """ValueError naming the argument unless temperature is a finite number >= 0, top_k is None
+    or an int >= 1 and max_new_tokens an int >= 0 (bools are not counts)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature {temperature!r}: must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k {top_k!r}: must be None (all tokens) or an int >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens {max_new_tokens!r}: must be an int >= 0")
+
+
 def sample_next(logits, temperature=1.0, top_k=None):
-    """logits (B, V) -> next ids (B, 1); temperature 0 = argmax, top_k keeps the k largest logits."""
+    """logits (B, V) -> next ids (B, 1), drawn from softmax(logits / temperature) over the top_k
+    largest logits (ties at the k-th value all kept; top_k None or >= V: every token).
+
+    temperature 0 = argmax. Any positive temperature is safe, however small: the logits are
+    shifted by their row maximum and divided in float64, so 1e-30 gives the argmax (uniform over
+    exact ties) instead of an overflow. Raises ValueError for a negative, infinite or NaN
+    temperature or a top_k below 1 (check_sampling).
+    """
+    check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+    z = logits.double()
+    if top_k is not None and top_k < z.size(-1):
+        v, _ = torch.topk(z, top_k)
+        z = z.masked_fill(z < v[:, [-1]], float("-inf"))
+    z = (z - z.amax(-1, keepdim=True)) / temperature  # <= 0, exactly 0 at the maximum: no overflow
+    return torch.multinomial(F.softmax(z, dim=-1), num_samples=1)

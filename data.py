@@ -15,6 +15,7 @@ uint32 if the vocabulary is larger than 65536), ``meta.json`` and, for masked da
 ``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (exit code 2).
 """
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -194,9 +195,11 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
     folder = os.path.join(out_root, name)
     if _matches(folder, fp):
         return folder
+    created = _missing_ancestors(out_root)
     os.makedirs(out_root, exist_ok=True)
     tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_root), None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
+    ok = False
     try:
         meta = build(tmp)
         meta["fingerprint"] = fp
@@ -206,13 +209,26 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=out_root)
             os.replace(folder, os.path.join(old, name))
         os.replace(tmp, folder)
+        ok = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old:
             shutil.rmtree(old, ignore_errors=True)
+        for d in created if not ok else ():  # a failed prepare leaves no folder it made (if still empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
     print(f"prepared {folder}: " + ", ".join(f"{k} {v:,}" for k, v in meta["splits"].items()) + " tokens",
           flush=True)
     return folder
+
+
+def _missing_ancestors(path):
+    """The folders os.makedirs(path) would create, deepest first."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def _matches(folder, fp):

@@ -303,11 +303,22 @@ def _check_points(n_points, n_params, law):
         raise UsageError(f"{law} law: {n_points} points cannot determine {n_params} parameters")
 
 
+def _check_varies(law, **variables):
+    """UsageError unless every variable a law fits an exponent (or a rate) for takes >= 3 distinct
+    values in the given points: with fewer, the fit returns numbers the runs cannot determine."""
+    for name, values in variables.items():
+        n = len(set(values.tolist()))
+        if n < 3:
+            raise UsageError(f"{law} law: {name} takes {n} distinct value{'s' * (n != 1)} in these runs; "
+                             f"fitting its exponent needs >= 3")
+
+
 def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
     """Test-time depth law L(T) = L_inf + Z exp(-z T) (SPEC 5) from recurrences T and losses L.
-    Returns {"L_inf", "Z", "z", "huber"}."""
+    Returns {"L_inf", "Z", "z", "huber"}; UsageError for fewer than 3 distinct T."""
     T, L = _as64(T, L)
     _check_points(len(T), 3, "depth")
+    _check_varies("depth", T=T)
     T0, logL = T.mean(), L.log()
 
     def objective(th):  # th: (R, 3) = [log L_inf, log(Z exp(-z T0)), log z]
@@ -326,9 +337,10 @@ def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
 
 def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
     """Training law L = E + A N^-a + B D^-b (SPEC 5; N: unrolled parameters N(mu_rec), D: tokens).
-    Returns {"E", "A", "a", "B", "b", "huber"}."""
+    Returns {"E", "A", "a", "B", "b", "huber"}; UsageError for fewer than 3 distinct N or D."""
     N, D, L = _as64(N, D, L)
     _check_points(len(L), 5, "training")
+    _check_varies("training", N=N, D=D)
     lN, lD = N.log(), D.log()
     cN, cD, logL = lN.mean(), lD.mean(), L.log()
 
@@ -350,9 +362,11 @@ def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
 def fit_unified_law(N, D, T, mu_rec, L, restarts=32, max_iter=1500, delta=HUBER_DELTA):
     """Unified law L = E + X N^-x + Y D^-y + Z exp(-z T / mu_rec) (SPEC 5): N unrolled parameters
     N(mu_rec), D tokens, T test-time recurrences, mu_rec the training mean recurrence.
-    Returns {"E", "X", "x", "Y", "y", "Z", "z", "huber"}."""
+    Returns {"E", "X", "x", "Y", "y", "Z", "z", "huber"}; UsageError for fewer than 3 distinct
+    N, D or T / mu_rec."""
     N, D, T, M, L = _as64(N, D, T, mu_rec, L)
     _check_points(len(L), 7, "unified")
+    _check_varies("unified", N=N, D=D, T_over_mu_rec=T / M)
     lN, lD, R = N.log(), D.log(), T / M
     cN, cD, cR, logL = lN.mean(), lD.mean(), R.mean(), L.log()
 

@@ -244,6 +244,7 @@ class Tango(nn.Module):
     impl="fast" (default) or "reference" (plain formulas, for tests). Raises UsageError for a
     width that is not a multiple of n_head, or three sets with K < 3.
     """
+    no_decay = ("log_tau", "null")  # temperature and null score: no weight decay (train.no_decay_parameters)
 
     def __init__(self, cfg, windowed=False, n_sets=1, impl="fast"):
         super().__init__()

@@ -220,7 +220,7 @@ TINY = ["--max_iters", "4", "--eval_interval", "2", "--block_size", "32", "--bat
 
 
 @pytest.fixture(scope="module")
-def text_dir(tmp_path_factory):
+def text_dir(gpt2_bpe, tmp_path_factory):  # a GPT-2 BPE corpus: its tests skip without the vocabulary
     d = tmp_path_factory.mktemp("text")
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "(", ")", ":", "\n"]

@@ -28,7 +28,7 @@ def write_files(root, files):
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def test_gpt2_encoder_from_file():
+def test_gpt2_encoder_from_file(gpt2_bpe):
     enc = data.gpt2_encoder()
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     assert enc.n_vocab == 50257 and enc.eot_token == 50256
@@ -73,7 +73,7 @@ def test_split_of_is_stable():
 
 # ----------------------------------------------------------------------------- local paths
 
-def test_local_folder_split_by_file(tmp_path):
+def test_local_folder_split_by_file(gpt2_bpe, tmp_path):
     files = {f"doc{i:03d}.txt": f"marker{i:03d} some text number {i}\nline two {i * 7}\n" for i in range(100)}
     files["sub/extra.md"] = "marker_sub nested file\n"
     write_files(tmp_path / "corpus", files)
@@ -99,7 +99,7 @@ def test_local_folder_split_by_file(tmp_path):
     assert set(seen) == set(files)  # every file exactly once; hidden and binary ones skipped
 
 
-def test_local_single_file_split_by_position(tmp_path):
+def test_local_single_file_split_by_position(gpt2_bpe, tmp_path):
     text = "".join(f"The quick brown fox {i} jumps over the lazy dog.\n" for i in range(400))
     (tmp_path / "book.txt").write_text(text)
     d = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=str(tmp_path / "out")))
@@ -111,7 +111,7 @@ def test_local_single_file_split_by_position(tmp_path):
     assert d.decode(all_ids) == text + "<|endoftext|>"
 
 
-def test_prepare_errors(tmp_path):
+def test_prepare_errors(gpt2_bpe, tmp_path):
     with pytest.raises(UsageError, match="unknown dataset 'nope'; use stdlib, dmmath or a path"):
         data.prepare("nope", out_root=str(tmp_path))
     (tmp_path / "empty").mkdir()
@@ -122,10 +122,10 @@ def test_prepare_errors(tmp_path):
         data.prepare(str(tmp_path / "zero.txt"), out_root=str(tmp_path / "out"))
     with pytest.raises(UsageError, match="--data_dir"):
         data.prepare("stdlib", data_dir=str(tmp_path), out_root=str(tmp_path / "out"))
-    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".")]  # no temp leftovers
+    assert not (tmp_path / "out").exists()  # no temp leftovers, not even the out_root a failed prepare made
 
 
-def test_reuse_and_reprepare(tmp_path, monkeypatch):
+def test_reuse_and_reprepare(gpt2_bpe, tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("hello there, " * 200)
     out = str(tmp_path / "out")
     folder = data.prepare(str(tmp_path / "a.txt"), out_root=out)
@@ -169,7 +169,7 @@ def test_bad_meta(tmp_path):
 # ----------------------------------------------------------------------------- Data API
 
 @pytest.fixture
-def small(tmp_path):
+def small(gpt2_bpe, tmp_path):
     text = "".join(f"Line {i}: the value is {i * i}.\n" for i in range(300))
     (tmp_path / "s.txt").write_text(text)
     return data.Data(data.prepare(str(tmp_path / "s.txt"), out_root=str(tmp_path / "out")))
@@ -305,12 +305,12 @@ def test_dmmath_errors(tmp_path):
     bad.write_text("What is 1 + 1?\n2\nWhat is 2 + 2?\n")
     with pytest.raises(UsageError, match="algebra__linear_1d.txt: malformed"):
         data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
-    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".")]
+    assert not (tmp_path / "out").exists()  # a failed prepare leaves nothing, not even the out_root it made
 
 
 # ----------------------------------------------------------------------------- stdlib (real, ~5 s)
 
-def test_stdlib_split_by_file(tmp_path):
+def test_stdlib_split_by_file(gpt2_bpe, tmp_path):
     d = data.Data(data.prepare("stdlib", out_root=str(tmp_path)))
     root = sysconfig.get_paths()["stdlib"]
     rels = data._walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")

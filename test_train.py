@@ -155,28 +155,30 @@ def test_sample_starts_is_data_train_batch(data_root):
 
 
 def test_accumulation_averages_micro_batches_and_clips_once(data_root):
-    """The update follows the mean of the micro-batch gradients, clipped once on its total norm; the
-    returned (logged) loss is the mean of the micro-batch losses."""
+    """The update follows the gradient of the NLL summed over every scored target of the update
+    divided by their count, clipped once on its total norm; that is the returned (logged) loss."""
     d = data_mod.Data(str(next(data_root.iterdir())))
     torch.manual_seed(0)
     model = build_model(ModelConfig(model="loop", depth=1, width=32, vocab_size=d.vocab_size, n_embd=64,
                                     n_head=2, block_size=32))
     starts = [np.array([0, 100]), np.array([200, 300]), np.array([400, 500])]
-    ref, losses = copy.deepcopy(model), []
+    ref, nll, count = copy.deepcopy(model), 0.0, 0
     for s in starts:
         x, y = d.window_batch("train", s, 32)
-        loss = ref(x, y)[1]
+        loss = torch.nn.functional.cross_entropy(ref(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1,
+                                                 reduction="sum")
         loss.backward()
-        losses.append(loss.item())
-    mean_grad = [p.grad / 3 for p in ref.parameters()]
+        nll, count = nll + loss.item(), count + int((y != -1).sum())
+    assert len({int((d.window_batch("train", s, 32)[1] != -1).sum()) for s in starts}) > 1  # unequal counts
+    mean_grad = [p.grad / count for p in ref.parameters()]
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean_grad])).item()
     for clip in (1e9, norm / 4):
         m = copy.deepcopy(model)
-        r = SimpleNamespace(args=SimpleNamespace(device="cpu", block_size=32, grad_clip=clip), dist=train.Dist(),
+        r = SimpleNamespace(args=SimpleNamespace(device="cpu", block_size=32, grad_clip=clip, seed=0), dist=train.Dist(),
                             data=d, model=m, train_model=m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0),
                             ctx=contextlib.nullcontext(), it=0, latest_path="unused")
         loss, grad_norm = train.train_update(r, starts)
-        assert loss == pytest.approx(sum(losses) / 3, rel=1e-6) and grad_norm == pytest.approx(norm, rel=1e-5)
+        assert loss == pytest.approx(nll / count, rel=1e-6) and grad_norm == pytest.approx(norm, rel=1e-5)
         scale = min(1.0, clip / (norm + 1e-6))
         for p0, p1, g in zip(model.parameters(), m.parameters(), mean_grad):
             assert torch.allclose(p0 - p1, g * scale, rtol=1e-4, atol=1e-7)
