@@ -14,10 +14,17 @@ uint32 if the vocabulary is larger than 65536), ``meta.json`` and, for masked da
 ``<split>.mask.bin`` (uint8, 1 = the token counts as a target) and ``<split>.problems.npy``.
 ``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (exit code 2).
 """
+import argparse
 import base64
+import collections
+import contextlib
+import functools
+import glob
 import hashlib
 import json
+import multiprocessing
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -30,6 +37,9 @@ import torch
 from common import UsageError
 
 DATASETS = ("stdlib", "dmmath")
+TOKENIZERS = ("auto", "gpt2", "char")
+HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # read --hf_data_files
+HUB_TIMEOUT = 10.0  # seconds the Hugging Face Hub gets to answer before hf:NAME fails
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DMMATH = os.path.join(HERE, "..", "shared", "data", "dmmath")
 FORMAT = 1  # bump when the on-disk layout changes; stale folders are then re-prepared
@@ -38,6 +48,11 @@ GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\
 NO_VOCAB = ("no GPT-2 vocabulary: set GPT2_BPE_FILE=/path/to/gpt2.tiktoken "
             "(e.g. ../shared/data/gpt2.tiktoken) or allow tiktoken to download it")
 DMMATH_REQUIRED = ("train-easy", "train-medium", "train-hard", "interpolate", "extrapolate")
+EOT_SYMBOL = "<|endoftext|>"  # the end-of-text symbol of both tokenizers (GPT-2 id 50256)
+CHAR_EOT = 0x110000  # char tokenization's end-of-document marker in code-point space (past Unicode)
+BY_FILE = "by file: sha256(relative path)[:8] as int % 100 <90 train, <95 dev, else test"
+BY_POSITION = ("by position: too few files to split by file, so the concatenated token stream "
+               "(files in path order) is cut 90% train / 5% dev / 5% test")
 
 _encoders = {}  # GPT2_BPE_FILE value (or None) -> tiktoken.Encoding or the UsageError it gave
 
@@ -150,21 +165,39 @@ def _walk(root, keep=lambda rel: True, skip_dir=lambda name: False):
 
 # ----------------------------------------------------------------------------- prepare
 
-def prepare(dataset="stdlib", data_dir=None, out_root="data"):
+def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", max_tokens=0, num_proc=1,
+            hf_split="train", hf_text_field="text", hf_split_key="auto", hf_data_files=None):
     """Tokenize ``dataset`` once into ``<out_root>/<name>/`` and return that folder.
 
-    dataset: "stdlib", "dmmath" or a path to a text file / folder of text files.
+    dataset: "stdlib", "dmmath", a path to a text file / folder of text files, or
+    "hf:NAME[:CONFIG]" (a Hugging Face dataset, see ``_hf_streams``; the ``hf_*`` arguments).
+    tokenizer: "gpt2", "char" or "auto" (char for dmmath, gpt2 otherwise).
     data_dir: the dmmath folder (default ../shared/data/dmmath next to this repo).
-    A complete folder whose meta matches the sources (path, sizes, mtimes) is reused as is;
-    otherwise everything is written into a temporary sibling folder and renamed into place,
-    so an interrupted prepare leaves nothing half-written. Raises UsageError for bad input.
+    max_tokens: keep only the first N tokens of the source, all splits together (0: all).
+    num_proc: tokenizer worker processes.
+    A complete folder whose meta matches the sources (path, sizes, mtimes; for the hub: the
+    arguments) is reused as is; otherwise everything is written into a temporary sibling folder
+    and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
+    removes out_root again if it created it). Raises UsageError for bad input.
     """
+    if tokenizer not in TOKENIZERS:
+        raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)}")
+    if dataset == "dmmath" and tokenizer == "gpt2":
+        raise UsageError("--tokenizer gpt2: dmmath is character-level only (use --tokenizer char or auto)")
+    tokenizer = "char" if tokenizer == "auto" and dataset == "dmmath" else "gpt2" if tokenizer == "auto" else tokenizer
     if data_dir is not None and dataset != "dmmath":
         raise UsageError("--data_dir: only used with --dataset dmmath")
+    if max_tokens < 0 or (max_tokens and dataset == "dmmath"):
+        raise UsageError(f"--max_tokens {max_tokens}: must be >= 0, and is not used with dmmath")
+    if hf_data_files and not dataset.startswith("hf:"):
+        raise UsageError("--hf_data_files: only used with --dataset hf:NAME")
+    suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")
+    text = dict(tokenizer=tokenizer, max_tokens=max_tokens, num_proc=num_proc)
     if dataset == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         rels = _walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
-        name, build = "stdlib", lambda tmp: _build_gpt2(tmp, root, rels, "stdlib", by_file_only=True)
+        name, fp = "stdlib" + suffix, _fingerprint(root, rels, dataset, tokenizer, max_tokens)
+        build = lambda tmp: _build_text(tmp, _file_docs(root, rels), "stdlib", BY_FILE, by_key_only=True, **text)
     elif dataset == "dmmath":
         root = os.path.abspath(data_dir or DEFAULT_DMMATH)
         missing = [d for d in DMMATH_REQUIRED if not os.path.isdir(os.path.join(root, d))]
@@ -175,7 +208,13 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
                      and r.split(os.sep)[0] in DMMATH_REQUIRED + ("dev",))
         default = os.path.samefile(root, DEFAULT_DMMATH) if os.path.isdir(DEFAULT_DMMATH) else False
         name = "dmmath" if default else "dmmath-" + hashlib.sha256(root.encode()).hexdigest()[:8]
-        build = lambda tmp: _build_dmmath(tmp, root)
+        fp, build = _fingerprint(root, rels, dataset), lambda tmp: _build_dmmath(tmp, root)
+    elif dataset.startswith("hf:"):
+        hf = _hf_spec(dataset, hf_split, hf_text_field, hf_split_key, hf_data_files)
+        fp = _fingerprint(os.sep, hf["local_files"], repr(sorted(hf.items())), tokenizer, max_tokens)
+        name = "hf-" + re.sub(r"[^A-Za-z0-9._-]+", "_", hf["name"].strip("./")).strip("_")[-40:] \
+            + (f"-{hf['config']}" if hf["config"] else "") + suffix + "-" + fp[:8]
+        build = lambda tmp: _build_hf(tmp, hf, **text)
     elif os.path.exists(dataset):
         path = os.path.abspath(dataset)
         if os.path.isdir(path):
@@ -184,16 +223,17 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
             root, rels = os.path.dirname(path), [os.path.basename(path)]
         if not rels:
             raise UsageError(f"--dataset {dataset}: no files in this folder")
-        name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(path.encode()).hexdigest()[:8]
-        build = lambda tmp: _build_gpt2(tmp, root, rels, path, by_file_only=False)
+        name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(path.encode()).hexdigest()[:8] + suffix
+        fp = _fingerprint(root, rels, "path", tokenizer, max_tokens)
+        build = lambda tmp: _build_text(tmp, _file_docs(root, rels), path, BY_FILE, by_key_only=False, **text)
     else:
         raise UsageError(f"--dataset: unknown dataset '{dataset}'; "
-                         "use stdlib, dmmath or a path to a text file or folder")
+                         "use stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG]")
 
-    fp = _fingerprint(root, rels, dataset if dataset in DATASETS else "path")
     folder = os.path.join(out_root, name)
     if _matches(folder, fp):
         return folder
+    created = _first_missing(out_root)
     os.makedirs(out_root, exist_ok=True)
     tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_root), None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
@@ -206,13 +246,25 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=out_root)
             os.replace(folder, os.path.join(old, name))
         os.replace(tmp, folder)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not any(files for _, _, files in os.walk(created)):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
         if old:
             shutil.rmtree(old, ignore_errors=True)
     print(f"prepared {folder}: " + ", ".join(f"{k} {v:,}" for k, v in meta["splits"].items()) + " tokens",
           flush=True)
     return folder
+
+
+def _first_missing(path):
+    """The outermost folder that os.makedirs(path) would create (None if path exists)."""
+    path, top = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, top = os.path.dirname(path), path
+    return top
 
 
 def _matches(folder, fp):
@@ -228,38 +280,290 @@ def _read_text(path):
     return None if b"\0" in raw else raw.decode("utf-8", errors="replace")  # NUL byte: binary
 
 
-def _build_gpt2(tmp, root, rels, source, by_file_only):
-    """GPT-2 BPE documents, each followed by <|endoftext|>, split by file (stable path hash).
+def _file_docs(root, rels):
+    """(relative path, text) per readable file: the path decides the split."""
+    for rel in rels:
+        yield rel, _read_text(os.path.join(root, rel))
 
-    If that leaves dev or test empty (a single file, few files) and by_file_only is False,
-    the concatenated token stream is split by position 90/5/5 instead.
+
+# ----------------------------------------------------------------------------- text datasets
+
+def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files"):
+    """Tokenize documents ``(split_key, text)`` in order into train/dev/test bins under ``tmp``.
+
+    Each document is followed by an end-of-text token and goes whole into split_of(split_key)
+    (the text itself when split_key is None). With max_tokens, writing stops at exactly that many
+    tokens (the last document cut). If dev or test stays empty and by_key_only is False (a single
+    file, few files), the token stream (documents in order) is cut by position 90/5/5 instead.
+    gpt2: GPT-2 BPE ids. char: the characters of the train split, in code point order, then the
+    end-of-text symbol, then the unknown id (decoded as U+FFFD) for characters unseen in train;
+    the first pass writes code points (uint32) and ``_char_vocab`` maps them. Returns the meta dict.
     """
-    enc = gpt2_encoder()
-    docs = [(rel, _read_text(os.path.join(root, rel))) for rel in rels]
-    docs = [(rel, text) for rel, text in docs if text]
-    if not docs:
+    from tqdm import tqdm
+    if tokenizer == "gpt2":
+        gpt2_encoder()  # fails fast (UsageError) without a vocabulary, before any worker starts
+    names, ext = ("train", "dev", "test"), ".bin" if tokenizer == "gpt2" else ".cp"
+    wide = np.dtype("<u2") if tokenizer == "gpt2" else np.dtype("<u4")
+    n_tok, n_docs, order, total = dict.fromkeys(names, 0), dict.fromkeys(names, 0), [], 0
+    with contextlib.ExitStack() as stack:
+        out = {s: stack.enter_context(open(os.path.join(tmp, s + ext), "wb")) for s in names}
+        bar = stack.enter_context(tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=None,
+                                       desc=f"tokenizing {source} ({tokenizer}, num_proc {num_proc})"))
+        pieces = stack.enter_context(contextlib.closing(_tokenize(docs, tokenizer, num_proc)))
+        for split, ids in pieces:
+            ids = ids[:max_tokens - total] if max_tokens else ids
+            out[split].write(ids.astype(wide).tobytes())
+            n_tok[split] += len(ids)
+            n_docs[split] += 1
+            order.append((split, len(ids)))
+            total += len(ids)
+            bar.update(len(ids))
+            if total == max_tokens:
+                break
+    if not total:
         raise UsageError(f"--dataset {source}: no readable text")
-    ids = enc.encode_ordinary_batch([text for _, text in docs], num_threads=2)
-    arrays = [np.array(x + [EOT], dtype=np.uint16) for x in ids]
-    which = [split_of(rel) for rel, _ in docs]
-    names = ("train", "dev", "test")
-    n_files = {s: which.count(s) for s in names}
-    rule = "by file: sha256(relative path)[:8] as int % 100 <90 train, <95 dev, else test"
-    if min(n_files.values()) > 0 or by_file_only:
-        splits = {s: np.concatenate([a for a, w in zip(arrays, which) if w == s] or [np.zeros(0, np.uint16)])
-                  for s in names}
+    if min(n_docs.values()) == 0 and not by_key_only:
+        n_tok, n_docs, rule = _split_by_position(tmp, ext, wide, order), {"all": len(order)}, BY_POSITION
+    meta = dict(tokenizer="gpt2", vocab_size=EOT + 1, dtype="uint16") if tokenizer == "gpt2" \
+        else _char_vocab(tmp, n_tok)
+    meta.update(splits=n_tok, split_rule=rule, source=source, test_split="test", em_splits=[])
+    meta[count] = n_docs
+    if max_tokens:
+        meta.update(max_tokens=max_tokens, truncated=total == max_tokens)
+    return meta
+
+
+def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
+    """Yield (split, token ids incl. the end-of-text marker) per non-empty document, in order.
+    Batches of about batch_chars characters go to num_proc worker processes (in this process when
+    num_proc <= 1), at most 2 * num_proc batches ahead, so a streamed source is read only as far
+    as needed."""
+    fn = functools.partial(_tokenize_batch, tokenizer)
+    batches = _batches(((k, t) for k, t in docs if t), batch_chars)
+    with contextlib.ExitStack() as stack:
+        if num_proc > 1:
+            pool = stack.enter_context(multiprocessing.Pool(num_proc))
+            results = _ordered_map(pool, fn, batches, ahead=2 * num_proc)
+        else:
+            results = map(fn, batches)
+        for splits, lengths, flat in results:
+            yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
+
+
+def _batches(docs, batch_chars):
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[1])
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _ordered_map(pool, fn, items, ahead):
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _tokenize_batch(tokenizer, batch):
+    """Worker: [(split_key, text)] -> (splits, lengths, all ids concatenated as uint32).
+    gpt2: BPE ids + <|endoftext|>; char: Unicode code points + CHAR_EOT."""
+    if tokenizer == "gpt2":
+        enc, eot = gpt2_encoder(), EOT
+        ids = [np.array(x, np.uint32) for x in enc.encode_ordinary_batch([t for _, t in batch], num_threads=1)]
     else:
-        stream = np.concatenate(arrays)
-        a, b = int(len(stream) * 0.90), int(len(stream) * 0.95)
-        splits = dict(train=stream[:a], dev=stream[a:b], test=stream[b:])
-        n_files = {"all": len(docs)}
-        rule = ("by position: too few files to split by file, so the concatenated token stream "
-                "(files in path order) is cut 90% train / 5% dev / 5% test")
-    for s, arr in splits.items():
-        dtype = write_bin(os.path.join(tmp, f"{s}.bin"), arr, EOT + 1)
-    return dict(tokenizer="gpt2", vocab_size=EOT + 1, dtype=dtype,
-                splits={s: int(len(a)) for s, a in splits.items()}, split_rule=rule,
-                source=source, n_files=n_files, test_split="test", em_splits=[])
+        eot = CHAR_EOT
+        ids = [np.frombuffer(t.encode("utf-32-le", "replace"), "<u4") for _, t in batch]
+    splits = [split_of(t if key is None else key) for key, t in batch]
+    return splits, [len(x) + 1 for x in ids], np.concatenate([np.append(x, np.uint32(eot)) for x in ids])
+
+
+def _split_by_position(tmp, ext, wide, order):
+    """Rewrite the split files as the document stream (in order) cut 90/5/5; returns the counts."""
+    arrays = {s: np.fromfile(os.path.join(tmp, s + ext), wide) for s in ("train", "dev", "test")}
+    at, parts = dict.fromkeys(arrays, 0), []
+    for s, n in order:
+        parts.append(arrays[s][at[s]:at[s] + n])
+        at[s] += n
+    stream = np.concatenate(parts)
+    a, b = int(len(stream) * 0.90), int(len(stream) * 0.95)
+    for s, piece in dict(train=stream[:a], dev=stream[a:b], test=stream[b:]).items():
+        piece.tofile(os.path.join(tmp, s + ext))
+    return dict(train=a, dev=b - a, test=len(stream) - b)
+
+
+def _char_vocab(tmp, n_tok, chunk=1 << 24):
+    """Map the code-point files <split>.cp to <split>.bin with the train split's characters
+    (plus the newline, always) as the vocabulary; returns the tokenizer part of the meta."""
+    counts = np.zeros(CHAR_EOT + 1, np.int64)
+    train = read_bin(os.path.join(tmp, "train.cp"), "<u4")
+    for i in range(0, len(train), chunk):
+        counts += np.bincount(train[i:i + chunk], minlength=CHAR_EOT + 1)
+    counts[ord("\n")] += 1
+    cps = np.flatnonzero(counts[:CHAR_EOT])
+    itos = [chr(c) for c in cps] + [EOT_SYMBOL, "\ufffd"]
+    eot_id, unk = len(cps), len(cps) + 1
+    lut = np.full(CHAR_EOT + 1, unk, np.int64)
+    lut[cps], lut[CHAR_EOT] = np.arange(len(cps)), eot_id
+    dtype = bin_dtype(len(itos))
+    for s in n_tok:
+        src = read_bin(os.path.join(tmp, f"{s}.cp"), "<u4")
+        with open(os.path.join(tmp, f"{s}.bin"), "wb") as f:
+            for i in range(0, len(src), chunk):
+                f.write(lut[src[i:i + chunk]].astype(dtype.newbyteorder("<")).tobytes())
+        del src
+        os.remove(os.path.join(tmp, f"{s}.cp"))
+    return dict(tokenizer="char", vocab_size=len(itos), dtype=dtype.name, itos=itos, unk_id=unk, eot_id=eot_id)
+
+
+# ----------------------------------------------------------------------------- Hugging Face datasets
+
+def _hf_spec(dataset, split, text_field, split_key, data_files):
+    """Check an hf:NAME[:CONFIG] dataset without opening it; the dict also fingerprints it.
+    NAME is a hub id, a save_to_disk folder, a local folder of data files, or one of HF_BUILDERS
+    (json, csv, parquet, text, ...) reading --hf_data_files. UsageError naming `pip install
+    datasets` when the optional extra is missing."""
+    name, _, config = dataset[3:].partition(":")
+    if not name:
+        raise UsageError(f"--dataset {dataset}: give hf:NAME or hf:NAME:CONFIG")
+    try:
+        import datasets  # noqa: F401 - the optional extra, needed only here
+    except ImportError:
+        raise UsageError(f"--dataset {dataset}: reading Hugging Face datasets needs the optional extra: "
+                         "pip install datasets") from None
+    files = [f for f in (data_files or "").split(",") if f]
+    local = os.path.exists(name)
+    if local:
+        name = os.path.abspath(name)
+        saved = any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json"))
+        kind = "saved" if saved else "local"
+    elif name in HF_BUILDERS:
+        kind = "builder"
+        if not files:
+            raise UsageError(f"--dataset {dataset}: needs --hf_data_files FILE[,FILE...] (paths or globs)")
+    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        kind = "hub"
+    else:
+        raise UsageError(f"--dataset {dataset}: {name} is neither a local folder nor a Hugging Face hub id")
+    matched = sorted({p for f in files for p in glob.glob(f, recursive=True) if os.path.isfile(p)})
+    if kind == "builder" and not matched:
+        raise UsageError(f"--hf_data_files {data_files}: no such file")
+    within = [os.path.relpath(os.path.join(d, f), name) for d, _, fs in os.walk(name) for f in fs] if local else []
+    local_files = [os.path.abspath(p) for p in matched] + [os.path.join(name, r) for r in sorted(within)]
+    return dict(dataset=dataset, name=name, config=config, kind=kind, split=split, text_field=text_field,
+                split_key=split_key, data_files=[os.path.abspath(f) if glob.glob(f) else f for f in files],
+                local_files=[p.lstrip(os.sep) for p in local_files])
+
+
+def _build_hf(tmp, hf, **text):
+    """Stream the dataset's rows into _build_text; every failure of `datasets` is one UsageError."""
+    streams = _hf_streams(hf, cache_dir=os.path.join(tmp, ".hf_cache"))
+    try:
+        meta = _build_text(tmp, _hf_docs(hf, streams), hf["dataset"], "", by_key_only=True,
+                           count="n_documents", **text)
+        key = hf.get("key_column") or "text"
+        meta["split_rule"] = (f"by document: sha256(its {key} column)[:8] as int % 100 <90 train, <95 dev, "
+                              "else test (documents with equal values share a split)")
+        return meta
+    finally:
+        shutil.rmtree(os.path.join(tmp, ".hf_cache"), ignore_errors=True)
+
+
+def _hf_streams(hf, cache_dir):
+    """The dataset as a list of row iterables (one per --hf_data_files entry, read interleaved).
+    Hub datasets are streamed (nothing is downloaded beyond the rows read); a hub that does not
+    answer within HUB_TIMEOUT seconds is a UsageError naming the dataset."""
+    import datasets
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        if hf["kind"] == "saved":
+            ds = datasets.load_from_disk(hf["name"])
+            if isinstance(ds, datasets.DatasetDict):
+                if hf["split"] not in ds:
+                    raise UsageError(f"--hf_split {hf['split']}: {hf['name']} has splits {', '.join(ds)}")
+                ds = ds[hf["split"]]
+            return [ds]
+        if hf["kind"] == "hub":
+            _check_hub(hf["dataset"], hf["name"])
+        groups = [[f] for f in hf["data_files"]] or [None]
+        return [datasets.load_dataset(hf["name"], hf["config"] or None, split=hf["split"], data_files=g,
+                                      streaming=True, cache_dir=cache_dir) for g in groups]
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever `datasets` raises is bad input or no network
+        raise _hf_error(hf, e) from None
+
+
+def _hf_error(hf, e):
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return UsageError(f"--dataset {hf['dataset']}: cannot read it ({type(e).__name__}: {first})")
+
+
+def _check_hub(dataset, name):
+    """UsageError within HUB_TIMEOUT seconds unless the hub answers for this dataset (skipped when
+    HF_HUB_OFFLINE=1 asks for the local cache)."""
+    from huggingface_hub import HfApi, constants, errors
+    if constants.HF_HUB_OFFLINE:
+        return
+    box = []
+    thread = threading.Thread(target=lambda: box.append(_try(HfApi().dataset_info, name)), daemon=True)
+    thread.start()
+    thread.join(HUB_TIMEOUT)
+    offline = ("without network use a local copy: hf:FOLDER (saved with save_to_disk) or "
+               "hf:json --hf_data_files FILE")
+    if not box:
+        raise UsageError(f"--dataset {dataset}: no answer from the Hugging Face Hub in {HUB_TIMEOUT:g} s; {offline}")
+    if isinstance(box[0], errors.RepositoryNotFoundError):
+        raise UsageError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub "
+                         "(private or gated ones need `hf auth login`)")
+    if isinstance(box[0], Exception):
+        first = (str(box[0]).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
+                         f"({type(box[0]).__name__}: {first}); {offline}")
+
+
+def _hf_docs(hf, streams):
+    """(split key, text) per row, the streams interleaved one row at a time."""
+    its, checked = [iter(s) for s in streams], False
+    while its:
+        for it in list(its):
+            try:
+                row = next(it)
+            except StopIteration:
+                its.remove(it)
+                continue
+            except Exception as e:  # noqa: BLE001 - a stream failing mid-way (network, bad file)
+                raise _hf_error(hf, e) from None
+            if not checked:
+                key = hf["key_column"] = _hf_key_column(hf, row)
+                checked = True
+            text = row[hf["text_field"]]
+            if text is not None and not isinstance(text, str):
+                raise UsageError(f"--hf_text_field {hf['text_field']}: holds {type(text).__name__}, not text")
+            yield (None if key is None else str(row[key])), text
+
+
+def _hf_key_column(hf, row):
+    """The column that decides the split (None: the text); UsageError for a missing column."""
+    if hf["text_field"] not in row:
+        raise UsageError(f"--hf_text_field {hf['text_field']}: not a column of {hf['dataset']} "
+                         f"(columns: {', '.join(row)})")
+    key = hf["split_key"]
+    if key == "auto":
+        return "id" if "id" in row else None
+    if key == "text" or key == hf["text_field"]:
+        return None
+    if key not in row:
+        raise UsageError(f"--hf_split_key {key}: not a column of {hf['dataset']} (columns: {', '.join(row)})")
+    return key
 
 
 def _read_problems(path):
@@ -357,7 +661,7 @@ class Data:
             try:
                 self.itos = list(self.meta["itos"])
                 self.stoi = {c: i for i, c in enumerate(self.itos[:self.meta["unk_id"]])}
-                self.eot = self.stoi["\n"]
+                self.eot = int(self.meta["eot_id"]) if "eot_id" in self.meta else self.stoi["\n"]  # dmmath: "\n"
             except (KeyError, TypeError, ValueError) as e:
                 raise UsageError(f"{path}: a character vocabulary needs itos with a newline and unk_id "
                                  f"({type(e).__name__}: {e}); run prepare again") from None
@@ -448,3 +752,68 @@ def unigram_entropy(data, split="dev"):
     counts = np.bincount(tok, minlength=data.vocab_size)
     p = counts[counts > 0] / max(1, counts.sum())
     return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------- command line
+
+def add_arguments(add):
+    """The data flags, shared by data.py's and train.py's command lines; add: a parser's add_argument."""
+    add("--dataset", default="stdlib", help="stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG] "
+        "(a Hugging Face hub dataset, a save_to_disk folder, or json/csv/parquet/text with --hf_data_files)")
+    add("--tokenizer", default="auto", choices=TOKENIZERS,
+        help="gpt2 (BPE) or char (the train split's characters + an unknown id); auto: char for dmmath, else gpt2")
+    add("--data_dir", default=None, help="dmmath: folder in the official layout (None: ../shared/data/dmmath)")
+    add("--data_root", default="data", help="where prepared token bins are cached")
+    add("--max_tokens", type=_count, default=0, help="keep the first N tokens of the source, all splits "
+        "together (e.g. 1.7e9); 0: all")
+    add("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizer worker processes (this machine's CPUs)")
+    add("--hf_split", default="train", help="hf: the source split to read (this repo splits it by document)")
+    add("--hf_text_field", default="text", help="hf: the column holding each document's text")
+    add("--hf_split_key", default="auto", help="hf: column whose value picks the split; equal values share one "
+        "(e.g. dump: FineWeb-Edu by crawl date); text: the text; auto: id if present, else the text")
+    add("--hf_data_files", default=None, help="hf: data files or globs, comma-separated; several are read "
+        "interleaved, one document each in turn")
+
+
+def _count(s):
+    try:
+        v = float(s.replace("_", ""))
+    except ValueError:
+        v = -1.0
+    if not (v >= 0 and v == int(v)):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number >= 0 (e.g. 1500000000 or 1.5e9)")
+    return int(v)
+
+
+def flag_options(args):
+    """prepare()'s keyword arguments from the flags of add_arguments (all but --dataset, --data_dir
+    and --data_root, which are its positional ones)."""
+    return dict(tokenizer=args.tokenizer, max_tokens=args.max_tokens, num_proc=args.num_proc,
+                hf_split=args.hf_split, hf_text_field=args.hf_text_field, hf_split_key=args.hf_split_key,
+                hf_data_files=args.hf_data_files)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line "error: ..." and exit 2, like every other bad input
+        raise UsageError(f"{message} (see python data.py --help)")
+
+
+def main(argv=None):
+    """python data.py --dataset NAME ...: prepare the dataset (or find it prepared) and print its
+    folder, tokenizer and token counts per split. Bad input: one line on stderr, exit code 2."""
+    p = _Parser(description="Tokenize a dataset once into <data_root>/<name>/{<split>.bin, meta.json}.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p.add_argument)
+    try:
+        args = p.parse_args(argv)
+        d = Data(prepare(args.dataset, args.data_dir, args.data_root, **flag_options(args)))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{d.folder}: {d.tokenizer} vocab {d.vocab_size}, "
+          + ", ".join(f"{k} {v:,}" for k, v in d.meta["splits"].items()) + " tokens")
+    print(f"source {d.meta['source']}; split {d.meta['split_rule']}")
+
+
+if __name__ == "__main__":
+    main()
