@@ -1,30 +1,36 @@
 """Datasets: tokenize once to flat token files, then serve training batches and eval windows.
 
-SPEC.md section 8 names the paper's datasets; this repo runs the CPU-scale stand-ins:
+    python data.py --dataset stdlib [--tokenizer char]   # prepare, print the token counts
 
-- ``stdlib``: the Python standard library's ``*.py`` files, GPT-2 BPE, split by file
-  (a code corpus in the spirit of The Stack: no file is in two splits).
+The TANGO paper ("TANGO: Treating Tokens as Operators", section 3) trains on FineWeb-Edu, The
+Stack, Lean and DeepMind Mathematics; this repo runs CPU-scale stand-ins and reads the real
+corpora through Hugging Face datasets:
+
+- ``stdlib``: the Python standard library's ``*.py`` files, split by file (a code corpus in the
+  spirit of The Stack: no file is in two splits).
 - ``dmmath``: DeepMind Mathematics in the official layout, character vocabulary, loss only on
   the answers; ``interpolate`` is the test split (NLL and exact match), ``extrapolate`` is
-  exact match only (SPEC section 8).
-- a path to a text file or a folder of text files: GPT-2 BPE.
+  exact match only.
+- a path to a text file or a folder of text files, split by file.
+- ``hf:NAME[:CONFIG]``: a Hugging Face dataset (hub, save_to_disk folder or data files; see
+  hf_data.py), split by document.
 
-``prepare`` writes ``<out_root>/<name>/``: one ``<split>.bin`` per split (raw uint16 token ids,
-uint32 if the vocabulary is larger than 65536), ``meta.json`` and, for masked datasets,
-``<split>.mask.bin`` (uint8, 1 = the token counts as a target) and ``<split>.problems.npy``.
-``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (exit code 2).
+Text datasets (all but dmmath) take either tokenizer: ``gpt2`` (BPE, default) or ``char`` (the
+train split's characters + end-of-text + an unknown id). ``prepare`` writes
+``<out_root>/<name>/``: one ``<split>.bin`` per split (raw uint16 token ids, uint32 if the
+vocabulary is larger than 65536), ``meta.json`` and, for masked datasets, ``<split>.mask.bin``
+(uint8, 1 = the token counts as a target) and ``<split>.problems.npy``. ``Data`` memory-maps such
+a folder. Bad input raises ``common.UsageError`` (one line, exit code 2 on the command line).
 """
 import argparse
 import base64
 import collections
 import contextlib
 import functools
-import glob
 import hashlib
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import sys
 import sysconfig
@@ -38,8 +44,6 @@ from common import UsageError
 
 DATASETS = ("stdlib", "dmmath")
 TOKENIZERS = ("auto", "gpt2", "char")
-HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # read --hf_data_files
-HUB_TIMEOUT = 10.0  # seconds the Hugging Face Hub gets to answer before hf:NAME fails
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DMMATH = os.path.join(HERE, "..", "shared", "data", "dmmath")
 FORMAT = 1  # bump when the on-disk layout changes; stale folders are then re-prepared
@@ -170,7 +174,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     """Tokenize ``dataset`` once into ``<out_root>/<name>/`` and return that folder.
 
     dataset: "stdlib", "dmmath", a path to a text file / folder of text files, or
-    "hf:NAME[:CONFIG]" (a Hugging Face dataset, see ``_hf_streams``; the ``hf_*`` arguments).
+    "hf:NAME[:CONFIG]" (a Hugging Face dataset, see hf_data.py; the ``hf_*`` arguments).
     tokenizer: "gpt2", "char" or "auto" (char for dmmath, gpt2 otherwise).
     data_dir: the dmmath folder (default ../shared/data/dmmath next to this repo).
     max_tokens: keep only the first N tokens of the source, all splits together (0: all).
@@ -210,11 +214,11 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         name = "dmmath" if default else "dmmath-" + hashlib.sha256(root.encode()).hexdigest()[:8]
         fp, build = _fingerprint(root, rels, dataset), lambda tmp: _build_dmmath(tmp, root)
     elif dataset.startswith("hf:"):
-        hf = _hf_spec(dataset, hf_split, hf_text_field, hf_split_key, hf_data_files)
+        import hf_data  # the optional `datasets` extra: only on this path
+        hf = hf_data.spec(dataset, hf_split, hf_text_field, hf_split_key, hf_data_files)
         fp = _fingerprint(os.sep, hf["local_files"], repr(sorted(hf.items())), tokenizer, max_tokens)
-        name = "hf-" + re.sub(r"[^A-Za-z0-9._-]+", "_", hf["name"].strip("./")).strip("_")[-40:] \
-            + (f"-{hf['config']}" if hf["config"] else "") + suffix + "-" + fp[:8]
-        build = lambda tmp: _build_hf(tmp, hf, **text)
+        name = hf_data.folder_name(hf) + suffix + "-" + fp[:8]
+        build = lambda tmp: hf_data.build(tmp, hf, **text)
     elif os.path.exists(dataset):
         path = os.path.abspath(dataset)
         if os.path.isdir(path):
@@ -421,149 +425,6 @@ def _char_vocab(tmp, n_tok, chunk=1 << 24):
         del src
         os.remove(os.path.join(tmp, f"{s}.cp"))
     return dict(tokenizer="char", vocab_size=len(itos), dtype=dtype.name, itos=itos, unk_id=unk, eot_id=eot_id)
-
-
-# ----------------------------------------------------------------------------- Hugging Face datasets
-
-def _hf_spec(dataset, split, text_field, split_key, data_files):
-    """Check an hf:NAME[:CONFIG] dataset without opening it; the dict also fingerprints it.
-    NAME is a hub id, a save_to_disk folder, a local folder of data files, or one of HF_BUILDERS
-    (json, csv, parquet, text, ...) reading --hf_data_files. UsageError naming `pip install
-    datasets` when the optional extra is missing."""
-    name, _, config = dataset[3:].partition(":")
-    if not name:
-        raise UsageError(f"--dataset {dataset}: give hf:NAME or hf:NAME:CONFIG")
-    try:
-        import datasets  # noqa: F401 - the optional extra, needed only here
-    except ImportError:
-        raise UsageError(f"--dataset {dataset}: reading Hugging Face datasets needs the optional extra: "
-                         "pip install datasets") from None
-    files = [f for f in (data_files or "").split(",") if f]
-    local = os.path.exists(name)
-    if local:
-        name = os.path.abspath(name)
-        saved = any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json"))
-        kind = "saved" if saved else "local"
-    elif name in HF_BUILDERS:
-        kind = "builder"
-        if not files:
-            raise UsageError(f"--dataset {dataset}: needs --hf_data_files FILE[,FILE...] (paths or globs)")
-    elif re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
-        kind = "hub"
-    else:
-        raise UsageError(f"--dataset {dataset}: {name} is neither a local folder nor a Hugging Face hub id")
-    matched = sorted({p for f in files for p in glob.glob(f, recursive=True) if os.path.isfile(p)})
-    if kind == "builder" and not matched:
-        raise UsageError(f"--hf_data_files {data_files}: no such file")
-    within = [os.path.relpath(os.path.join(d, f), name) for d, _, fs in os.walk(name) for f in fs] if local else []
-    local_files = [os.path.abspath(p) for p in matched] + [os.path.join(name, r) for r in sorted(within)]
-    return dict(dataset=dataset, name=name, config=config, kind=kind, split=split, text_field=text_field,
-                split_key=split_key, data_files=[os.path.abspath(f) if glob.glob(f) else f for f in files],
-                local_files=[p.lstrip(os.sep) for p in local_files])
-
-
-def _build_hf(tmp, hf, **text):
-    """Stream the dataset's rows into _build_text; every failure of `datasets` is one UsageError."""
-    streams = _hf_streams(hf, cache_dir=os.path.join(tmp, ".hf_cache"))
-    try:
-        meta = _build_text(tmp, _hf_docs(hf, streams), hf["dataset"], "", by_key_only=True,
-                           count="n_documents", **text)
-        key = hf.get("key_column") or "text"
-        meta["split_rule"] = (f"by document: sha256(its {key} column)[:8] as int % 100 <90 train, <95 dev, "
-                              "else test (documents with equal values share a split)")
-        return meta
-    finally:
-        shutil.rmtree(os.path.join(tmp, ".hf_cache"), ignore_errors=True)
-
-
-def _hf_streams(hf, cache_dir):
-    """The dataset as a list of row iterables (one per --hf_data_files entry, read interleaved).
-    Hub datasets are streamed (nothing is downloaded beyond the rows read); a hub that does not
-    answer within HUB_TIMEOUT seconds is a UsageError naming the dataset."""
-    import datasets
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    try:
-        if hf["kind"] == "saved":
-            ds = datasets.load_from_disk(hf["name"])
-            if isinstance(ds, datasets.DatasetDict):
-                if hf["split"] not in ds:
-                    raise UsageError(f"--hf_split {hf['split']}: {hf['name']} has splits {', '.join(ds)}")
-                ds = ds[hf["split"]]
-            return [ds]
-        if hf["kind"] == "hub":
-            _check_hub(hf["dataset"], hf["name"])
-        groups = [[f] for f in hf["data_files"]] or [None]
-        return [datasets.load_dataset(hf["name"], hf["config"] or None, split=hf["split"], data_files=g,
-                                      streaming=True, cache_dir=cache_dir) for g in groups]
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - whatever `datasets` raises is bad input or no network
-        raise _hf_error(hf, e) from None
-
-
-def _hf_error(hf, e):
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return UsageError(f"--dataset {hf['dataset']}: cannot read it ({type(e).__name__}: {first})")
-
-
-def _check_hub(dataset, name):
-    """UsageError within HUB_TIMEOUT seconds unless the hub answers for this dataset (skipped when
-    HF_HUB_OFFLINE=1 asks for the local cache)."""
-    from huggingface_hub import HfApi, constants, errors
-    if constants.HF_HUB_OFFLINE:
-        return
-    box = []
-    thread = threading.Thread(target=lambda: box.append(_try(HfApi().dataset_info, name)), daemon=True)
-    thread.start()
-    thread.join(HUB_TIMEOUT)
-    offline = ("without network use a local copy: hf:FOLDER (saved with save_to_disk) or "
-               "hf:json --hf_data_files FILE")
-    if not box:
-        raise UsageError(f"--dataset {dataset}: no answer from the Hugging Face Hub in {HUB_TIMEOUT:g} s; {offline}")
-    if isinstance(box[0], errors.RepositoryNotFoundError):
-        raise UsageError(f"--dataset {dataset}: no such dataset on the Hugging Face Hub "
-                         "(private or gated ones need `hf auth login`)")
-    if isinstance(box[0], Exception):
-        first = (str(box[0]).strip().splitlines() or [""])[0][:200]
-        raise UsageError(f"--dataset {dataset}: cannot reach the Hugging Face Hub "
-                         f"({type(box[0]).__name__}: {first}); {offline}")
-
-
-def _hf_docs(hf, streams):
-    """(split key, text) per row, the streams interleaved one row at a time."""
-    its, checked = [iter(s) for s in streams], False
-    while its:
-        for it in list(its):
-            try:
-                row = next(it)
-            except StopIteration:
-                its.remove(it)
-                continue
-            except Exception as e:  # noqa: BLE001 - a stream failing mid-way (network, bad file)
-                raise _hf_error(hf, e) from None
-            if not checked:
-                key = hf["key_column"] = _hf_key_column(hf, row)
-                checked = True
-            text = row[hf["text_field"]]
-            if text is not None and not isinstance(text, str):
-                raise UsageError(f"--hf_text_field {hf['text_field']}: holds {type(text).__name__}, not text")
-            yield (None if key is None else str(row[key])), text
-
-
-def _hf_key_column(hf, row):
-    """The column that decides the split (None: the text); UsageError for a missing column."""
-    if hf["text_field"] not in row:
-        raise UsageError(f"--hf_text_field {hf['text_field']}: not a column of {hf['dataset']} "
-                         f"(columns: {', '.join(row)})")
-    key = hf["split_key"]
-    if key == "auto":
-        return "id" if "id" in row else None
-    if key == "text" or key == hf["text_field"]:
-        return None
-    if key not in row:
-        raise UsageError(f"--hf_split_key {key}: not a column of {hf['dataset']} (columns: {', '.join(row)})")
-    return key
 
 
 def _read_problems(path):

@@ -15,6 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import data  # noqa: E402
+import hf_data  # noqa: E402
 import train  # noqa: E402
 from common import UsageError  # noqa: E402
 
@@ -194,7 +195,7 @@ def test_no_network_is_one_line_within_seconds(monkeypatch, tmp_path, capsys):
 def test_hanging_network_fails_within_the_timeout(monkeypatch, tmp_path):
     from huggingface_hub import constants
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(data, "HUB_TIMEOUT", 0.5)
+    monkeypatch.setattr(hf_data, "HUB_TIMEOUT", 0.5)
     no_network(monkeypatch, delay=30)
     (tmp_path / "out").mkdir()
     t0 = time.time()
