@@ -3,24 +3,17 @@
     python data.py --dataset stdlib [--tokenizer char]   # prepare, print the token counts
 
 The TANGO paper ("TANGO: Treating Tokens as Operators", section 3) trains on FineWeb-Edu, The
-Stack, Lean and DeepMind Mathematics; this repo runs CPU-scale stand-ins and reads the real
-corpora through Hugging Face datasets:
+Stack, Lean and DeepMind Mathematics. Here: ``stdlib`` (the Python standard library's ``*.py``
+files, split by file: a code corpus in the spirit of The Stack), ``dmmath`` (DeepMind Mathematics,
+dmmath.py), a path to a text file or folder (split by file), and ``hf:NAME[:CONFIG]`` (a Hugging
+Face dataset, hf_data.py, split by document). Text datasets (all but dmmath) take either
+tokenizer: ``gpt2`` (BPE, default) or ``char`` (the train split's characters + end-of-text + an
+unknown id).
 
-- ``stdlib``: the Python standard library's ``*.py`` files, split by file (a code corpus in the
-  spirit of The Stack: no file is in two splits).
-- ``dmmath``: DeepMind Mathematics in the official layout, character vocabulary, loss only on
-  the answers; ``interpolate`` is the test split (NLL and exact match), ``extrapolate`` is
-  exact match only.
-- a path to a text file or a folder of text files, split by file.
-- ``hf:NAME[:CONFIG]``: a Hugging Face dataset (hub, save_to_disk folder or data files; see
-  hf_data.py), split by document.
-
-Text datasets (all but dmmath) take either tokenizer: ``gpt2`` (BPE, default) or ``char`` (the
-train split's characters + end-of-text + an unknown id). ``prepare`` writes
-``<out_root>/<name>/``: one ``<split>.bin`` per split (raw uint16 token ids, uint32 if the
-vocabulary is larger than 65536), ``meta.json`` and, for masked datasets, ``<split>.mask.bin``
-(uint8, 1 = the token counts as a target) and ``<split>.problems.npy``. ``Data`` memory-maps such
-a folder. Bad input raises ``common.UsageError`` (one line, exit code 2 on the command line).
+``prepare`` writes ``<out_root>/<name>/``: one ``<split>.bin`` per split (raw uint16 token ids,
+uint32 if the vocabulary is larger than 65536), ``meta.json`` and, for masked datasets,
+``<split>.mask.bin`` (uint8, 1 = the token counts as a target) and ``<split>.problems.npy``.
+``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (one line, exit 2).
 """
 import argparse
 import base64
@@ -42,16 +35,13 @@ import torch
 
 from common import UsageError
 
-DATASETS = ("stdlib", "dmmath")
 TOKENIZERS = ("auto", "gpt2", "char")
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DMMATH = os.path.join(HERE, "..", "shared", "data", "dmmath")
 FORMAT = 1  # bump when the on-disk layout changes; stale folders are then re-prepared
 EOT = 50256
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 NO_VOCAB = ("no GPT-2 vocabulary: set GPT2_BPE_FILE=/path/to/gpt2.tiktoken "
             "(e.g. ../shared/data/gpt2.tiktoken) or allow tiktoken to download it")
-DMMATH_REQUIRED = ("train-easy", "train-medium", "train-hard", "interpolate", "extrapolate")
 EOT_SYMBOL = "<|endoftext|>"  # the end-of-text symbol of both tokenizers (GPT-2 id 50256)
 CHAR_EOT = 0x110000  # char tokenization's end-of-document marker in code-point space (past Unicode)
 BY_FILE = "by file: sha256(relative path)[:8] as int % 100 <90 train, <95 dev, else test"
@@ -184,11 +174,10 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
     removes out_root again if it created it). Raises UsageError for bad input.
     """
-    if tokenizer not in TOKENIZERS:
-        raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)}")
-    if dataset == "dmmath" and tokenizer == "gpt2":
-        raise UsageError("--tokenizer gpt2: dmmath is character-level only (use --tokenizer char or auto)")
-    tokenizer = "char" if tokenizer == "auto" and dataset == "dmmath" else "gpt2" if tokenizer == "auto" else tokenizer
+    if tokenizer not in TOKENIZERS or (dataset == "dmmath" and tokenizer == "gpt2"):
+        raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)} (dmmath: auto or char)")
+    if tokenizer == "auto":
+        tokenizer = "char" if dataset == "dmmath" else "gpt2"
     if data_dir is not None and dataset != "dmmath":
         raise UsageError("--data_dir: only used with --dataset dmmath")
     if max_tokens < 0 or (max_tokens and dataset == "dmmath"):
@@ -203,16 +192,9 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         name, fp = "stdlib" + suffix, _fingerprint(root, rels, dataset, tokenizer, max_tokens)
         build = lambda tmp: _build_text(tmp, _file_docs(root, rels), "stdlib", BY_FILE, by_key_only=True, **text)
     elif dataset == "dmmath":
-        root = os.path.abspath(data_dir or DEFAULT_DMMATH)
-        missing = [d for d in DMMATH_REQUIRED if not os.path.isdir(os.path.join(root, d))]
-        if missing:
-            raise UsageError(f"--data_dir {root}: not a DeepMind Mathematics folder; needs "
-                             f"{', '.join(DMMATH_REQUIRED)} (+ optional dev), missing {', '.join(missing)}")
-        rels = _walk(root, keep=lambda r: r.endswith(".txt")
-                     and r.split(os.sep)[0] in DMMATH_REQUIRED + ("dev",))
-        default = os.path.samefile(root, DEFAULT_DMMATH) if os.path.isdir(DEFAULT_DMMATH) else False
-        name = "dmmath" if default else "dmmath-" + hashlib.sha256(root.encode()).hexdigest()[:8]
-        fp, build = _fingerprint(root, rels, dataset), lambda tmp: _build_dmmath(tmp, root)
+        import dmmath
+        root, rels, name = dmmath.source(data_dir)
+        fp, build = _fingerprint(root, rels, dataset), lambda tmp: dmmath.build(tmp, root)
     elif dataset.startswith("hf:"):
         import hf_data  # the optional `datasets` extra: only on this path
         hf = hf_data.spec(dataset, hf_split, hf_text_field, hf_split_key, hf_data_files)
@@ -345,12 +327,8 @@ def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
     fn = functools.partial(_tokenize_batch, tokenizer)
     batches = _batches(((k, t) for k, t in docs if t), batch_chars)
     with contextlib.ExitStack() as stack:
-        if num_proc > 1:
-            pool = stack.enter_context(multiprocessing.Pool(num_proc))
-            results = _ordered_map(pool, fn, batches, ahead=2 * num_proc)
-        else:
-            results = map(fn, batches)
-        for splits, lengths, flat in results:
+        pool = stack.enter_context(multiprocessing.Pool(num_proc)) if num_proc > 1 else None
+        for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
             yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
 
 
@@ -367,6 +345,7 @@ def _batches(docs, batch_chars):
 
 
 def _ordered_map(pool, fn, items, ahead):
+    """pool.imap without reading items more than `ahead` results ahead of the consumer."""
     pending = collections.deque()
     for item in items:
         pending.append(pool.apply_async(fn, (item,)))
@@ -425,64 +404,6 @@ def _char_vocab(tmp, n_tok, chunk=1 << 24):
         del src
         os.remove(os.path.join(tmp, f"{s}.cp"))
     return dict(tokenizer="char", vocab_size=len(itos), dtype=dtype.name, itos=itos, unk_id=unk, eot_id=eot_id)
-
-
-def _read_problems(path):
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    lines = [line.rstrip("\r") for line in text.split("\n")]
-    if lines and lines[-1] == "":
-        lines.pop()
-    if len(lines) % 2:
-        raise UsageError(f"{path}: malformed, {len(lines)} lines (needs question/answer line pairs)")
-    return list(zip(lines[0::2], lines[1::2]))
-
-
-def _build_dmmath(tmp, root):
-    """Character-level DeepMind Mathematics with a loss mask on the answers (see module doc)."""
-    def folder(d):
-        return [p for f in sorted(os.listdir(os.path.join(root, d))) if f.endswith(".txt")
-                for p in _read_problems(os.path.join(root, d, f))]
-
-    train = [p for d in DMMATH_REQUIRED[:3] for p in folder(d)]
-    if os.path.isdir(os.path.join(root, "dev")):
-        dev, dev_rule = folder("dev"), "dev/ folder"
-    else:
-        held = [split_of(q + "\n" + a, dev=98, test=100) == "dev" for q, a in train]
-        dev = [p for p, h in zip(train, held) if h]
-        train = [p for p, h in zip(train, held) if not h]
-        dev_rule = "~2% of train-* problems held out (sha256 of the problem text % 100 >= 98)"
-    if not train:
-        raise UsageError(f"--data_dir {root}: no training problems in train-easy/medium/hard")
-    train = [train[i] for i in np.random.default_rng(0).permutation(len(train))]
-    splits = dict(train=train, dev=dev, interpolate=folder("interpolate"), extrapolate=folder("extrapolate"))
-
-    chars = sorted(set("".join(q + a for q, a in train)) | {"\n"})
-    unk = len(chars)
-    itos = chars + ["\ufffd"]  # the unknown id decodes as U+FFFD
-    lut = np.full(max(map(ord, chars)) + 1, unk, dtype=np.int64)
-    lut[[ord(c) for c in chars]] = np.arange(len(chars))
-    meta = dict(tokenizer="char", vocab_size=len(itos), itos=itos, unk_id=unk, splits={},
-                n_problems={}, masked=True, test_split="interpolate",
-                em_splits=["interpolate", "extrapolate"], source=root,
-                split_rule=f"official folders: train = train-easy+medium+hard (shuffled, seed 0), "
-                           f"dev = {dev_rule}, interpolate = test, extrapolate = exact match only")
-    for s, probs in splits.items():
-        text = "".join(q + "\n" + a + "\n" for q, a in probs)
-        cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
-        ids = np.where(cps < len(lut), lut[np.minimum(cps, len(lut) - 1)], unk)
-        qlen = np.array([len(q) for q, _ in probs], dtype=np.int64)
-        alen = np.array([len(a) for _, a in probs], dtype=np.int64)
-        q0 = np.concatenate([[0], np.cumsum(qlen + alen + 2)[:-1]]).astype(np.int64)[:len(probs)]
-        offsets = np.stack([q0, q0 + qlen + 1, q0 + qlen + 1 + alen], axis=1)
-        edges = np.zeros(len(ids) + 1, dtype=np.int64)  # mask = answer chars + their "\n"
-        np.add.at(edges, offsets[:, 1], 1)
-        np.add.at(edges, offsets[:, 2] + 1, -1)
-        meta["dtype"] = write_bin(os.path.join(tmp, f"{s}.bin"), ids, len(itos))
-        np.cumsum(edges[:-1]).astype(np.uint8).tofile(os.path.join(tmp, f"{s}.mask.bin"))
-        np.save(os.path.join(tmp, f"{s}.problems.npy"), offsets)
-        meta["splits"][s], meta["n_problems"][s] = int(len(ids)), len(probs)
-    return meta
 
 
 # ----------------------------------------------------------------------------- loading
@@ -637,21 +558,18 @@ def add_arguments(add):
 
 
 def _count(s):
-    try:
-        v = float(s.replace("_", ""))
-    except ValueError:
-        v = -1.0
-    if not (v >= 0 and v == int(v)):
+    """A token count: 1500000000, 1_500_000_000 or 1.5e9."""
+    v = _try(float, s.replace("_", ""))
+    if not (isinstance(v, float) and v >= 0 and v == int(v)):
         raise argparse.ArgumentTypeError(f"{s!r} is not a whole number >= 0 (e.g. 1500000000 or 1.5e9)")
     return int(v)
 
 
 def flag_options(args):
-    """prepare()'s keyword arguments from the flags of add_arguments (all but --dataset, --data_dir
-    and --data_root, which are its positional ones)."""
-    return dict(tokenizer=args.tokenizer, max_tokens=args.max_tokens, num_proc=args.num_proc,
-                hf_split=args.hf_split, hf_text_field=args.hf_text_field, hf_split_key=args.hf_split_key,
-                hf_data_files=args.hf_data_files)
+    """prepare()'s keyword arguments from the flags of add_arguments (--dataset, --data_dir and
+    --data_root are its positional ones)."""
+    return {k: getattr(args, k) for k in ("tokenizer", "max_tokens", "num_proc", "hf_split", "hf_text_field",
+                                          "hf_split_key", "hf_data_files")}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import data
+import dmmath
 from common import UsageError
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -222,7 +223,7 @@ MODULES = ("algebra__linear_1d", "arithmetic__add_or_sub")
 def fake_dmmath(root, n=150, dev=True):
     """Official layout: question/answer line pairs per module file. Returns {folder: [(q, a)]}."""
     made = {}
-    folders = list(data.DMMATH_REQUIRED) + (["dev"] if dev else [])
+    folders = list(dmmath.REQUIRED) + (["dev"] if dev else [])
     for d in folders:
         made[d] = []
         for m in MODULES:
@@ -402,7 +403,7 @@ def test_worker_processes_write_the_same_bins(tmp_path):
 
 
 def test_tokenizer_errors(tmp_path):
-    with pytest.raises(UsageError, match="--tokenizer gpt2: dmmath is character-level only"):
+    with pytest.raises(UsageError, match=r"--tokenizer gpt2: choose one of auto, gpt2, char \(dmmath: auto or char\)"):
         data.prepare("dmmath", tokenizer="gpt2", out_root=str(tmp_path))
     with pytest.raises(UsageError, match="--tokenizer bpe: choose one of auto, gpt2, char"):
         data.prepare("stdlib", tokenizer="bpe", out_root=str(tmp_path))
