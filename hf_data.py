@@ -18,6 +18,7 @@ import data
 from common import UsageError
 
 HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # they read --hf_data_files
+SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 HUB_TIMEOUT = 10.0  # seconds the Hugging Face Hub gets to answer before hf:NAME fails
 
 
@@ -29,8 +30,8 @@ def folder_name(hf):
 
 def spec(dataset, split, text_field, split_key, data_files):
     """Check an hf:NAME[:CONFIG] dataset without opening it; the dict also fingerprints it.
-    NAME is a hub id, a save_to_disk folder, a local folder of data files, or one of HF_BUILDERS
-    (json, csv, parquet, text, ...) reading --hf_data_files. UsageError naming `pip install
+    NAME is a hub id, a save_to_disk folder, a local folder of data files, a data file (SUFFIXES),
+    or one of HF_BUILDERS (json, csv, parquet, text, ...) reading --hf_data_files. UsageError naming `pip install
     datasets` when the optional extra is missing."""
     name, _, config = dataset[3:].partition(":")
     if not name:
@@ -41,6 +42,8 @@ def spec(dataset, split, text_field, split_key, data_files):
         raise UsageError(f"--dataset {dataset}: reading Hugging Face datasets needs the optional extra: "
                          "pip install datasets") from None
     files = [f for f in (data_files or "").split(",") if f]
+    if os.path.isfile(name) and not files and os.path.splitext(name)[1] in SUFFIXES:  # hf:corpus.jsonl
+        name, files = SUFFIXES[os.path.splitext(name)[1]], [name]
     local = os.path.exists(name)
     if local:
         name = os.path.abspath(name)

@@ -207,8 +207,10 @@ def test_hanging_network_fails_within_the_timeout(monkeypatch, tmp_path):
 def test_local_sources_work_offline(monkeypatch, saved, jsonl, tmp_path):
     no_network(monkeypatch)
     data.Data(data.prepare("hf:" + saved[0], out_root=str(tmp_path / "a")))
-    data.Data(data.prepare("hf:json", out_root=str(tmp_path / "b"), hf_text_field="content",
-                           hf_data_files=jsonl[0]))
+    b = data.Data(data.prepare("hf:json", out_root=str(tmp_path / "b"), hf_text_field="content",
+                               hf_data_files=jsonl[0]))
+    c = data.Data(data.prepare("hf:" + jsonl[0], out_root=str(tmp_path / "c"), hf_text_field="content"))
+    assert c.meta["splits"] == b.meta["splits"] and np.array_equal(c.tokens("dev"), b.tokens("dev"))
 
 
 @pytest.mark.parametrize("kwargs, needle", [
