@@ -68,17 +68,17 @@ def spec(dataset, split, text_field, split_key, data_files):
 
 
 def build(tmp, hf, **text):
-    """Stream the dataset's rows into _build_text; every failure of `datasets` is one UsageError."""
-    streams = _streams(hf, cache_dir=os.path.join(tmp, ".hf_cache"))
+    """Stream the dataset's rows into data._build_text; every failure of `datasets` is one UsageError.
+    Returns the meta dict; its split rule names the column that decided the splits."""
     try:
+        streams = _streams(hf, cache_dir=os.path.join(tmp, ".hf_cache"))
         meta = data._build_text(tmp, _docs(hf, streams), hf["dataset"], "", by_key_only=True,
-                           count="n_documents", **text)
-        key = hf.get("key_column") or "text"
-        meta["split_rule"] = (f"by document: sha256(its {key} column)[:8] as int % 100 <90 train, <95 dev, "
-                              "else test (documents with equal values share a split)")
-        return meta
+                                count="n_documents", **text)
     finally:
         shutil.rmtree(os.path.join(tmp, ".hf_cache"), ignore_errors=True)
+    meta["split_rule"] = (f"by document: sha256(its {hf['key_column'] or 'text'} column)[:8] as int % 100 "
+                          "<90 train, <95 dev, else test (documents with equal values share a split)")
+    return meta
 
 
 def _streams(hf, cache_dir):
@@ -136,7 +136,8 @@ def _check_hub(dataset, name):
 
 
 def _docs(hf, streams):
-    """(split key, text) per row, the streams interleaved one row at a time."""
+    """(split key, text) per row, the streams interleaved one row at a time; the first row fixes
+    the key column (recorded as hf["key_column"])."""
     its, checked = [iter(s) for s in streams], False
     while its:
         for it in list(its):
