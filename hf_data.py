@@ -24,8 +24,8 @@ HUB_TIMEOUT = 10.0  # seconds the Hugging Face Hub gets to answer before hf:NAME
 
 def folder_name(hf):
     """hf-<name>[-<config>]: the start of the prepared folder's name."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", hf["name"].strip("./")).strip("_")[-40:]
-    return "hf-" + name + (f"-{hf['config']}" if hf["config"] else "")
+    name = hf["name"].strip("./")[-40:] + (f"-{hf['config']}" if hf["config"] else "")
+    return "hf-" + re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
 def spec(dataset, split, text_field, split_key, data_files):
