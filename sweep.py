@@ -142,7 +142,7 @@ def prepare_data(datasets, extra):
     import data
     a = train_flags(extra)
     for ds in datasets:
-        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root)
+        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root, **data.flag_options(a))
 
 
 def log_records(run):

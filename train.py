@@ -101,7 +101,7 @@ IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_s
                   "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
 # models whose one block (or unit, or recurrent core) can be applied any number of times
 SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
-MACHINE_FLAGS = ("out_dir", "data_root", "resume", "quiet", "device", "dtype", "compile")
+MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
 TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
                  "seed", "data_seed")
 
@@ -138,9 +138,7 @@ def build_parser(suppress_defaults=False):
     a("--kl_threshold", type=float, default=5e-4, help="RDM: KL early-exit threshold (rdm_generate_depths)")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
       "1,2,4,8,16,32 (shared-block models: the TANGO family, loop, gau, flash, parcae, rdm)")
-    a("--dataset", default="stdlib", help="stdlib, dmmath, or a path to a text file or folder")
-    a("--data_dir", default=None, help="dmmath: folder in the official layout (default ../shared/data/dmmath)")
-    a("--data_root", default="data", help="where prepared token bins are cached")
+    data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, default=None, help="training context length T")
     a("--batch_size", type=int, default=None, help="micro-batch size (sequences per process)")
     a("--gradient_accumulation_steps", type=int, default=None,
@@ -347,7 +345,7 @@ def load_data(args, dist):
     folder = error = None
     if dist.main:
         try:
-            folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root)
+            folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root, **data_mod.flag_options(args))
         except UsageError as e:
             error = str(e)
     if dist.ddp:
