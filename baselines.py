@@ -343,10 +343,10 @@ def flash(cfg, impl="fast"):
 # Evaluation (eval mode, or any forward without autograd) runs exactly self.depth recurrences
 # (cfg.depth; settable for the test-time sweep). KL early exit: rdm_generate_depths.
 #
-# Compile: the recurrence driver is torch.compiler.disable(recursive=False): dynamo skips that
-# frame (the sampled Python-int loop length never enters a graph, so a new depth never forces a
-# recompile) but compiles what it calls: _step, one graph per (grad mode, shapes) reused at every
-# recurrence.
+# Compile: train.py --compile compiles the sandwich block application (common.compile_regions),
+# one graph per (grad mode, shapes) reused by every block at every recurrence, so the sampled
+# Python-int loop length never enters a graph. The recurrence driver is also
+# torch.compiler.disable(recursive=False), for a whole-model torch.compile.
 
 import math  # noqa: E402
 
