@@ -134,3 +134,41 @@ def test_every_model_graph_count_independent_of_depth_and_equal_to_eager(name):
         assert cnt.frame_count == n  # decoding runs eagerly
         counts.append(n)
     assert counts[0] == counts[1] and counts[0] >= 4, counts
+
+
+# ----------------------------------------------------------------------------- shared parts (issue 12, item 4)
+@pytest.mark.parametrize("name", ["tango", "loop"])
+def test_vocabulary_padding_is_never_predicted_sampled_or_counted(name):
+    cfg = _small(name, 3)  # V = 61: E has 64 rows
+    torch.manual_seed(0)
+    model = models.build_model(cfg)
+    d = cfg.n_embd
+    assert tuple(model.wte.weight.shape) == (64, d) and model.wte.weight[61:].abs().sum() == 0
+    assert model.num_params(non_embedding=False) == model.num_params() + 61 * d
+    assert model.num_params() == sum(p.numel() for p in model.body.parameters()) + d  # + final norm
+    idx = torch.randint(0, 61, (2, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, 16, 61)
+    # the loss is the NLL over the 61 real entries, recomputed from the hidden state by hand
+    h = model.norm_f(model.body(model.wte(idx), *common.rope_cos_sin(torch.arange(16))))
+    manual = h @ model.wte.weight[:61].t()
+    torch.testing.assert_close(logits, manual)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(manual.reshape(-1, 61), idx.reshape(-1)))
+    with torch.no_grad():
+        model.wte.weight[61:] = 100.0  # padding rows that would dominate every softmax if they were scored
+    out = model.generate(idx[:, :3], 20, temperature=2.0)
+    assert int(out.max()) < 61
+
+
+def test_rope_tables_built_once_per_forward_in_the_compute_dtype(monkeypatch):
+    model = models.build_model(_small("loop", 3))
+    seen, calls = [], []
+    body_forward = model.body.forward
+    monkeypatch.setattr(model.body, "forward", lambda x, cos, sin, cache=None: seen.append(cos.dtype) or body_forward(x, cos, sin, cache))
+    rope = common.rope_cos_sin
+    monkeypatch.setattr(common, "rope_cos_sin", lambda *a, **k: calls.append(1) or rope(*a, **k))
+    idx = torch.randint(0, 61, (2, 16))
+    model(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx)
+    assert seen == [torch.float32, torch.bfloat16] and len(calls) == 2  # K = 3 applications, one table each forward
