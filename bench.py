@@ -16,10 +16,11 @@ On CUDA the defaults are what a GPU user would run: the 70M tier, T = 2048 and 8
 32768 tokens per step, bf16 autocast, compiled and eager. --quick covers every model at T = 2048
 compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop Transformer++ at T = 8192 (13
 configurations, 2 warm-up and 3 timed steps each). Its time is an estimate from FLOPs, not
-measured yet (no GPU was available while writing this): a 32k-token step at 70M is about 2e13
-model FLOPs (flops.train_flops; ~0.1 s at 200 TFLOP/s), so the steps take about 1 s per
-configuration and the time is start-up plus compile, ~10-30 s each with regional compilation,
-i.e. about 3-7 minutes on one H100/H200-class GPU. On CPU, --quick runs the same plan at
+measured yet (no GPU was available while writing this): a 32k-token step at 70M is 1.5e13
+(untied, T = 2048) to 2.3e14 (TANGO, T = 8192) model FLOPs (flops.train_flops), 0.05-1 s at
+250 TFLOP/s, so the ~6 steps of all 13 configurations take under a minute together; the rest
+is interpreter and CUDA start-up (~10 s each) and the regional compile (~10-20 s each: one unit
+and the head, forward and backward), about 5-7 minutes in all on one H100/H200-class GPU. On CPU, --quick runs the same plan at
 T = 32 / 128 and V = 256, eager (an inductor compile takes minutes per model on CPU), in this
 process (no per-configuration interpreter start, so its memory column is less isolated). The child builds the
 model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),

@@ -843,8 +843,8 @@ def train_loop(r):
         rates.append(tokens_per_update / (time.time() - t0))
         if r.first_update_s is None:
             r.first_update_s = time.time() - r.t_start
-            r.log.say(f"first update after {r.first_update_s:.1f} s"
-                      + (" (compile included)" if args.compile else "") + " from start")
+            r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
+                      + (", compile" if args.compile else "") + " included)")
         dump.write(r.it, my_share(starts, r.dist), r.model)
         r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
                    **diagnostics(r.model, spectral=False))
