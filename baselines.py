@@ -5,6 +5,9 @@ Transformer++ block (pre-norm, RMSNorm, RoPE, SwiGLU, no biases):
     x <- x + Attn(Norm(x))          q, k, v, o: d x d; causal softmax, scale 1/sqrt(32)
     x <- x + SwiGLU(Norm(x))        (SiLU(u W_1) * (u W_3)) W_2; W_1, W_3: d x F, W_2: F x d
 
+q, k, v come from one matmul (qkv: 3d x d, rows [W_q; W_k; W_v]) and u W_1, u W_3 from one
+(w13: 2F x d, rows [W_1; W_3]); the math is the same as separate projections.
+
 Parameters per block: 4d^2 + 3dF + 2d. Untied Transformer++ stacks K independent blocks;
 Loop Transformer++ applies one block K times. With the final norm, the non-embedding count is
     untied: K (4d^2 + 3dF + 2d) + d        loop: 4d^2 + 3dF + 2d + d
@@ -13,27 +16,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import HEAD_DIM, RMSNorm, apply_rope, causal_attention
+from common import HEAD_DIM, RMSNorm, apply_rope, causal_attention, compiled_region
 
 
 class Attention(nn.Module):
-    """Causal multi-head softmax attention with RoPE. x: (B, T, d) -> (B, T, d)."""
+    """Causal multi-head softmax attention with RoPE. x: (B, T, d) -> (B, T, d).
+    qkv: the fused [W_q; W_k; W_v] (3d x d), wo: W_o."""
 
     def __init__(self, d, n_head):
         super().__init__()
         self.n_head = n_head
-        self.wq = nn.Linear(d, d, bias=False)
-        self.wk = nn.Linear(d, d, bias=False)
-        self.wv = nn.Linear(d, d, bias=False)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
         self.wo.is_residual_out = True
 
     def forward(self, u, cos, sin, cache=None):
         B, T, d = u.shape
         heads = lambda t: t.view(B, T, self.n_head, HEAD_DIM).transpose(1, 2)  # (B, H, T, 32)
-        q = apply_rope(heads(self.wq(u)), cos, sin)
-        k = apply_rope(heads(self.wk(u)), cos, sin)
-        v = heads(self.wv(u))
+        q, k, v = self.qkv(u).split(d, dim=-1)  # u W_q, u W_k, u W_v
+        q = apply_rope(heads(q), cos, sin)
+        k = apply_rope(heads(k), cos, sin)
+        v = heads(v)
         if cache is not None:  # KV cache: append this step's keys and values
             if "k" in cache:
                 k = torch.cat((cache["k"], k), dim=2)
@@ -44,17 +47,18 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """(SiLU(u W_1) * (u W_3)) W_2 with W_1, W_3: d x F and W_2: F x d."""
+    """(SiLU(u W_1) * (u W_3)) W_2 with W_1, W_3: d x F (fused: w13, rows [W_1; W_3]) and W_2: F x d."""
 
     def __init__(self, d, width):
         super().__init__()
-        self.w1 = nn.Linear(d, width, bias=False)
-        self.w3 = nn.Linear(d, width, bias=False)
+        self.width = width
+        self.w13 = nn.Linear(d, 2 * width, bias=False)
         self.w2 = nn.Linear(width, d, bias=False)
         self.w2.is_residual_out = True
 
     def forward(self, u):
-        return self.w2(F.silu(self.w1(u)) * self.w3(u))
+        a, b = self.w13(u).split(self.width, dim=-1)  # u W_1, u W_3
+        return self.w2(F.silu(a) * b)
 
 
 class TransformerBlock(nn.Module):
@@ -67,6 +71,7 @@ class TransformerBlock(nn.Module):
         self.norm2 = RMSNorm(d)
         self.mlp = SwiGLU(d, width)
 
+    @compiled_region  # one block application: the repeated unit of Transformer++, Parcae
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
         return x + self.mlp(self.norm2(x))
@@ -286,11 +291,15 @@ class GAUStack(nn.Module):
 
     def forward(self, x, cos, sin, cache=None):
         for k in range(self.depth):
-            unit = self.units[k % len(self.units)]
-            U, V, qk = unit.project(x, cos, sin)
-            mixed = self.mix(qk, V, None if cache is None else cache.setdefault(k, {}))
-            x = x + unit.wo(U * mixed)
+            x = self.apply_unit(self.units[k % len(self.units)], x, cos, sin,
+                                None if cache is None else cache.setdefault(k, {}))
         return x
+
+    @compiled_region  # one unit application: the repeated unit
+    def apply_unit(self, unit, x, cos, sin, cache=None):
+        """x + (U * mix(Q, K, V)) W_o for one GAUUnit `unit`: (B, T, d) -> (B, T, d)."""
+        U, V, qk = unit.project(x, cos, sin)
+        return x + unit.wo(U * self.mix(qk, V, cache))
 
     def mix(self, qk, v, cache):
         if not self.flash:
@@ -335,10 +344,10 @@ def flash(cfg, impl="fast"):
 # Evaluation (eval mode, or any forward without autograd) runs exactly self.depth recurrences
 # (cfg.depth; settable for the test-time sweep). KL early exit: rdm_generate_depths.
 #
-# Compile: the recurrence driver is torch.compiler.disable(recursive=False): dynamo skips that
-# frame (the sampled Python-int loop length never enters a graph, so a new depth never forces a
-# recompile) but compiles what it calls: _step, one graph per (grad mode, shapes) reused at every
-# recurrence.
+# Compile: train.py --compile compiles the sandwich block application (common.compile_regions),
+# one graph per (grad mode, shapes) reused by every block at every recurrence, so the sampled
+# Python-int loop length never enters a graph. The recurrence driver is also
+# torch.compiler.disable(recursive=False), for a whole-model torch.compile.
 
 import math  # noqa: E402
 
@@ -419,6 +428,7 @@ class SandwichBlock(nn.Module):
         self.attn = Attention(d, n_head)
         self.mlp = SwiGLU(d, width)
 
+    @compiled_region  # one block application: the repeated unit of RDM
     def forward(self, x, cos, sin, cache=None):
         x = self.n2(x + self.attn(self.n1(x), cos, sin, cache))
         return self.n4(x + self.mlp(self.n3(x)))
@@ -549,13 +559,13 @@ def rdm_generate_depths(model, idx, max_depth=None, threshold=None):
 
     Returns (logits (B, T, V), exit_step (B, T) int64 in 1..max_depth).
     """
-    from common import rope_cos_sin
+    from common import compute_dtype, rope_cos_sin
     body = model.body
     max_depth = body.depth if max_depth is None else max_depth
     threshold = body.kl_threshold if threshold is None else threshold
     x = model.wte(idx)
     B, T = idx.shape
-    cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), dtype=x.dtype)
+    cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), dtype=compute_dtype(x))
     e = body.encode(x, cos, sin)
     h = body.initial_state(e)
     done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
@@ -563,7 +573,7 @@ def rdm_generate_depths(model, idx, max_depth=None, threshold=None):
     out = prev = None
     for t in range(1, max_depth + 1):
         h = torch.where(done[..., None], h, body._step(h, e, cos, sin))
-        logits = model.norm_f(body.decode(h, cos, sin)) @ model.wte.weight.t()
+        logits = model.logits(model.norm_f(body.decode(h, cos, sin)))
         logp = F.log_softmax(logits.float(), -1)
         if prev is not None:
             kl = (prev.exp() * (prev - logp)).sum(-1)  # KL(p_{t-1} || p_t)

@@ -38,7 +38,7 @@ import math
 import sys
 
 import models
-from common import ModelConfig, UsageError
+from common import VOCAB_MULTIPLE, ModelConfig, UsageError
 from tango import QK_PAD  # fast-path query/key width (32 score dims + null dim, padded to 40)
 
 # SPEC 7 check values: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -90,6 +90,8 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     L x S products even when causal, so Transformer++ and GAU equal the convention. (On CPU the
     fused flash kernel has no FlopCounterMode formula in torch 2.13 and counts 0.) The
     differences, all from padding:
+      every model: the head multiplies by the padded embedding, ceil(V/64) 64 rows
+        (common.VOCAB_MULTIPLE), so (Vp - V) d T more head MACs.
       tango, tango-3set: one causal attention over [null key, T keys] with 40-dim padded
         queries/keys: per application T (T+1) (40 H) score + T (T+1) F gate MACs.
       tango-windowed: T padded to Tp = ceil(T/W) W; each W-query chunk scores a W x 2W band
@@ -98,7 +100,8 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         (K_l^T V per chunk, Q_l times the prefix state). T <= C: one unpadded chunk, T^2 (s + e).
     """
     full = forward_macs(cfg, T)
-    base = full["linear"] + full["head"]
+    vocab_pad = (-cfg.vocab_size % VOCAB_MULTIPLE) * cfg.n_embd * T
+    base = full["linear"] + full["head"] + vocab_pad
     K, d, F, H = cfg.depth, cfg.n_embd, cfg.width, cfg.n_head
     m = cfg.model
     if m in ("tango", "tango-3set"):
@@ -111,7 +114,7 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
         Tp = math.ceil(T / n) * n
         return base + K * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
-    return full["total"]  # loop, untied, gau: the implementation computes exactly the convention
+    return full["total"] + vocab_pad  # loop, untied, gau: the convention plus the vocabulary padding
 
 
 def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:

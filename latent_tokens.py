@@ -384,7 +384,7 @@ class LatentLM(nn.Module):
         if init == "normal":
             z = torch.randn(G, M, d) * init_std
         elif init == "embedding":
-            rows = torch.randint(0, emb.shape[0], (G * M,))
+            rows = torch.randint(0, self.backend.vocab_size, (G * M,))  # not the LM's padding rows
             z = emb.detach()[rows].float().cpu().view(G, M, d).clone()
         else:
             raise UsageError(f"--init {init}: choose normal or embedding")

@@ -33,10 +33,11 @@ the last max_i k_i run under torch.no_grad for the whole batch; in the later ste
 still in its no-grad part has its new state detached. A forward without autograd (evaluation,
 FLOP counting, generation) runs exactly self.depth recurrences with no masks.
 
-Compile: the recurrence driver (recur) is torch.compiler.disable(recursive=False): dynamo skips
-that frame, so the sampled Python-int loop length never enters a graph and a new depth never
-forces a recompile, but compiles the functions it calls (_step: a fixed handful of graphs, by
-grad mode and mask presence, reused at every step).
+Compile: train.py --compile compiles the Transformer++ block application (common.compile_regions;
+one graph per grad mode and batch shape, shared by prelude, core and coda blocks), so the sampled
+Python-int loop length never enters a graph and a new depth never forces a recompile. The
+recurrence driver (recur) is also torch.compiler.disable(recursive=False), for a whole-model
+torch.compile: dynamo skips that frame and compiles only the functions it calls.
 """
 import math
 

@@ -70,7 +70,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, compile_regions
 from models import REGISTRY, TIERS, build_model, solve_width
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
@@ -162,7 +162,7 @@ def build_parser(suppress_defaults=False):
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
       help="autocast dtype; auto = bfloat16 on a GPU that supports it, float32 otherwise")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
-      help="torch.compile the model (default: on for CUDA)")
+      help="torch.compile each body's repeated unit once (regional; default: on for CUDA)")
     a("--seed", type=int, default=1337, help="model seed")
     a("--data_seed", type=int, default=None, help="data-order seed (default: --seed); same value = same batches")
     a("--resume", action="store_true", help="continue from <out_dir>/ckpt_latest.pt")
@@ -507,13 +507,16 @@ def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, di
     sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
     mine = np.arange(dist.rank, len(starts), dist.world)
+    rows_per_batch = min(batch_size, len(mine))  # a short last batch is padded: one shape, no recompile
     with eval_mode(model):
         for i in range(0, len(mine), batch_size):
             idx = mine[i:i + batch_size]
             x, y = data.window_batch(split, np.asarray(starts)[idx], block_size)
             x, y = x.to(device), y.to(device)
+            x = torch.cat((x, x[-1:].expand(rows_per_batch - len(idx), -1))).contiguous()
             with ctx:
                 logits, _ = model(x)
+            logits = logits[:len(idx)]
             nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
             rows = torch.as_tensor(idx, device=device)
             sums[rows] = nll.view(y.shape).double().sum(1)
@@ -747,8 +750,10 @@ class DebugDump:
 
 @dataclass
 class Run:
-    """What a run holds once its inputs are validated. model is the bare LM (checkpoints,
-    generation); fwd is it compiled or not (evaluation); train_model is fwd, DDP-wrapped under torchrun."""
+    """What a run holds once its inputs are validated. model is the LM (checkpoints, generation),
+    with its repeated units compiled under --compile (common.compile_regions); fwd is the model
+    evaluation calls; train_model is fwd, DDP-wrapped under torchrun. t_start: time.time() at the
+    start; first_update_s: seconds from then to the end of this process's first update."""
     args: argparse.Namespace
     dist: Dist
     data: data_mod.Data
@@ -763,6 +768,8 @@ class Run:
     fwd: torch.nn.Module = None
     train_model: torch.nn.Module = None
     log: "Log" = None
+    t_start: float = 0.0
+    first_update_s: float = None
     saved_at: int = None  # update of the checkpoint in out_dir (None: none written yet)
 
     def checkpoint_note(self):
@@ -784,6 +791,7 @@ def run(args, given=frozenset()):
     """Validate, train, evaluate the best checkpoint on test; returns the summary (rank 0)."""
     t_start = time.time()
     r, ckpt, changed = setup(args, given)  # nothing written to out_dir before this returns
+    r.t_start = t_start
     open_outputs(r, resumed=ckpt is not None, changed=changed)
     rates = train_loop(r)
     summary = finish(r, rates, t_start)
@@ -819,7 +827,9 @@ def setup(args, given):
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
         r.it = r.saved_at = ckpt["iter"]
     r.ctx = autocast_ctx(args)
-    r.fwd = torch.compile(model) if args.compile else model
+    if args.compile:  # regional: each body's repeated unit (and the head) compiles once, whatever the depth
+        compile_regions(model)
+    r.fwd = model
     r.train_model = r.fwd
     if dist.ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -873,6 +883,10 @@ def train_loop(r):
         loss, grad_norm = train_update(r, starts)
         r.it += 1
         rates.append(tokens_per_update / (time.time() - t0))
+        if r.first_update_s is None:
+            r.first_update_s = time.time() - r.t_start
+            r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
+                      + (", compile" if args.compile else "") + " included)")
         dump.write(r.it, my_share(starts, r.dist), r.model)
         r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
                    **diagnostics(r.model, spectral=False))
@@ -1043,7 +1057,7 @@ def finish(r, rates, t_start):
                "tokens": best["iter"] * tokens_per_update,
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
-               "wall_s": time.time() - t_start}
+               "first_update_s": r.first_update_s, "wall_s": time.time() - t_start}
     if curve is not None:
         summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
     for split in data.meta.get("em_splits", []):
@@ -1070,6 +1084,9 @@ def print_report(s, data, args):
     if "depth_sweep" in s:
         print("dev NLL by test-time depth: " + ", ".join(
             f"K={k}: {v:.4f}" for k, v in zip(s["depth_sweep"]["depths"], s["depth_sweep"]["dev_nll"])))
+    if s["first_update_s"] is not None:
+        print(f"first update           {s['first_update_s']:.1f} s after start"
+              + (" (compile included)" if args.compile else ""))
     print(f"wall time              {s['wall_s']:.0f} s")
 
 

@@ -1,0 +1,5 @@
+"""Tests in this folder import the project's modules from the repository root."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
