@@ -5,6 +5,9 @@ Transformer++ block (pre-norm, RMSNorm, RoPE, SwiGLU, no biases):
     x <- x + Attn(Norm(x))          q, k, v, o: d x d; causal softmax, scale 1/sqrt(32)
     x <- x + SwiGLU(Norm(x))        (SiLU(u W_1) * (u W_3)) W_2; W_1, W_3: d x F, W_2: F x d
 
+q, k, v come from one matmul (qkv: 3d x d, rows [W_q; W_k; W_v]) and u W_1, u W_3 from one
+(w13: 2F x d, rows [W_1; W_3]); the math is the same as separate projections.
+
 Parameters per block: 4d^2 + 3dF + 2d. Untied Transformer++ stacks K independent blocks;
 Loop Transformer++ applies one block K times. With the final norm, the non-embedding count is
     untied: K (4d^2 + 3dF + 2d) + d        loop: 4d^2 + 3dF + 2d + d
@@ -13,27 +16,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import HEAD_DIM, RMSNorm, apply_rope, causal_attention
+from common import HEAD_DIM, RMSNorm, apply_rope, causal_attention, compiled_region
 
 
 class Attention(nn.Module):
-    """Causal multi-head softmax attention with RoPE. x: (B, T, d) -> (B, T, d)."""
+    """Causal multi-head softmax attention with RoPE. x: (B, T, d) -> (B, T, d).
+    qkv: the fused [W_q; W_k; W_v] (3d x d), wo: W_o."""
 
     def __init__(self, d, n_head):
         super().__init__()
         self.n_head = n_head
-        self.wq = nn.Linear(d, d, bias=False)
-        self.wk = nn.Linear(d, d, bias=False)
-        self.wv = nn.Linear(d, d, bias=False)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.wo = nn.Linear(d, d, bias=False)
         self.wo.is_residual_out = True
 
     def forward(self, u, cos, sin, cache=None):
         B, T, d = u.shape
         heads = lambda t: t.view(B, T, self.n_head, HEAD_DIM).transpose(1, 2)  # (B, H, T, 32)
-        q = apply_rope(heads(self.wq(u)), cos, sin)
-        k = apply_rope(heads(self.wk(u)), cos, sin)
-        v = heads(self.wv(u))
+        q, k, v = self.qkv(u).split(d, dim=-1)  # u W_q, u W_k, u W_v
+        q = apply_rope(heads(q), cos, sin)
+        k = apply_rope(heads(k), cos, sin)
+        v = heads(v)
         if cache is not None:  # KV cache: append this step's keys and values
             if "k" in cache:
                 k = torch.cat((cache["k"], k), dim=2)
@@ -44,17 +47,18 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """(SiLU(u W_1) * (u W_3)) W_2 with W_1, W_3: d x F and W_2: F x d."""
+    """(SiLU(u W_1) * (u W_3)) W_2 with W_1, W_3: d x F (fused: w13, rows [W_1; W_3]) and W_2: F x d."""
 
     def __init__(self, d, width):
         super().__init__()
-        self.w1 = nn.Linear(d, width, bias=False)
-        self.w3 = nn.Linear(d, width, bias=False)
+        self.width = width
+        self.w13 = nn.Linear(d, 2 * width, bias=False)
         self.w2 = nn.Linear(width, d, bias=False)
         self.w2.is_residual_out = True
 
     def forward(self, u):
-        return self.w2(F.silu(self.w1(u)) * self.w3(u))
+        a, b = self.w13(u).split(self.width, dim=-1)  # u W_1, u W_3
+        return self.w2(F.silu(a) * b)
 
 
 class TransformerBlock(nn.Module):
@@ -67,6 +71,7 @@ class TransformerBlock(nn.Module):
         self.norm2 = RMSNorm(d)
         self.mlp = SwiGLU(d, width)
 
+    @compiled_region  # one block application: the repeated unit of Transformer++, Parcae
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.norm1(x), cos, sin, cache)
         return x + self.mlp(self.norm2(x))
@@ -240,6 +245,7 @@ class GAUUnit(nn.Module):
     """One gated attention unit's parameters: norm gain (d), fused W_in (d x (2e + s)), n_qk
     per-dim scale-offset pairs on Z (gamma ~ N(1, 0.02), beta = 0), W_o (e x d).
     Parameters: 3de + ds + 2 n_qk s + d."""
+    no_decay = ("gamma", "beta")  # per-dimension scale and offset: no weight decay (train.no_decay_parameters)
 
     def __init__(self, d, e, s, n_qk):
         super().__init__()
@@ -285,11 +291,15 @@ class GAUStack(nn.Module):
 
     def forward(self, x, cos, sin, cache=None):
         for k in range(self.depth):
-            unit = self.units[k % len(self.units)]
-            U, V, qk = unit.project(x, cos, sin)
-            mixed = self.mix(qk, V, None if cache is None else cache.setdefault(k, {}))
-            x = x + unit.wo(U * mixed)
+            x = self.apply_unit(self.units[k % len(self.units)], x, cos, sin,
+                                None if cache is None else cache.setdefault(k, {}))
         return x
+
+    @compiled_region  # one unit application: the repeated unit
+    def apply_unit(self, unit, x, cos, sin, cache=None):
+        """x + (U * mix(Q, K, V)) W_o for one GAUUnit `unit`: (B, T, d) -> (B, T, d)."""
+        U, V, qk = unit.project(x, cos, sin)
+        return x + unit.wo(U * self.mix(qk, V, cache))
 
     def mix(self, qk, v, cache):
         if not self.flash:
@@ -334,10 +344,10 @@ def flash(cfg, impl="fast"):
 # Evaluation (eval mode, or any forward without autograd) runs exactly self.depth recurrences
 # (cfg.depth; settable for the test-time sweep). KL early exit: rdm_generate_depths.
 #
-# Compile: the recurrence driver is torch.compiler.disable(recursive=False): dynamo skips that
-# frame (the sampled Python-int loop length never enters a graph, so a new depth never forces a
-# recompile) but compiles what it calls: _step, one graph per (grad mode, shapes) reused at every
-# recurrence.
+# Compile: train.py --compile compiles the sandwich block application (common.compile_regions),
+# one graph per (grad mode, shapes) reused by every block at every recurrence, so the sampled
+# Python-int loop length never enters a graph. The recurrence driver is also
+# torch.compiler.disable(recursive=False), for a whole-model torch.compile.
 
 import math  # noqa: E402
 
@@ -353,10 +363,24 @@ def sub_cache(cache, key):
 
 
 @torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def random_state(shape, std, device, dtype):
-    """h_0 ~ TruncNormal(0, std, +-3 std) from torch's global RNG (training; train.py seeds it)."""
+def seeded_generators(seed, device):
+    """The generators of one training forward's random draws: (CPU generator for the recurrence
+    depths, generator on `device` for h_0), both seeded with seed; (None, None) when seed is None,
+    which means torch's global RNG. train.py sets a body's rng_seed per micro-batch
+    (train.step_seed: a function of --seed, the update and the micro-batch's global index), so the
+    draws do not depend on the number of processes."""
+    if seed is None:
+        return None, None
+    cpu = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    return cpu, (cpu if device.type == "cpu" else torch.Generator(device).manual_seed(seed))
+
+
+@torch.compiler.disable  # RNG / host-side work: always eager, never traced
+def random_state(shape, std, device, dtype, generator=None):
+    """h_0 ~ TruncNormal(0, std, +-3 std) from generator (None: torch's global RNG) (training)."""
     h = torch.empty(shape, device=device, dtype=torch.float32)
-    nn.init.trunc_normal_(h, 0.0, std, -TRUNC_SD * std, TRUNC_SD * std)
+    nn.init.trunc_normal_(h, 0.0, std, -TRUNC_SD * std, TRUNC_SD * std, generator=generator)
     return h.to(dtype)
 
 
@@ -404,17 +428,18 @@ class SandwichBlock(nn.Module):
         self.attn = Attention(d, n_head)
         self.mlp = SwiGLU(d, width)
 
+    @compiled_region  # one block application: the repeated unit of RDM
     def forward(self, x, cos, sin, cache=None):
         x = self.n2(x + self.attn(self.n1(x), cos, sin, cache))
         return self.n4(x + self.mlp(self.n3(x)))
 
 
 @torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def rdm_sample_depths(n, mu_rec, sigma=0.5):
+def rdm_sample_depths(n, mu_rec, sigma=0.5, generator=None):
     """n draws of RDM's depth T = Poisson(exp(tau)) + 1, tau ~ N(log mu_rec - sigma^2/2, sigma),
-    from torch's global CPU RNG: (n,) int64 with E[T] = mu_rec + 1."""
-    tau = torch.randn(n, dtype=torch.float64) * sigma + (math.log(mu_rec) - sigma ** 2 / 2)
-    return torch.poisson(tau.exp()).long() + 1
+    from a CPU generator (None: torch's global CPU RNG): (n,) int64 with E[T] = mu_rec + 1."""
+    tau = torch.randn(n, dtype=torch.float64, generator=generator) * sigma + (math.log(mu_rec) - sigma ** 2 / 2)
+    return torch.poisson(tau.exp(), generator=generator).long() + 1
 
 
 class RecurrentDepth(nn.Module):
@@ -441,10 +466,7 @@ class RecurrentDepth(nn.Module):
         self.core = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_core))
         self.coda = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_coda))
         self._norms, self._steps = [], 0
-
-    def no_decay_parameters(self):
-        """RDM has no special parameters beyond norm gains (already without weight decay)."""
-        return []
+        self.rng_seed = None  # seed of the training draws (baselines.seeded_generators); None: global RNG
 
     def encode(self, x, cos, sin, cache=None):
         """Scaled embedding -> prelude -> e."""
@@ -458,10 +480,11 @@ class RecurrentDepth(nn.Module):
             h = blk(h, cos, sin, sub_cache(cache, ("coda", j)))
         return h
 
-    def initial_state(self, e, cache=None):
+    @torch.compiler.disable  # RNG / host-side work: always eager, never traced
+    def initial_state(self, e, cache=None, generator=None):
         B, T, d = e.shape
         if self.training:
-            return random_state((B, T, d), self.h0_std, e.device, e.dtype)
+            return random_state((B, T, d), self.h0_std, e.device, e.dtype, generator)
         start = cache.get("len", 0) if cache is not None else 0
         return eval_state(start, T, d, self.h0_std, e.device, e.dtype).expand(B, T, d)
 
@@ -475,9 +498,10 @@ class RecurrentDepth(nn.Module):
     @torch.compiler.disable(recursive=False)
     def recur(self, e, cos, sin, cache=None, n_steps=None, h0=None):
         norms = []
+        cpu_gen, gen = seeded_generators(self.rng_seed, e.device)
         if n_steps is None and self.training and torch.is_grad_enabled():
-            n_steps = int(rdm_sample_depths(1, self.mu_rec, self.sigma)[0])  # drawn first, then h_0
-        h = self.initial_state(e, cache) if h0 is None else h0
+            n_steps = int(rdm_sample_depths(1, self.mu_rec, self.sigma, cpu_gen)[0])  # drawn first, then h_0
+        h = self.initial_state(e, cache, gen) if h0 is None else h0
         if n_steps is not None:  # training-style: truncated backprop through depth
             if cache is not None:
                 raise ValueError("decoding runs a fixed depth (eval mode)")
@@ -535,13 +559,13 @@ def rdm_generate_depths(model, idx, max_depth=None, threshold=None):
 
     Returns (logits (B, T, V), exit_step (B, T) int64 in 1..max_depth).
     """
-    from common import rope_cos_sin
+    from common import compute_dtype, rope_cos_sin
     body = model.body
     max_depth = body.depth if max_depth is None else max_depth
     threshold = body.kl_threshold if threshold is None else threshold
     x = model.wte(idx)
     B, T = idx.shape
-    cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), dtype=x.dtype)
+    cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), dtype=compute_dtype(x))
     e = body.encode(x, cos, sin)
     h = body.initial_state(e)
     done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
@@ -549,7 +573,7 @@ def rdm_generate_depths(model, idx, max_depth=None, threshold=None):
     out = prev = None
     for t in range(1, max_depth + 1):
         h = torch.where(done[..., None], h, body._step(h, e, cos, sin))
-        logits = model.norm_f(body.decode(h, cos, sin)) @ model.wte.weight.t()
+        logits = model.logits(model.norm_f(body.decode(h, cos, sin)))
         logp = F.log_softmax(logits.float(), -1)
         if prev is not None:
             kl = (prev.exp() * (prev - logp)).sum(-1)  # KL(p_{t-1} || p_t)

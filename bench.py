@@ -2,12 +2,29 @@
 
     python bench.py                                   # CPU: all models, T = 256..4096, eager
     python bench.py --models tango,tango-3set,loop --block_sizes 512,2048
-    python bench.py --device cuda                     # bf16 autocast, compiled and eager
+    python bench.py --device cuda                     # 70M tier, T = 2048 and 8192, bf16, compiled and eager
+    python bench.py --quick --device cuda             # every model at T = 2048 compiled, four at T = 8192
+    python bench.py --quick --device cpu --size tiny  # the same plan scaled down (T = 32 / 128, eager; in the suite)
 
 Each (model, block size T, compile) configuration runs in a fresh subprocess (`--timeout` caps
-it; a timed-out or failed row says so and the model's larger T are skipped). The child builds the
+it; a timed-out or failed row says so and the model's larger T are skipped). Compiled rows use
+train.py's regional compilation (common.compile_regions: each body's repeated unit and the head
+compile once); "first step s" is the seconds from the start of the configuration (model build)
+to the end of its first training step, compile included.
+
+On CUDA the defaults are what a GPU user would run: the 70M tier, T = 2048 and 8192, at least
+32768 tokens per step, bf16 autocast, compiled and eager. --quick covers every model at T = 2048
+compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop Transformer++ at T = 8192 (13
+configurations, 2 warm-up and 3 timed steps each). Its time is an estimate from FLOPs, not
+measured yet (no GPU was available while writing this): a 32k-token step at 70M is 1.5e13
+(untied, T = 2048) to 2.3e14 (TANGO, T = 8192) model FLOPs (flops.train_flops), 0.05-1 s at
+250 TFLOP/s, so the ~6 steps of all 13 configurations take under a minute together; the rest
+is interpreter and CUDA start-up (~10 s each) and the regional compile (~10-20 s each: one unit
+and the head, forward and backward), about 5-7 minutes in all on one H100/H200-class GPU. On CPU, --quick runs the same plan at
+T = 32 / 128 and V = 256, eager (an inductor compile takes minutes per model on CPU), in this
+process (no per-configuration interpreter start, so its memory column is less isolated). The child builds the
 model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),
-AdamW as in train.py (weight decay on matrices), random tokens, and times full training steps:
+AdamW as in train.py (its weight-decay groups), random tokens, and times full training steps:
 forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
 max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
 row does the same number of tokens per step. That matters on CPU: glibc serves allocations above
@@ -59,7 +76,7 @@ import torch
 
 import flops
 import models
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, compile_regions
 
 REFERENCE = "loop"  # the Transformer++ the MFU ratio is taken against (one block applied K times)
 DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
@@ -118,6 +135,7 @@ def _cpu_step_memory(step):
 
 def child(spec):
     """Benchmark one configuration; returns a dict (printed as JSON on the last stdout line)."""
+    t_begin = time.perf_counter()
     torch.manual_seed(0)
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
@@ -125,18 +143,14 @@ def child(spec):
     d, H, target = models.TIERS[spec["size"]]
     cfg = ModelConfig(model=spec["model"], vocab_size=spec["vocab_size"], block_size=spec["T"], n_embd=d,
                       n_head=H, depth=spec["depth"], window=spec["window"])
-    cfg = models.solve_width(cfg, target, strict=spec["size"] != "cpu")
+    cfg = models.solve_width(cfg, target, strict=spec["size"] not in ("tiny", "cpu"))  # as train.py
     T = spec["T"]
     B = max(1, spec["batch_tokens"] // T)
     model = models.build_model(cfg, device=dev)
     model.train()
-    exempt = {id(p) for p in getattr(model.body, "no_decay_parameters", lambda: [])()}
-    params = list(model.parameters())
-    decay = lambda p: p.dim() >= 2 and id(p) not in exempt
-    opt = torch.optim.AdamW([{"params": [p for p in params if decay(p)], "weight_decay": 0.1},
-                             {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}],
-                            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
-    fwd = torch.compile(model) if spec["compile"] else model
+    from train import param_groups  # the same weight-decay groups as training
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    fwd = model
     if spec["dtype"] == "bfloat16":
         ctx = lambda: torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16)
     else:
@@ -163,18 +177,23 @@ def child(spec):
         grp["lr"] = 0.0
     with ctx():
         model(x[:1, :min(T, 8)], y[:1, :min(T, 8)])[1].backward()
-    for p in params:
+    for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
     for grp, lr in zip(opt.param_groups, lrs):
         grp["lr"] = lr
+    if spec["compile"]:  # after the tiny eager step, which must not compile a graph of its own shape
+        compile_regions(model)  # as train.py --compile: each repeated unit (and the head) once
 
     # warm-up; the last warm-up step (after any compilation) is the memory measurement
     t0 = time.perf_counter()
+    first_step_s = None
     for _ in range(spec["warmup"] - 1):
         step()
+        sync()
+        first_step_s = first_step_s or time.perf_counter() - t_begin
     sync()
     if dev.startswith("cuda"):
         base = torch.cuda.memory_allocated()
@@ -184,6 +203,7 @@ def child(spec):
         mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
     else:
         mem_mb, method = _cpu_step_memory(step)
+    first_step_s = first_step_s or time.perf_counter() - t_begin
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
     while len(times) < spec["steps"] and (not times or sum(times) < spec["step_budget"]):
@@ -199,7 +219,7 @@ def child(spec):
     tokens = B * T
     fl = flops.train_flops(cfg, T, tokens)
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
-            "step_s": step_s, "step_times_s": times, "warmup_s": warmup_s, "tokens_per_s": tokens / step_s,
+            "step_s": step_s, "step_times_s": times, "warmup_s": warmup_s, "first_step_s": first_step_s, "tokens_per_s": tokens / step_s,
             "ms_per_token": 1e3 * step_s / tokens, "model_flops_per_step": fl,
             "model_flops_per_token": fl / tokens, "achieved_flops_per_s": fl / step_s,
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": _max_rss_mb(),
@@ -337,19 +357,20 @@ def targets(rows):
 
 
 def table(rows):
-    head = ("| model | T | batch | compile | tokens/s | ms/token | peak MB | MFU | MFU / Loop T++ |\n"
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    head = ("| model | T | batch | compile | tokens/s | ms/token | peak MB | MFU | MFU / Loop T++ | first step s |\n"
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         c = "on" if r["compile"] else "off"
         if r["status"] != "ok":
             batch = max(1, r["batch_tokens"] // r["T"]) if "batch_tokens" in r else ""
             lines.append(f"| {r['model']} | {r['T']} | {batch} | {c} | "
-                         f"{r['status']} | | | | |")
+                         f"{r['status']} | | | | | |")
             continue
         ratio = f"{r['mfu_vs_ref']:.2f}" if "mfu_vs_ref" in r else ""
         lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {c} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}% | {ratio} |")
+                     f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}% | {ratio} | "
+                     + (f"{r['first_step_s']:.1f} |" if "first_step_s" in r else " |"))
     return "\n".join(lines)
 
 
@@ -371,17 +392,50 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"bench.py: error: {message}\n")
 
 
+QUICK_LONG = ("tango", "tango-windowed", "tango-3set", "loop")  # --quick: the models also run at the long T
+QUICK_T = {"cuda": (2048, 8192), "cpu": (32, 128)}  # --quick: (every model, QUICK_LONG) block sizes
+
+
+def plan(a):
+    """The (model, compile, T) configurations in run order."""
+    if a.quick:
+        short, long = QUICK_T["cuda" if a.device.startswith("cuda") else "cpu"]
+        comp = a.device.startswith("cuda")
+        return [(m, comp, short) for m in a.models] + [(m, comp, long) for m in QUICK_LONG if m in a.models]
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
+    return [(m, c, T) for m in a.models for c in compiles for T in a.block_sizes]
+
+
+def run_config_here(spec):
+    """run_config in this process (--quick on CPU): no timeout, memory less isolated."""
+    t0 = time.time()
+    torch._dynamo.reset()
+    row = {**spec, "load_before": loadavg()}
+    try:
+        row.update(child(spec))
+        row["status"] = "ok"
+    except Exception as e:  # noqa: BLE001  (a failing model is a row, as in a subprocess)
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return {**row, "wall_s": time.time() - t0, "load_after": loadavg()}
+
+
 def parse(argv):
     p = _Parser(description="Training-step throughput, peak memory and MFU at matched parameters (issue 6).")
     p.add_argument("--models", default=",".join(models.REGISTRY), help="comma-separated registry names (default: all)")
-    p.add_argument("--size", default="cpu", help=f"parameter tier: {', '.join(models.TIERS)}")
+    p.add_argument("--quick", action="store_true",
+                   help="every model at T = 2048 compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop "
+                        "Transformer++ at T = 8192 (CUDA); on CPU T = 64 / 256, eager, in this process")
+    p.add_argument("--size", default=None, help=f"parameter tier: {', '.join(models.TIERS)} (default: 70M on CUDA, cpu)")
     p.add_argument("--depth", type=int, default=4, help="block applications K")
-    p.add_argument("--block_sizes", default=DEFAULT_BLOCK_SIZES, help="comma-separated sequence lengths T")
+    p.add_argument("--block_sizes", default=None,
+                   help=f"comma-separated sequence lengths T (default: 2048,8192 on CUDA, {DEFAULT_BLOCK_SIZES})")
     p.add_argument("--batch_tokens", type=int, default=0,
-                   help="tokens per step; batch = max(1, batch_tokens // T) (default: the largest block size)")
-    p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (default GPT-2, as in training)")
+                   help="tokens per step; batch = max(1, batch_tokens // T) (default: the largest block size, "
+                        "at least 32768 on CUDA)")
+    p.add_argument("--vocab_size", type=int, default=0,
+                   help="vocabulary V (default GPT-2's 50257, as in training; --quick on CPU: 256)")
     p.add_argument("--window", type=int, default=256, help="Windowed TANGO window W")
-    p.add_argument("--steps", type=int, default=2, help="timed training steps per configuration (median)")
+    p.add_argument("--steps", type=int, default=None, help="timed training steps per configuration (median; default 2, --quick 3 on CUDA, 1 on CPU)")
     p.add_argument("--step_budget", type=float, default=20,
                    help="stop timing once the timed steps took this many seconds (at least one step)")
     p.add_argument("--warmup", type=int, default=1,
@@ -399,6 +453,18 @@ def parse(argv):
     p.add_argument("--md", default=None, help="output markdown (default: next to --json, .md)")
     p.add_argument("--note", action="append", default=[], help="free-text note stored in the outputs (repeatable)")
     a = p.parse_args(argv)
+    cuda = a.device.startswith("cuda")
+    a.size = a.size or ("70M" if cuda else "cpu")
+    if a.quick:
+        a.block_sizes = ",".join(map(str, QUICK_T["cuda" if cuda else "cpu"]))
+        a.steps = a.steps or (3 if cuda else 1)
+        a.warmup = max(a.warmup, 2) if cuda else a.warmup
+        if not cuda:
+            a.peak_n, a.peak_reps = a.peak_n or 256, min(a.peak_reps, 3)
+            a.vocab_size = a.vocab_size or 256
+    a.block_sizes = a.block_sizes or ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES)
+    a.steps = a.steps or 2
+    a.vocab_size = a.vocab_size or 50257
     a.models = [m for m in a.models.split(",") if m]
     for m in a.models:
         if m not in models.REGISTRY:
@@ -411,11 +477,10 @@ def parse(argv):
         p.error(f"--block_sizes {a.block_sizes}: comma-separated integers")
     if not a.block_sizes or min(a.block_sizes) < 1:
         p.error("--block_sizes: need positive integers")
-    a.batch_tokens = a.batch_tokens or max(a.block_sizes)
+    a.batch_tokens = a.batch_tokens or max(max(a.block_sizes), 32768 if cuda else 0)
     for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
-    cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         p.error(f"--device {a.device}: CUDA is not available")
     if a.compile is None:
@@ -443,26 +508,23 @@ def main(argv=None):
     peak = matmul_peak(a.device, a.dtype, a.peak_n, a.peak_reps)
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({a.dtype}, {a.peak_n}^3, best of {a.peak_reps}, "
           f"{threads} threads); load average {load_start}", flush=True)
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
-    rows = []
-    for model in a.models:
-        for comp in compiles:
-            failed = None
-            for T in a.block_sizes:
-                spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
-                        "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
-                        "batch_tokens": a.batch_tokens, "steps": a.steps, "step_budget": a.step_budget,
-                        "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads}
-                if failed:
-                    row = {**spec, "status": f"skipped ({failed})"}
-                else:
-                    row = run_config(spec, a.timeout)
-                    if row["status"] != "ok":
-                        failed = f"T={T} {row['status'].split(':')[0]}"
-                rows.append(row)
-                msg = (f"{row['tokens_per_s']:,.0f} tokens/s  {row['peak_mem_mb']:,.0f} MB  ({row['wall_s']:.0f} s, "
-                       f"load {row['load_before']})" if row["status"] == "ok" else row["status"])
-                print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} {msg}", flush=True)
+    rows, failed = [], {}
+    here = a.quick and not a.device.startswith("cuda")
+    for model, comp, T in plan(a):
+        spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
+                "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
+                "batch_tokens": a.batch_tokens, "steps": a.steps, "step_budget": a.step_budget,
+                "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads}
+        if (model, comp) in failed:  # a larger T of a configuration that failed
+            row = {**spec, "status": f"skipped ({failed[model, comp]})"}
+        else:
+            row = run_config_here(spec) if here else run_config(spec, a.timeout)
+            if row["status"] != "ok":
+                failed[model, comp] = f"T={T} {row['status'].split(':')[0]}"
+        rows.append(row)
+        msg = (f"{row['tokens_per_s']:,.0f} tokens/s  {row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s "
+               f"({row['wall_s']:.0f} s, load {row['load_before']})" if row["status"] == "ok" else row["status"])
+        print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} {msg}", flush=True)
     add_ratios(rows, peak)
     tg = targets(rows)
     meta = {
@@ -471,6 +533,7 @@ def main(argv=None):
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
         "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,
         "steps": a.steps, "step_budget_s": a.step_budget, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
+        "quick": a.quick,
         "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
         "flops_convention": FLOPS_DEF, "mfu_reference": REFERENCE,
         "memory_definition": MEMORY_DEF_CUDA if a.device.startswith("cuda") else MEMORY_DEF_CPU,

@@ -10,6 +10,9 @@ embedding, the tied head, the loss, cached generation and parameter counting liv
     out = model.generate(idx, max_new_tokens, temperature=1.0, top_k=None)
     model.num_params()                             # non-embedding parameters
 """
+import functools
+import inspect
+import numbers
 from dataclasses import dataclass, asdict, fields
 
 import torch
@@ -22,6 +25,7 @@ class UsageError(ValueError):
 
 
 HEAD_DIM = 32  # d_h = 32 everywhere (SPEC notation)
+VOCAB_MULTIPLE = 64  # the embedding/head has ceil(V / 64) * 64 rows (aligned matmul); rows >= V are padding
 
 
 @dataclass
@@ -68,6 +72,7 @@ class ModelConfig:
 
 class RMSNorm(nn.Module):
     """RMSNorm with a learned gain (SPEC section 1). x: (..., d) -> (..., d)."""
+    no_decay = ("weight",)  # a gain: no weight decay (train.no_decay_parameters)
 
     def __init__(self, d, eps=1e-6):
         super().__init__()
@@ -86,6 +91,12 @@ def rope_cos_sin(positions, head_dim=HEAD_DIM, base=10000.0, dtype=torch.float32
         ang = ang[None]
     ang = ang[:, None]  # (B|1, 1, T, hd/2)
     return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def compute_dtype(x):
+    """The dtype matmuls on x run in: the autocast dtype when autocast is on for x's device, else x.dtype."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 def apply_rope(x, cos, sin):
@@ -110,8 +121,60 @@ def causal_attention(q, k, v, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+# ----------------------------------------------------------------------------- regional compilation
+# torch.compile of the whole model would unroll the K block applications into one graph (compile
+# time grows with K) and guard on the step shapes of every call. Instead each body marks its
+# repeated unit (one block application, one TANGO update, one GAU unit) with @compiled_region and
+# compile_regions(model) compiles those functions once: every application reuses the same graph
+# (parameters are graph inputs, so untied blocks share it too), whatever K is.
+
+def compiled_region(fn):
+    """Mark a module method as a compiled region. Before compile_regions() (and for a module that
+    was not passed to it) the method runs eagerly. A call with a decoding cache (the method's
+    `cache` argument not None) always runs eagerly: decoding shapes change with every token, and
+    one prompt is not worth a compile."""
+    names = list(inspect.signature(fn).parameters)[1:]  # without self
+    pos = names.index("cache") if "cache" in names else None
+
+    @functools.wraps(fn)
+    def call(self, *args, **kw):
+        compiled = self.__dict__.get("_compiled_regions", {}).get(fn.__name__)
+        if compiled is None or pos is None:
+            return fn(self, *args, **kw)
+        cache = kw["cache"] if "cache" in kw else args[pos] if pos < len(args) else None
+        return fn(self, *args, **kw) if cache is not None else compiled(self, *args, **kw)
+
+    call.region = fn
+    return call
+
+
+def compile_regions(model, **compile_kw):
+    """Regional compilation: torch.compile(fn, **compile_kw) for each @compiled_region method of
+    model's modules, one compiled function per method shared by every module that has it.
+    Returns the model (modified in place; its parameters and state_dict are unchanged)."""
+    compiled = {}
+    for m in model.modules():
+        for cls in reversed(type(m).__mro__):
+            for name, attr in vars(cls).items():
+                fn = getattr(attr, "region", None)
+                if fn is not None:
+                    if fn not in compiled:
+                        compiled[fn] = torch.compile(fn, **compile_kw)
+                    m.__dict__.setdefault("_compiled_regions", {})[name] = compiled[fn]
+    return model
+
+
+def compiled_region_names(model):
+    """Sorted qualified names of the compiled regions of a model (after compile_regions)."""
+    return sorted({f"{type(m).__name__}.{n}" for m in model.modules() for n in m.__dict__.get("_compiled_regions", {})})
+
+
 class LM(nn.Module):
     """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (SPEC section 1).
+
+    E is stored with ceil(V / 64) * 64 rows (VOCAB_MULTIPLE: the head matmul gets an aligned
+    size); the padding rows are zero, never looked up, and the logits are sliced to V, so they are
+    never predicted, sampled or counted in num_params.
 
     The body is any module with forward(x, cos, sin, cache) -> x on (B, T, d) tensors; cache is
     None (training) or a dict the body keeps its decoding state in (keys per application, ...).
@@ -128,6 +191,10 @@ class LM(nn.Module):
         for m in self.modules():
             if getattr(m, "is_residual_out", False):
                 nn.init.normal_(m.weight, std=0.02 / (2 * cfg.depth) ** 0.5)
+        # pad E after the init, so the padding draws no random numbers (the same initial weights as V rows)
+        pad = -cfg.vocab_size % VOCAB_MULTIPLE
+        self.wte.weight = nn.Parameter(F.pad(self.wte.weight.detach(), (0, 0, 0, pad)))
+        self.wte.num_embeddings = cfg.vocab_size + pad
 
     @staticmethod
     def _init_weights(m):
@@ -135,9 +202,10 @@ class LM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def num_params(self, non_embedding=True):
-        """Parameter count, each shared tensor counted once; non_embedding excludes E (SPEC section 1)."""
+        """Parameter count, each shared tensor counted once; non_embedding excludes E (SPEC section 1).
+        E counts V x d (its padding rows are not parameters of the model)."""
         n = sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates shared tensors
-        return n - self.wte.weight.numel() if non_embedding else n
+        return n - self.wte.weight.numel() if non_embedding else n - self.wte.weight[self.cfg.vocab_size:].numel()
 
     def forward(self, idx, targets=None, positions=None, cache=None):
         """idx: (B, T) int64 token ids; targets: (B, T) with -1 = not scored; positions: (T,) or
@@ -154,23 +222,35 @@ class LM(nn.Module):
         if positions is None:
             start = cache.get("len", 0) if cache is not None else 0
             positions = torch.arange(start, start + T, device=x.device)
-        cos, sin = rope_cos_sin(positions, dtype=x.dtype)
+        cos, sin = rope_cos_sin(positions, dtype=compute_dtype(x))  # once per forward, for every application
         x = self.body(x, cos, sin, cache)
         if cache is not None:
             cache["len"] = cache.get("len", 0) + T
-        x = self.norm_f(x)
-        logits = x @ self.wte.weight.t()
+        return self.head(x, targets, cache)
+
+    def logits(self, x):
+        """Tied head on final-norm outputs x: (..., d) -> logits (..., V) (the padding rows sliced off)."""
+        return (x @ self.wte.weight.t())[..., :self.cfg.vocab_size]
+
+    @compiled_region
+    def head(self, x, targets=None, cache=None):
+        """Final norm, head and mean NLL over targets != -1 (nats/token, or None without targets).
+        x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly)."""
+        logits = self.logits(self.norm_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, stop_token=None):
         """Sample max_new_tokens continuing idx (B, T) with a decoding cache; returns (B, T + n).
 
-        temperature 0 means greedy. Generation stops early when every row emitted stop_token.
+        max_new_tokens: int >= 0; temperature, top_k: as in sample_next (temperature 0 = greedy,
+        top_k None = all tokens, top_k > V keeps all V). Generation stops early when every row
+        emitted stop_token. Raises ValueError naming the argument for a value outside these ranges.
         """
+        check_sampling(temperature, top_k, max_new_tokens)
         cache = {}
         logits, _ = self(idx, cache=cache)
         out = idx
@@ -186,12 +266,34 @@ class LM(nn.Module):
         return out
 
 
+def check_sampling(temperature=1.0, top_k=None, max_new_tokens=0):
+    """ValueError naming the argument unless temperature is a finite number >= 0, top_k is None
+    or an int >= 1 and max_new_tokens an int >= 0 (bools are not counts)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature {temperature!r}: must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k {top_k!r}: must be None (all tokens) or an int >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens {max_new_tokens!r}: must be an int >= 0")
+
+
 def sample_next(logits, temperature=1.0, top_k=None):
-    """logits (B, V) -> next ids (B, 1); temperature 0 = argmax, top_k keeps the k largest logits."""
+    """logits (B, V) -> next ids (B, 1), drawn from softmax(logits / temperature) over the top_k
+    largest logits (ties at the k-th value all kept; top_k None or >= V: every token).
+
+    temperature 0 = argmax. Any positive temperature is safe, however small: the logits are
+    shifted by their row maximum and divided in float64, so 1e-30 gives the argmax (uniform over
+    exact ties) instead of an overflow. Raises ValueError for a negative, infinite or NaN
+    temperature or a top_k below 1 (check_sampling).
+    """
+    check_sampling(temperature, top_k)
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+    z = logits.double()
+    if top_k is not None and top_k < z.size(-1):
+        v, _ = torch.topk(z, top_k)
+        z = z.masked_fill(z < v[:, [-1]], float("-inf"))
+    z = (z - z.amax(-1, keepdim=True)) / temperature  # <= 0, exactly 0 at the maximum: no overflow
+    return torch.multinomial(F.softmax(z, dim=-1), num_samples=1)

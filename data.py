@@ -1,22 +1,28 @@
 """Datasets: tokenize once to flat token files, then serve training batches and eval windows.
 
-SPEC.md section 8 names the paper's datasets; this repo runs the CPU-scale stand-ins:
+    python data.py --dataset stdlib [--tokenizer char]   # prepare, print the token counts
 
-- ``stdlib``: the Python standard library's ``*.py`` files, GPT-2 BPE, split by file
-  (a code corpus in the spirit of The Stack: no file is in two splits).
-- ``dmmath``: DeepMind Mathematics in the official layout, character vocabulary, loss only on
-  the answers; ``interpolate`` is the test split (NLL and exact match), ``extrapolate`` is
-  exact match only (SPEC section 8).
-- a path to a text file or a folder of text files: GPT-2 BPE.
+The TANGO paper ("TANGO: Treating Tokens as Operators", section 3) trains on FineWeb-Edu, The
+Stack, Lean and DeepMind Mathematics. Here: ``stdlib`` (the Python standard library's ``*.py``
+files, split by file: a code corpus in the spirit of The Stack), ``dmmath`` (DeepMind Mathematics,
+dmmath.py), a path to a text file or folder (split by file), and ``hf:NAME[:CONFIG]`` (a Hugging
+Face dataset, hf_data.py, split by document). Text datasets (all but dmmath) take either
+tokenizer: ``gpt2`` (BPE, default) or ``char`` (the train split's characters + end-of-text + an
+unknown id).
 
 ``prepare`` writes ``<out_root>/<name>/``: one ``<split>.bin`` per split (raw uint16 token ids,
 uint32 if the vocabulary is larger than 65536), ``meta.json`` and, for masked datasets,
 ``<split>.mask.bin`` (uint8, 1 = the token counts as a target) and ``<split>.problems.npy``.
-``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (exit code 2).
+``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (one line, exit 2).
 """
+import argparse
 import base64
+import collections
+import contextlib
+import functools
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -29,15 +35,18 @@ import torch
 
 from common import UsageError
 
-DATASETS = ("stdlib", "dmmath")
+TOKENIZERS = ("auto", "gpt2", "char")
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_DMMATH = os.path.join(HERE, "..", "shared", "data", "dmmath")
 FORMAT = 1  # bump when the on-disk layout changes; stale folders are then re-prepared
 EOT = 50256
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 NO_VOCAB = ("no GPT-2 vocabulary: set GPT2_BPE_FILE=/path/to/gpt2.tiktoken "
             "(e.g. ../shared/data/gpt2.tiktoken) or allow tiktoken to download it")
-DMMATH_REQUIRED = ("train-easy", "train-medium", "train-hard", "interpolate", "extrapolate")
+EOT_SYMBOL = "<|endoftext|>"  # the end-of-text symbol of both tokenizers (GPT-2 id 50256)
+CHAR_EOT = 0x110000  # char tokenization's end-of-document marker in code-point space (past Unicode)
+BY_FILE = "by file: sha256(relative path)[:8] as int % 100 <90 train, <95 dev, else test"
+BY_POSITION = ("by position: too few files to split by file, so the concatenated token stream "
+               "(files in path order) is cut 90% train / 5% dev / 5% test")
 
 _encoders = {}  # GPT2_BPE_FILE value (or None) -> tiktoken.Encoding or the UsageError it gave
 
@@ -150,32 +159,48 @@ def _walk(root, keep=lambda rel: True, skip_dir=lambda name: False):
 
 # ----------------------------------------------------------------------------- prepare
 
-def prepare(dataset="stdlib", data_dir=None, out_root="data"):
+def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", max_tokens=0, num_proc=1,
+            hf_split="train", hf_text_field="text", hf_split_key="auto", hf_data_files=None):
     """Tokenize ``dataset`` once into ``<out_root>/<name>/`` and return that folder.
 
-    dataset: "stdlib", "dmmath" or a path to a text file / folder of text files.
+    dataset: "stdlib", "dmmath", a path to a text file / folder of text files, or
+    "hf:NAME[:CONFIG]" (a Hugging Face dataset, see hf_data.py; the ``hf_*`` arguments).
+    tokenizer: "gpt2", "char" or "auto" (char for dmmath, gpt2 otherwise).
     data_dir: the dmmath folder (default ../shared/data/dmmath next to this repo).
-    A complete folder whose meta matches the sources (path, sizes, mtimes) is reused as is;
-    otherwise everything is written into a temporary sibling folder and renamed into place,
-    so an interrupted prepare leaves nothing half-written. Raises UsageError for bad input.
+    max_tokens: keep only the first N tokens of the source, all splits together (0: all).
+    num_proc: tokenizer worker processes.
+    A complete folder whose meta matches the sources (path, sizes, mtimes; for the hub: the
+    arguments) is reused as is; otherwise everything is written into a temporary sibling folder
+    and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
+    removes out_root again if it created it). Raises UsageError for bad input.
     """
+    if tokenizer not in TOKENIZERS or (dataset == "dmmath" and tokenizer == "gpt2"):
+        raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)} (dmmath: auto or char)")
+    if tokenizer == "auto":
+        tokenizer = "char" if dataset == "dmmath" else "gpt2"
     if data_dir is not None and dataset != "dmmath":
         raise UsageError("--data_dir: only used with --dataset dmmath")
+    if max_tokens < 0 or (max_tokens and dataset == "dmmath"):
+        raise UsageError(f"--max_tokens {max_tokens}: must be >= 0, and is not used with dmmath")
+    if hf_data_files and not dataset.startswith("hf:"):
+        raise UsageError("--hf_data_files: only used with --dataset hf:NAME")
+    suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")
+    text = dict(tokenizer=tokenizer, max_tokens=max_tokens, num_proc=num_proc)
     if dataset == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         rels = _walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
-        name, build = "stdlib", lambda tmp: _build_gpt2(tmp, root, rels, "stdlib", by_file_only=True)
+        name, fp = "stdlib" + suffix, _fingerprint(root, rels, dataset, tokenizer, max_tokens)
+        build = lambda tmp: _build_text(tmp, _file_docs(root, rels), "stdlib", BY_FILE, by_key_only=True, **text)
     elif dataset == "dmmath":
-        root = os.path.abspath(data_dir or DEFAULT_DMMATH)
-        missing = [d for d in DMMATH_REQUIRED if not os.path.isdir(os.path.join(root, d))]
-        if missing:
-            raise UsageError(f"--data_dir {root}: not a DeepMind Mathematics folder; needs "
-                             f"{', '.join(DMMATH_REQUIRED)} (+ optional dev), missing {', '.join(missing)}")
-        rels = _walk(root, keep=lambda r: r.endswith(".txt")
-                     and r.split(os.sep)[0] in DMMATH_REQUIRED + ("dev",))
-        default = os.path.samefile(root, DEFAULT_DMMATH) if os.path.isdir(DEFAULT_DMMATH) else False
-        name = "dmmath" if default else "dmmath-" + hashlib.sha256(root.encode()).hexdigest()[:8]
-        build = lambda tmp: _build_dmmath(tmp, root)
+        import dmmath
+        root, rels, name = dmmath.source(data_dir)
+        fp, build = _fingerprint(root, rels, dataset), lambda tmp: dmmath.build(tmp, root)
+    elif dataset.startswith("hf:"):
+        import hf_data  # the optional `datasets` extra: only on this path
+        hf = hf_data.spec(dataset, hf_split, hf_text_field, hf_split_key, hf_data_files)
+        fp = _fingerprint(os.sep, hf["local_files"], repr(sorted(hf.items())), tokenizer, max_tokens)
+        name = hf_data.folder_name(hf) + suffix + "-" + fp[:8]
+        build = lambda tmp: hf_data.build(tmp, hf, **text)
     elif os.path.exists(dataset):
         path = os.path.abspath(dataset)
         if os.path.isdir(path):
@@ -184,16 +209,17 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
             root, rels = os.path.dirname(path), [os.path.basename(path)]
         if not rels:
             raise UsageError(f"--dataset {dataset}: no files in this folder")
-        name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(path.encode()).hexdigest()[:8]
-        build = lambda tmp: _build_gpt2(tmp, root, rels, path, by_file_only=False)
+        name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(path.encode()).hexdigest()[:8] + suffix
+        fp = _fingerprint(root, rels, "path", tokenizer, max_tokens)
+        build = lambda tmp: _build_text(tmp, _file_docs(root, rels), path, BY_FILE, by_key_only=False, **text)
     else:
         raise UsageError(f"--dataset: unknown dataset '{dataset}'; "
-                         "use stdlib, dmmath or a path to a text file or folder")
+                         "use stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG]")
 
-    fp = _fingerprint(root, rels, dataset if dataset in DATASETS else "path")
     folder = os.path.join(out_root, name)
     if _matches(folder, fp):
         return folder
+    created = _first_missing(out_root)
     os.makedirs(out_root, exist_ok=True)
     tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_root), None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
@@ -206,13 +232,25 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data"):
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=out_root)
             os.replace(folder, os.path.join(old, name))
         os.replace(tmp, folder)
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not any(files for _, _, files in os.walk(created)):
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
         if old:
             shutil.rmtree(old, ignore_errors=True)
     print(f"prepared {folder}: " + ", ".join(f"{k} {v:,}" for k, v in meta["splits"].items()) + " tokens",
           flush=True)
     return folder
+
+
+def _first_missing(path):
+    """The outermost folder that os.makedirs(path) would create (None if path exists)."""
+    path, top = os.path.abspath(path), None
+    while not os.path.exists(path):
+        path, top = os.path.dirname(path), path
+    return top
 
 
 def _matches(folder, fp):
@@ -228,96 +266,144 @@ def _read_text(path):
     return None if b"\0" in raw else raw.decode("utf-8", errors="replace")  # NUL byte: binary
 
 
-def _build_gpt2(tmp, root, rels, source, by_file_only):
-    """GPT-2 BPE documents, each followed by <|endoftext|>, split by file (stable path hash).
+def _file_docs(root, rels):
+    """(relative path, text) per readable file: the path decides the split."""
+    for rel in rels:
+        yield rel, _read_text(os.path.join(root, rel))
 
-    If that leaves dev or test empty (a single file, few files) and by_file_only is False,
-    the concatenated token stream is split by position 90/5/5 instead.
+
+# ----------------------------------------------------------------------------- text datasets
+
+def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files"):
+    """Tokenize documents ``(split_key, text)`` in order into train/dev/test bins under ``tmp``.
+
+    Each document is followed by an end-of-text token and goes whole into split_of(split_key)
+    (the text itself when split_key is None). With max_tokens, writing stops at exactly that many
+    tokens (the last document cut). If dev or test stays empty and by_key_only is False (a single
+    file, few files), the token stream (documents in order) is cut by position 90/5/5 instead.
+    gpt2: GPT-2 BPE ids. char: the characters of the train split, in code point order, then the
+    end-of-text symbol, then the unknown id (decoded as U+FFFD) for characters unseen in train;
+    the first pass writes code points (uint32) and ``_char_vocab`` maps them. Returns the meta dict.
     """
-    enc = gpt2_encoder()
-    docs = [(rel, _read_text(os.path.join(root, rel))) for rel in rels]
-    docs = [(rel, text) for rel, text in docs if text]
-    if not docs:
+    from tqdm import tqdm
+    if tokenizer == "gpt2":
+        gpt2_encoder()  # fails fast (UsageError) without a vocabulary, before any worker starts
+    names, ext = ("train", "dev", "test"), ".bin" if tokenizer == "gpt2" else ".cp"
+    wide = np.dtype("<u2") if tokenizer == "gpt2" else np.dtype("<u4")
+    n_tok, n_docs, order, total = dict.fromkeys(names, 0), dict.fromkeys(names, 0), [], 0
+    with contextlib.ExitStack() as stack:
+        out = {s: stack.enter_context(open(os.path.join(tmp, s + ext), "wb")) for s in names}
+        bar = stack.enter_context(tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=None,
+                                       desc=f"tokenizing {source} ({tokenizer}, num_proc {num_proc})"))
+        pieces = stack.enter_context(contextlib.closing(_tokenize(docs, tokenizer, num_proc)))
+        for split, ids in pieces:
+            ids = ids[:max_tokens - total] if max_tokens else ids
+            out[split].write(ids.astype(wide).tobytes())
+            n_tok[split] += len(ids)
+            n_docs[split] += 1
+            order.append((split, len(ids)))
+            total += len(ids)
+            bar.update(len(ids))
+            if total == max_tokens:
+                break
+    if not total:
         raise UsageError(f"--dataset {source}: no readable text")
-    ids = enc.encode_ordinary_batch([text for _, text in docs], num_threads=2)
-    arrays = [np.array(x + [EOT], dtype=np.uint16) for x in ids]
-    which = [split_of(rel) for rel, _ in docs]
-    names = ("train", "dev", "test")
-    n_files = {s: which.count(s) for s in names}
-    rule = "by file: sha256(relative path)[:8] as int % 100 <90 train, <95 dev, else test"
-    if min(n_files.values()) > 0 or by_file_only:
-        splits = {s: np.concatenate([a for a, w in zip(arrays, which) if w == s] or [np.zeros(0, np.uint16)])
-                  for s in names}
-    else:
-        stream = np.concatenate(arrays)
-        a, b = int(len(stream) * 0.90), int(len(stream) * 0.95)
-        splits = dict(train=stream[:a], dev=stream[a:b], test=stream[b:])
-        n_files = {"all": len(docs)}
-        rule = ("by position: too few files to split by file, so the concatenated token stream "
-                "(files in path order) is cut 90% train / 5% dev / 5% test")
-    for s, arr in splits.items():
-        dtype = write_bin(os.path.join(tmp, f"{s}.bin"), arr, EOT + 1)
-    return dict(tokenizer="gpt2", vocab_size=EOT + 1, dtype=dtype,
-                splits={s: int(len(a)) for s, a in splits.items()}, split_rule=rule,
-                source=source, n_files=n_files, test_split="test", em_splits=[])
-
-
-def _read_problems(path):
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    lines = [line.rstrip("\r") for line in text.split("\n")]
-    if lines and lines[-1] == "":
-        lines.pop()
-    if len(lines) % 2:
-        raise UsageError(f"{path}: malformed, {len(lines)} lines (needs question/answer line pairs)")
-    return list(zip(lines[0::2], lines[1::2]))
-
-
-def _build_dmmath(tmp, root):
-    """Character-level DeepMind Mathematics with a loss mask on the answers (see module doc)."""
-    def folder(d):
-        return [p for f in sorted(os.listdir(os.path.join(root, d))) if f.endswith(".txt")
-                for p in _read_problems(os.path.join(root, d, f))]
-
-    train = [p for d in DMMATH_REQUIRED[:3] for p in folder(d)]
-    if os.path.isdir(os.path.join(root, "dev")):
-        dev, dev_rule = folder("dev"), "dev/ folder"
-    else:
-        held = [split_of(q + "\n" + a, dev=98, test=100) == "dev" for q, a in train]
-        dev = [p for p, h in zip(train, held) if h]
-        train = [p for p, h in zip(train, held) if not h]
-        dev_rule = "~2% of train-* problems held out (sha256 of the problem text % 100 >= 98)"
-    if not train:
-        raise UsageError(f"--data_dir {root}: no training problems in train-easy/medium/hard")
-    train = [train[i] for i in np.random.default_rng(0).permutation(len(train))]
-    splits = dict(train=train, dev=dev, interpolate=folder("interpolate"), extrapolate=folder("extrapolate"))
-
-    chars = sorted(set("".join(q + a for q, a in train)) | {"\n"})
-    unk = len(chars)
-    itos = chars + ["\ufffd"]  # the unknown id decodes as U+FFFD
-    lut = np.full(max(map(ord, chars)) + 1, unk, dtype=np.int64)
-    lut[[ord(c) for c in chars]] = np.arange(len(chars))
-    meta = dict(tokenizer="char", vocab_size=len(itos), itos=itos, unk_id=unk, splits={},
-                n_problems={}, masked=True, test_split="interpolate",
-                em_splits=["interpolate", "extrapolate"], source=root,
-                split_rule=f"official folders: train = train-easy+medium+hard (shuffled, seed 0), "
-                           f"dev = {dev_rule}, interpolate = test, extrapolate = exact match only")
-    for s, probs in splits.items():
-        text = "".join(q + "\n" + a + "\n" for q, a in probs)
-        cps = np.frombuffer(text.encode("utf-32-le"), dtype="<u4").astype(np.int64)
-        ids = np.where(cps < len(lut), lut[np.minimum(cps, len(lut) - 1)], unk)
-        qlen = np.array([len(q) for q, _ in probs], dtype=np.int64)
-        alen = np.array([len(a) for _, a in probs], dtype=np.int64)
-        q0 = np.concatenate([[0], np.cumsum(qlen + alen + 2)[:-1]]).astype(np.int64)[:len(probs)]
-        offsets = np.stack([q0, q0 + qlen + 1, q0 + qlen + 1 + alen], axis=1)
-        edges = np.zeros(len(ids) + 1, dtype=np.int64)  # mask = answer chars + their "\n"
-        np.add.at(edges, offsets[:, 1], 1)
-        np.add.at(edges, offsets[:, 2] + 1, -1)
-        meta["dtype"] = write_bin(os.path.join(tmp, f"{s}.bin"), ids, len(itos))
-        np.cumsum(edges[:-1]).astype(np.uint8).tofile(os.path.join(tmp, f"{s}.mask.bin"))
-        np.save(os.path.join(tmp, f"{s}.problems.npy"), offsets)
-        meta["splits"][s], meta["n_problems"][s] = int(len(ids)), len(probs)
+    if min(n_docs.values()) == 0 and not by_key_only:
+        n_tok, n_docs, rule = _split_by_position(tmp, ext, wide, order), {"all": len(order)}, BY_POSITION
+    meta = dict(tokenizer="gpt2", vocab_size=EOT + 1, dtype="uint16") if tokenizer == "gpt2" \
+        else _char_vocab(tmp, n_tok)
+    meta.update(splits=n_tok, split_rule=rule, source=source, test_split="test", em_splits=[])
+    meta[count] = n_docs
+    if max_tokens:
+        meta.update(max_tokens=max_tokens, truncated=total == max_tokens)
     return meta
+
+
+def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
+    """Yield (split, token ids incl. the end-of-text marker) per non-empty document, in order.
+    Batches of about batch_chars characters go to num_proc worker processes (in this process when
+    num_proc <= 1), at most 2 * num_proc batches ahead, so a streamed source is read only as far
+    as needed."""
+    fn = functools.partial(_tokenize_batch, tokenizer)
+    batches = _batches(((k, t) for k, t in docs if t), batch_chars)
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(multiprocessing.Pool(num_proc)) if num_proc > 1 else None
+        for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
+            yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
+
+
+def _batches(docs, batch_chars):
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[1])
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _ordered_map(pool, fn, items, ahead):
+    """pool.imap without reading items more than `ahead` results ahead of the consumer."""
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _tokenize_batch(tokenizer, batch):
+    """Worker: [(split_key, text)] -> (splits, lengths, all ids concatenated as uint32).
+    gpt2: BPE ids + <|endoftext|>; char: Unicode code points + CHAR_EOT."""
+    if tokenizer == "gpt2":
+        enc, eot = gpt2_encoder(), EOT
+        ids = [np.array(x, np.uint32) for x in enc.encode_ordinary_batch([t for _, t in batch], num_threads=1)]
+    else:
+        eot = CHAR_EOT
+        ids = [np.frombuffer(t.encode("utf-32-le", "replace"), "<u4") for _, t in batch]
+    splits = [split_of(t if key is None else key) for key, t in batch]
+    return splits, [len(x) + 1 for x in ids], np.concatenate([np.append(x, np.uint32(eot)) for x in ids])
+
+
+def _split_by_position(tmp, ext, wide, order):
+    """Rewrite the split files as the document stream (in order) cut 90/5/5; returns the counts."""
+    arrays = {s: np.fromfile(os.path.join(tmp, s + ext), wide) for s in ("train", "dev", "test")}
+    at, parts = dict.fromkeys(arrays, 0), []
+    for s, n in order:
+        parts.append(arrays[s][at[s]:at[s] + n])
+        at[s] += n
+    stream = np.concatenate(parts)
+    a, b = int(len(stream) * 0.90), int(len(stream) * 0.95)
+    for s, piece in dict(train=stream[:a], dev=stream[a:b], test=stream[b:]).items():
+        piece.tofile(os.path.join(tmp, s + ext))
+    return dict(train=a, dev=b - a, test=len(stream) - b)
+
+
+def _char_vocab(tmp, n_tok, chunk=1 << 24):
+    """Map the code-point files <split>.cp to <split>.bin with the train split's characters
+    (plus the newline, always) as the vocabulary; returns the tokenizer part of the meta."""
+    counts = np.zeros(CHAR_EOT + 1, np.int64)
+    train = read_bin(os.path.join(tmp, "train.cp"), "<u4")
+    for i in range(0, len(train), chunk):
+        counts += np.bincount(train[i:i + chunk], minlength=CHAR_EOT + 1)
+    counts[ord("\n")] += 1
+    cps = np.flatnonzero(counts[:CHAR_EOT])
+    itos = [chr(c) for c in cps] + [EOT_SYMBOL, "\ufffd"]
+    eot_id, unk = len(cps), len(cps) + 1
+    lut = np.full(CHAR_EOT + 1, unk, np.int64)
+    lut[cps], lut[CHAR_EOT] = np.arange(len(cps)), eot_id
+    dtype = bin_dtype(len(itos))
+    for s in n_tok:
+        src = read_bin(os.path.join(tmp, f"{s}.cp"), "<u4")
+        with open(os.path.join(tmp, f"{s}.bin"), "wb") as f:
+            for i in range(0, len(src), chunk):
+                f.write(lut[src[i:i + chunk]].astype(dtype.newbyteorder("<")).tobytes())
+        del src
+        os.remove(os.path.join(tmp, f"{s}.cp"))
+    return dict(tokenizer="char", vocab_size=len(itos), dtype=dtype.name, itos=itos, unk_id=unk, eot_id=eot_id)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -357,7 +443,7 @@ class Data:
             try:
                 self.itos = list(self.meta["itos"])
                 self.stoi = {c: i for i, c in enumerate(self.itos[:self.meta["unk_id"]])}
-                self.eot = self.stoi["\n"]
+                self.eot = int(self.meta["eot_id"]) if "eot_id" in self.meta else self.stoi["\n"]  # dmmath: "\n"
             except (KeyError, TypeError, ValueError) as e:
                 raise UsageError(f"{path}: a character vocabulary needs itos with a newline and unk_id "
                                  f"({type(e).__name__}: {e}); run prepare again") from None
@@ -448,3 +534,65 @@ def unigram_entropy(data, split="dev"):
     counts = np.bincount(tok, minlength=data.vocab_size)
     p = counts[counts > 0] / max(1, counts.sum())
     return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------- command line
+
+def add_arguments(add):
+    """The data flags, shared by data.py's and train.py's command lines; add: a parser's add_argument."""
+    add("--dataset", default="stdlib", help="stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG] "
+        "(a Hugging Face hub dataset, a save_to_disk folder, or json/csv/parquet/text with --hf_data_files)")
+    add("--tokenizer", default="auto", choices=TOKENIZERS,
+        help="gpt2 (BPE) or char (the train split's characters + an unknown id); auto: char for dmmath, else gpt2")
+    add("--data_dir", default=None, help="dmmath: folder in the official layout (None: ../shared/data/dmmath)")
+    add("--data_root", default="data", help="where prepared token bins are cached")
+    add("--max_tokens", type=_count, default=0, help="keep the first N tokens of the source, all splits "
+        "together (e.g. 1.7e9); 0: all")
+    add("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizer worker processes (this machine's CPUs)")
+    add("--hf_split", default="train", help="hf: the source split to read (this repo splits it by document)")
+    add("--hf_text_field", default="text", help="hf: the column holding each document's text")
+    add("--hf_split_key", default="auto", help="hf: column whose value picks the split; equal values share one "
+        "(e.g. dump: FineWeb-Edu by crawl date); text: the text; auto: id if present, else the text")
+    add("--hf_data_files", default=None, help="hf: data files or globs, comma-separated; several are read "
+        "interleaved, one document each in turn")
+
+
+def _count(s):
+    """A token count: 1500000000, 1_500_000_000 or 1.5e9."""
+    v = _try(float, s.replace("_", ""))
+    if not (isinstance(v, float) and v >= 0 and v == int(v)):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number >= 0 (e.g. 1500000000 or 1.5e9)")
+    return int(v)
+
+
+def flag_options(args):
+    """prepare()'s keyword arguments from the flags of add_arguments (--dataset, --data_dir and
+    --data_root are its positional ones)."""
+    return {k: getattr(args, k) for k in ("tokenizer", "max_tokens", "num_proc", "hf_split", "hf_text_field",
+                                          "hf_split_key", "hf_data_files")}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line "error: ..." and exit 2, like every other bad input
+        raise UsageError(f"{message} (see python data.py --help)")
+
+
+def main(argv=None):
+    """python data.py --dataset NAME ...: prepare the dataset (or find it prepared) and print its
+    folder, tokenizer and token counts per split. Bad input: one line on stderr, exit code 2."""
+    p = _Parser(description="Tokenize a dataset once into <data_root>/<name>/{<split>.bin, meta.json}.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p.add_argument)
+    try:
+        args = p.parse_args(argv)
+        d = Data(prepare(args.dataset, args.data_dir, args.data_root, **flag_options(args)))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"{d.folder}: {d.tokenizer} vocab {d.vocab_size}, "
+          + ", ".join(f"{k} {v:,}" for k, v in d.meta["splits"].items()) + " tokens")
+    print(f"source {d.meta['source']}; split {d.meta['split_rule']}")
+
+
+if __name__ == "__main__":
+    main()

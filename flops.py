@@ -38,7 +38,7 @@ import math
 import sys
 
 import models
-from common import ModelConfig, UsageError
+from common import VOCAB_MULTIPLE, ModelConfig, UsageError
 from tango import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
 
 # SPEC 7 check values: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -90,6 +90,8 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     L x S products even when causal, so Transformer++ and GAU equal the convention. (On CPU the
     fused flash kernel has no FlopCounterMode formula in torch 2.13 and counts 0.) The
     differences, all from padding:
+      every model: the head multiplies by the padded embedding, ceil(V/64) 64 rows
+        (common.VOCAB_MULTIPLE), so (Vp - V) d T more head MACs.
       tango, tango-3set: one causal attention over [null key, T keys] with 40-dim padded
         queries/keys: per application T (T+1) (40 H) score + T (T+1) F gate MACs.
       tango-windowed: each chunk of C = tango.WINDOW_CHUNK queries [r0, r1) scores the keys
@@ -99,7 +101,8 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         (K_l^T V per chunk, Q_l times the prefix state). T <= C: one unpadded chunk, T^2 (s + e).
     """
     full = forward_macs(cfg, T)
-    base = full["linear"] + full["head"]
+    vocab_pad = (-cfg.vocab_size % VOCAB_MULTIPLE) * cfg.n_embd * T
+    base = full["linear"] + full["head"] + vocab_pad
     K, d, F, H = cfg.depth, cfg.n_embd, cfg.width, cfg.n_head
     m = cfg.model
     if m in ("tango", "tango-3set"):
@@ -113,7 +116,7 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
         Tp = math.ceil(T / n) * n
         return base + K * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
-    return full["total"]  # loop, untied, gau: the implementation computes exactly the convention
+    return full["total"] + vocab_pad  # loop, untied, gau: the convention plus the vocabulary padding
 
 
 def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:
@@ -305,11 +308,22 @@ def _check_points(n_points, n_params, law):
         raise UsageError(f"{law} law: {n_points} points cannot determine {n_params} parameters")
 
 
+def _check_varies(law, **variables):
+    """UsageError unless every variable a law fits an exponent (or a rate) for takes >= 3 distinct
+    values in the given points: with fewer, the fit returns numbers the runs cannot determine."""
+    for name, values in variables.items():
+        n = len(set(values.tolist()))
+        if n < 3:
+            raise UsageError(f"{law} law: {name} takes {n} distinct value{'s' * (n != 1)} in these runs; "
+                             f"fitting its exponent needs >= 3")
+
+
 def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
     """Test-time depth law L(T) = L_inf + Z exp(-z T) (SPEC 5) from recurrences T and losses L.
-    Returns {"L_inf", "Z", "z", "huber"}."""
+    Returns {"L_inf", "Z", "z", "huber"}; UsageError for fewer than 3 distinct T."""
     T, L = _as64(T, L)
     _check_points(len(T), 3, "depth")
+    _check_varies("depth", T=T)
     T0, logL = T.mean(), L.log()
 
     def objective(th):  # th: (R, 3) = [log L_inf, log(Z exp(-z T0)), log z]
@@ -328,9 +342,10 @@ def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
 
 def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
     """Training law L = E + A N^-a + B D^-b (SPEC 5; N: unrolled parameters N(mu_rec), D: tokens).
-    Returns {"E", "A", "a", "B", "b", "huber"}."""
+    Returns {"E", "A", "a", "B", "b", "huber"}; UsageError for fewer than 3 distinct N or D."""
     N, D, L = _as64(N, D, L)
     _check_points(len(L), 5, "training")
+    _check_varies("training", N=N, D=D)
     lN, lD = N.log(), D.log()
     cN, cD, logL = lN.mean(), lD.mean(), L.log()
 
@@ -352,9 +367,11 @@ def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
 def fit_unified_law(N, D, T, mu_rec, L, restarts=32, max_iter=1500, delta=HUBER_DELTA):
     """Unified law L = E + X N^-x + Y D^-y + Z exp(-z T / mu_rec) (SPEC 5): N unrolled parameters
     N(mu_rec), D tokens, T test-time recurrences, mu_rec the training mean recurrence.
-    Returns {"E", "X", "x", "Y", "y", "Z", "z", "huber"}."""
+    Returns {"E", "X", "x", "Y", "y", "Z", "z", "huber"}; UsageError for fewer than 3 distinct
+    N, D or T / mu_rec."""
     N, D, T, M, L = _as64(N, D, T, mu_rec, L)
     _check_points(len(L), 7, "unified")
+    _check_varies("unified", N=N, D=D, T_over_mu_rec=T / M)
     lN, lD, R = N.log(), D.log(), T / M
     cN, cD, cR, logL = lN.mean(), lD.mean(), R.mean(), L.log()
 

@@ -107,6 +107,10 @@ GROUPINGS = ("shared", "fs", "rule")
 SITES = ("start", "query", "end", "response")
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or gradient norm); exit code 1 at the command line."""
+
+
 # =============================================================================== policies
 
 @dataclass(frozen=True)
@@ -351,7 +355,8 @@ def make_backend(base):
 # =============================================================================== the wrapper
 
 class LatentLM(nn.Module):
-    """Frozen causal LM + trainable latent table Z (G, m, d) (SPEC section 6).
+    """Frozen causal LM + trainable latent table Z (G, m, d) (SPEC section 6); Z is float32
+    for a float16/bfloat16/float32 base (float64 for a float64 one) and cast to the base's dtype at use.
 
     LatentLM(base, policy="Comma_2", m=None, groups="shared", position_mode="prepend",
              marker_ids=(...), init="embedding", init_std=0.02, readout="latent")
@@ -379,11 +384,13 @@ class LatentLM(nn.Module):
         if init == "normal":
             z = torch.randn(G, M, d) * init_std
         elif init == "embedding":
-            rows = torch.randint(0, emb.shape[0], (G * M,))
+            rows = torch.randint(0, self.backend.vocab_size, (G * M,))  # not the LM's padding rows
             z = emb.detach()[rows].float().cpu().view(G, M, d).clone()
         else:
             raise UsageError(f"--init {init}: choose normal or embedding")
-        self.Z = nn.Parameter(z.to(device=emb.device, dtype=emb.dtype))
+        # at least float32 whatever the base's dtype (cast at use, in embed): in float16/bfloat16
+        # AdamW's eps and the late, small updates of the schedule vanish below the format's resolution
+        self.Z = nn.Parameter(z.to(device=emb.device, dtype=torch.promote_types(emb.dtype, torch.float32)))
 
     def train(self, mode=True):
         super().train(mode)
@@ -716,7 +723,9 @@ def cosine_lr(step, total, peak, floor, warmup):
 def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, warmup=0.01,
                   weight_decay=1e-4, grad_clip=1.0, seed=0, log=None):
     """Paper recipe (Table 2): AdamW, lr 5e-2 cosine to 5e-5, warmup 1 %, wd 1e-4, batch 16.
-    Gradient clipping 1.0 is our addition (Hugging Face Trainer's default). Returns the losses."""
+    Gradient clipping 1.0 is our addition (Hugging Face Trainer's default). Z and AdamW's states
+    are float32 whatever the base's dtype. Returns the losses; TrainingError (exit code 1 at the
+    command line) when a loss or gradient norm is not finite (Z is left as it was before that step)."""
     if llm.Z.numel() == 0:
         return []
     opt = torch.optim.AdamW([llm.Z], lr=lr, weight_decay=weight_decay)
@@ -724,6 +733,7 @@ def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, war
     total = epochs * per_epoch
     warm = max(1, math.ceil(warmup * total))
     rng = np.random.default_rng(seed)
+    was_training = llm.training
     llm.train()
     losses, step = [], 0
     for ep in range(epochs):
@@ -734,14 +744,16 @@ def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, war
             loss = llm.loss([augs[i] for i in perm[b * batch_size:(b + 1) * batch_size]])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if grad_clip:
-                torch.nn.utils.clip_grad_norm_([llm.Z], grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_([llm.Z], grad_clip if grad_clip else math.inf)
+            if not (math.isfinite(loss.item()) and math.isfinite(float(norm))):
+                raise TrainingError(f"non-finite loss ({loss.item()}) or gradient norm ({float(norm)}) at step "
+                                    f"{step + 1} (epoch {ep + 1}); stopped")
             opt.step()
             losses.append(loss.item())
             step += 1
         if log:
             log(f"  epoch {ep + 1}/{epochs}: mean loss {np.mean(losses[-per_epoch:]):.4f}")
-    llm.eval()
+    llm.train(was_training)  # the mode it found
     return losses
 
 
@@ -878,8 +890,11 @@ def pretrain(args):
     (its "data" entry also holds itos).
 
     Rows are single samples (beginning token, query, response, ending token where the task has
-    one), loss on every token; AdamW, warmup then cosine to 10 %, wd 0.1 on matrices, clip 1.0."""
+    one), loss on every token; AdamW, warmup then cosine to 10 %, wd 0.1 (train.py's groups:
+    matrices minus the exemptions each model declares), clip 1.0; a non-finite loss raises
+    TrainingError."""
     from models import build_model
+    from train import eval_mode, param_groups
     torch.manual_seed(args.seed)
     names = list(TASKS) if args.task == "all" else [get_task(t).name for t in args.task.split(",")]
     mix = args.mix or ("1,2,1" if args.task == "all" else ",".join("1" * len(names)))
@@ -929,20 +944,16 @@ def pretrain(args):
 
     @torch.no_grad()
     def dev_nll():
-        model.eval()
-        tot, cnt = 0.0, 0
-        for b in range(0, len(dev), 64):
-            x, y = batch(dev[b:b + 64])
-            logits, _ = model(x)
-            tot += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").item()
-            cnt += int((y >= 0).sum())
-        model.train()
+        with eval_mode(model):
+            tot, cnt = 0.0, 0
+            for b in range(0, len(dev), 64):
+                x, y = batch(dev[b:b + 64])
+                logits, _ = model(x)
+                tot += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").item()
+                cnt += int((y >= 0).sum())
         return tot / cnt
 
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
     best, t0, path = float("inf"), time.time(), os.path.join(args.out_dir, "ckpt_best.pt")
     warm = max(1, args.steps // 50)
     model.train()
@@ -954,7 +965,10 @@ def pretrain(args):
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not (math.isfinite(loss.item()) and math.isfinite(float(norm))):
+            raise TrainingError(f"non-finite loss ({loss.item()}) or gradient norm ({float(norm)}) at update "
+                                f"{it + 1}; stopped; {path if best < float('inf') else 'no checkpoint was saved'}")
         opt.step()
         if (it + 1) % args.eval_interval == 0 or it + 1 == args.steps:
             d = dev_nll()
@@ -1263,9 +1277,9 @@ def main(argv=None):
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-    except UsageError as e:
+    except (UsageError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Abar is in (0, 1) for every parameter value: it is computed as exp(-exp(log Delt
 the exponent clamped to [1e-6, 80], so in float32 Abar lies in [exp(-80), exp(-1e-6)], strictly
 inside (0, 1) even when softplus underflows or exp(A_log) overflows (the clamp acts only there).
 A_log, dt_bias, B and C are nn.Parameters, not nn.Linear, so the LM's N(0, 0.02) re-init leaves
-their special inits alone; they get no weight decay (no_decay_parameters()).
+their special inits alone; they get no weight decay (the class attribute no_decay).
 
 Parameters: (L_P + L_R + L_C)(4d^2 + 3dF + 2d) + 2d^2 (B, C) + 2d (A_log, dt_bias) + d (prelude
 norm), plus the LM's final norm d. The count does not depend on the recurrence, so the width
@@ -25,17 +25,19 @@ solver (models.solve_width, F of the blocks) gives the same width for every dept
 Depth. cfg.depth is the number of recurrences at evaluation (self.depth, settable for the
 test-time sweep) and, unless cfg.mu_rec is set, the mean training recurrence mu_rec;
 mu_bwd = cfg.mu_bwd or ceil(mu_rec / 2). In training (train mode with autograd on) every sequence
-draws T_i = max(Poisson(mu_rec), 1) from torch's global CPU RNG (train.py's seed governs it); the
+draws T_i = max(Poisson(mu_rec), 1), then h_0, from generators seeded with self.rng_seed (train.py
+sets it per micro-batch from --seed, the update and the micro-batch index; None: torch's global RNG); the
 batch runs max_i T_i steps; sequence i is idle (identity: keeps h) for the first max T - T_i steps,
 then runs its T_i steps, the last k_i = min(T_i, mu_bwd) of which carry gradients. Steps before
 the last max_i k_i run under torch.no_grad for the whole batch; in the later steps a row that is
 still in its no-grad part has its new state detached. A forward without autograd (evaluation,
 FLOP counting, generation) runs exactly self.depth recurrences with no masks.
 
-Compile: the recurrence driver (recur) is torch.compiler.disable(recursive=False): dynamo skips
-that frame, so the sampled Python-int loop length never enters a graph and a new depth never
-forces a recompile, but compiles the functions it calls (_step: a fixed handful of graphs, by
-grad mode and mask presence, reused at every step).
+Compile: train.py --compile compiles the Transformer++ block application (common.compile_regions;
+one graph per grad mode and batch shape, shared by prelude, core and coda blocks), so the sampled
+Python-int loop length never enters a graph and a new depth never forces a recompile. The
+recurrence driver (recur) is also torch.compiler.disable(recursive=False), for a whole-model
+torch.compile: dynamo skips that frame and compiles only the functions it calls.
 """
 import math
 
@@ -43,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from baselines import TransformerBlock, eval_state, random_state, resolve_recurrence, sub_cache
+from baselines import TransformerBlock, eval_state, random_state, resolve_recurrence, seeded_generators, sub_cache
 from common import RMSNorm
 
 ABAR_INIT = math.sqrt(1 / 5)
@@ -51,10 +53,11 @@ LOG_RATE_MIN, LOG_RATE_MAX = math.log(1e-6), math.log(80.0)  # clamp of Delta * 
 
 
 @torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def parcae_sample_depths(n, mu_rec):
-    """n draws of T = max(Poisson(mu_rec), 1) from torch's global CPU RNG: (n,) int64.
-    E[T] = mu_rec + P(Poisson = 0) = mu_rec + exp(-mu_rec)."""
-    return torch.poisson(torch.full((n,), float(mu_rec), dtype=torch.float64)).long().clamp_(min=1)
+def parcae_sample_depths(n, mu_rec, generator=None):
+    """n draws of T = max(Poisson(mu_rec), 1) from a CPU generator (None: torch's global CPU RNG):
+    (n,) int64. E[T] = mu_rec + P(Poisson = 0) = mu_rec + exp(-mu_rec)."""
+    rate = torch.full((n,), float(mu_rec), dtype=torch.float64)
+    return torch.poisson(rate, generator=generator).long().clamp_(min=1)
 
 
 class Parcae(nn.Module):
@@ -65,6 +68,7 @@ class Parcae(nn.Module):
     diagnostics(): per-step mean L2 norm of the recurrent state (over channels, averaged over
     tokens and rows) of the last forward, its max, max/min Abar, steps run, mean sampled depth.
     """
+    no_decay = ("A_log", "dt_bias", "B", "C")  # state-space coefficients: no weight decay (train.no_decay_parameters)
 
     def __init__(self, cfg):
         super().__init__()
@@ -85,10 +89,7 @@ class Parcae(nn.Module):
         with torch.no_grad():
             self.C.mul_(math.sqrt(0.4))
         self._norms, self._steps, self._depth_mean = [], 0, None
-
-    def no_decay_parameters(self):
-        """A_log, dt_bias, B, C: no weight decay (SPEC section 5)."""
-        return [self.A_log, self.dt_bias, self.B, self.C]
+        self.rng_seed = None  # seed of the training draws (baselines.seeded_generators); None: global RNG
 
     def delta(self):
         return F.softplus(self.dt_bias)
@@ -100,10 +101,11 @@ class Parcae(nn.Module):
         log_delta = torch.where(z < -15, z, F.softplus(z.clamp(min=-15)).log())
         return torch.exp(-(log_delta + self.A_log).clamp(LOG_RATE_MIN, LOG_RATE_MAX).exp())
 
-    def initial_state(self, e, cache=None):
+    @torch.compiler.disable  # RNG / host-side work: always eager, never traced
+    def initial_state(self, e, cache=None, generator=None):
         B, T, d = e.shape
         if self.training:
-            return random_state((B, T, d), self.h0_std, e.device, e.dtype)
+            return random_state((B, T, d), self.h0_std, e.device, e.dtype, generator)
         start = cache.get("len", 0) if cache is not None else 0
         return eval_state(start, T, d, self.h0_std, e.device, e.dtype).expand(B, T, d)
 
@@ -123,9 +125,10 @@ class Parcae(nn.Module):
     def recur(self, inj, abar, cos, sin, cache=None, depths=None, h0=None):
         norms = []
         self._depth_mean = None
+        cpu_gen, gen = seeded_generators(self.rng_seed, inj.device)
         if depths is None and self.training and torch.is_grad_enabled():
-            depths = parcae_sample_depths(inj.shape[0], self.mu_rec)  # drawn first, then h_0
-        h = self.initial_state(inj, cache) if h0 is None else h0
+            depths = parcae_sample_depths(inj.shape[0], self.mu_rec, cpu_gen)  # drawn first, then h_0
+        h = self.initial_state(inj, cache, gen) if h0 is None else h0
         if depths is not None:  # per-sequence depths, masked to the identity while idle
             if cache is not None:
                 raise ValueError("decoding runs a fixed depth (eval mode)")

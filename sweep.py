@@ -11,13 +11,15 @@
 non-embedding parameters (the tier's width solving), the same data order for the same seed
 (`--data_seed` = seed), dev-selected checkpoint, test on that checkpoint. A run whose
 `summary.json` exists is skipped; one with only `ckpt_latest.pt` is resumed, so a sweep can be
-stopped and continued across sessions. Extra flags after `--` go to every run (`--data_dir` to the
+stopped and continued across sessions; an existing run trained with other flags (say another
+`--window`) stops the sweep before anything starts, naming the flag and both values. Extra flags after `--` go to every run (`--data_dir` to the
 dmmath runs only). `--jobs N` runs N train.py processes at once, each with OMP_NUM_THREADS =
 (CPU cores) / N unless that is set; the grid is ordered depth first, so the smaller depths
 finish first.
 
 `report` reads every `summary.json` under the root and prints one table per dataset: mean ± std
-over seeds of test NLL (and dev NLL, exact match where present), lowest mean in bold. `report
+over seeds of test NLL (and dev NLL, exact match where present), lowest mean in bold; a cell whose
+runs differ in anything but the seed is an error (exit 2). `report
 --grid` prints the paper-style tables instead (section 4.1 of the TANGO paper): test NLL (and
 exact match) at the held-out depths, dev NLL over every depth, and the paper's claims checked
 one by one. `collect` copies each run's summary.json and its curves (dev NLL per evaluation,
@@ -62,15 +64,15 @@ def cmd_run(args, extra):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
     t0 = time.time()
 
+    for g in grid:  # before anything starts: an existing run must have been trained as requested
+        check_existing_run(run_dir(args.root, *g), train_argv(args.root, *g, extra))
+
     def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
         if os.path.exists(os.path.join(out, "summary.json")):
             say(f"[{i}/{len(grid)}] {out}: done, skipped")
             return 0
-        cmd = [sys.executable, os.path.join(HERE, "train.py"), "--model", m, "--depth", str(k), "--dataset", ds,
-               "--seed", str(s), "--data_seed", str(s), "--out_dir", out, "--quiet", *flags_for(ds, extra)]
-        if lr:
-            cmd += ["--learning_rate", lr]
+        cmd = [sys.executable, os.path.join(HERE, "train.py"), *train_argv(args.root, ds, m, k, s, lr, extra)]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
         say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]))
@@ -98,6 +100,30 @@ def cmd_run(args, extra):
     return 1 if failed else 0
 
 
+def train_argv(root, ds, m, k, s, lr, extra):
+    """The train.py flags of one grid run (without --resume)."""
+    argv = ["--model", m, "--depth", str(k), "--dataset", ds, "--seed", str(s), "--data_seed", str(s),
+            "--out_dir", run_dir(root, ds, m, k, s, lr), "--quiet", *flags_for(ds, extra)]
+    return argv + (["--learning_rate", lr] if lr else [])
+
+
+def check_existing_run(out, argv):
+    """UsageError naming the flag and both values when the run folder out already holds a run
+    (its log's last start event) whose train.py settings differ from those argv asks for, after
+    train.py's own defaults are filled in (machine flags such as --out_dir or --device aside):
+    skipping or resuming it would mix settings in one grid cell."""
+    import train
+    start = [r for r in log_records(out) if r.get("event") == "start"]
+    if not start:
+        return
+    saved = start[-1].get("args", {})
+    requested = vars(train.resolve_args(train.parse_args(argv)))
+    for k in sorted(set(saved) & set(requested) - set(train.MACHINE_FLAGS)):
+        if saved[k] != requested[k]:
+            raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
+                             "use another --root (or delete that run) to change a setting")
+
+
 def flags_for(dataset, extra):
     """extra without --data_dir X unless dataset is dmmath (train.py accepts it only there)."""
     out, skip = [], False
@@ -116,7 +142,7 @@ def prepare_data(datasets, extra):
     import data
     a = train_flags(extra)
     for ds in datasets:
-        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root)
+        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root, **data.flag_options(a))
 
 
 def log_records(run):
@@ -172,14 +198,48 @@ def mean_std(xs):
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+# a run's settings, compared within a grid cell: these summary.json fields, the curves' tokens per
+# update, and (when the run folder has its log) every train.py flag but the seeds and machine flags
+SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params", "test_split")
+
+
+def run_settings(run, summary):
+    """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
+    import train
+    out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
+    if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
+        out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
+    start = [r for r in log_records(run) if r.get("event") == "start"]
+    if start:
+        skip = set(train.MACHINE_FLAGS) | {"seed", "data_seed"}
+        out.update({f"--{k}": v for k, v in start[-1].get("args", {}).items() if k not in skip})
+    return out
+
+
+def check_cell(key, runs):
+    """UsageError unless the runs of one table cell (dicts with "_dir", a summary each) differ in
+    nothing but the seed: a mean over seeds of different settings is no result."""
+    ref = run_settings(runs[0]["_dir"], runs[0])
+    for r in runs[1:]:
+        other = run_settings(r["_dir"], r)
+        for k in sorted(set(ref) & set(other)):
+            if ref[k] != other[k]:
+                raise UsageError(f"{'/'.join(map(str, key))}: {runs[0]['_dir']} has {k} {ref[k]}, {r['_dir']} has "
+                                 f"{k} {other[k]}; a cell averages runs that differ only in the seed")
+
+
 def report(root):
-    """Markdown tables (one per dataset) from every summary.json under root."""
+    """Markdown tables (one per dataset) from every summary.json under root. UsageError when the
+    runs of a cell differ in a setting other than the seed (check_cell)."""
     rows = {}
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         with open(path) as f:
             s = json.load(f)
+        s["_dir"] = os.path.dirname(path)
         key = (os.path.basename(os.path.dirname(os.path.dirname(path))), s["model"], s["depth"])
         rows.setdefault(key, []).append(s)
+    for key, runs in rows.items():
+        check_cell(key, runs)
     out = []
     for ds in sorted({k[0] for k in rows}):
         keys = sorted((k for k in rows if k[0] == ds), key=lambda k: (k[2], k[1]))
@@ -248,7 +308,8 @@ HELD_OUT = (4, 8)  # depths with test NLL; every other depth is compared on dev 
 
 def load_runs(root):
     """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
-    (learning-rate sweep runs, named ...-lr<LR>, are left out). ValueError for a repeated seed."""
+    (learning-rate sweep runs, named ...-lr<LR>, are left out). ValueError for a repeated seed;
+    UsageError when the runs of a cell differ in a setting other than the seed (check_cell)."""
     rows = {}
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         if "-lr" in os.path.basename(os.path.dirname(path)):
@@ -261,6 +322,7 @@ def load_runs(root):
         v.sort(key=lambda s: s["seed"])
         if len({s["seed"] for s in v}) != len(v):
             raise ValueError(f"{root}: {key} has two runs with the same seed")
+        check_cell(key, v)
     return rows
 
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import HEAD_DIM, RMSNorm, UsageError, apply_rope
+from common import HEAD_DIM, RMSNorm, UsageError, apply_rope, compiled_region
 
 QK_PAD = 40  # 32 score dims + 1 null-option dim, padded to a multiple of 8 for fused kernels
 
@@ -403,6 +403,7 @@ class Tango(nn.Module):
     impl="fast" (default) or "reference" (plain formulas, for tests). Raises UsageError for a
     width that is not a multiple of n_head, or three sets with K < 3.
     """
+    no_decay = ("log_tau", "null")  # temperature and null score: no weight decay (train.no_decay_parameters)
 
     def __init__(self, cfg, windowed=False, n_sets=1, impl="fast"):
         super().__init__()
@@ -432,8 +433,9 @@ class Tango(nn.Module):
                                 None if cache is None else cache.setdefault(k, {}))
         return x
 
+    @compiled_region  # the repeated unit; the gated set is an argument, so three sets share one graph
     def update(self, x, cos, sin, gset, cache=None):
-        """One TANGO update y = (G * v) W_o for x: (B, T, d)."""
+        """One TANGO update y = (G * v) W_o for x: (B, T, d) with the GatedSet gset."""
         B, T, d = x.shape
         H = self.n_head
         u = self.norm(x)

@@ -51,3 +51,31 @@ def test_targets_arithmetic():
     assert tg["three_set_vs_tango_tokens_per_s_2048"]["status"] == "PASS"
     assert tg["min_mfu_vs_transformer_pp"]["status"] == "PASS"  # lowest 0.85
     assert "timeout" in bench.table(rows)
+
+
+def test_quick_cpu_runs_every_model_and_the_long_four(tmp_path):
+    """The suite runs `python bench.py --quick --device cpu --size tiny` (so the GPU command cannot rot)."""
+    out = tmp_path / "q.json"
+    assert bench.main(["--quick", "--device", "cpu", "--size", "tiny", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["meta"]["quick"] and res["meta"]["vocab_size"] == 256
+    expected = [(m, 32) for m in bench.models.REGISTRY] + [(m, 128) for m in bench.QUICK_LONG]
+    assert [(r["model"], r["T"]) for r in res["rows"]] == expected
+    for r in res["rows"]:
+        assert r["status"] == "ok", r
+        assert r["compile"] is False and r["tokens_per_step"] == 128
+        assert r["first_step_s"] > 0
+    assert "| first step s |" in (tmp_path / "q.md").read_text()
+
+
+def test_cuda_defaults_and_quick_plan(monkeypatch):
+    """What a GPU user gets (parsed here with CUDA pretended available; nothing runs)."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    a = bench.parse(["--device", "cuda"])
+    assert (a.size, a.block_sizes, a.compile, a.dtype) == ("70M", [2048, 8192], "both", "bfloat16")
+    assert a.batch_tokens == 32768 and a.vocab_size == 50257
+    assert bench.plan(a) == [(m, c, T) for m in bench.models.REGISTRY for c in (False, True) for T in (2048, 8192)]
+    q = bench.parse(["--quick", "--device", "cuda"])
+    assert q.batch_tokens == 32768 and q.warmup == 2 and q.steps == 3
+    assert bench.plan(q) == ([(m, True, 2048) for m in bench.models.REGISTRY]
+                             + [(m, True, 8192) for m in ("tango", "tango-windowed", "tango-3set", "loop")])

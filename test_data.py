@@ -1,6 +1,7 @@
 """Tests for data.py: tokenizer, prepare (stdlib, dmmath, local paths), Data loading and batching."""
 import json
 import os
+import re
 import sysconfig
 import time
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 import data
+import dmmath
 from common import UsageError
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +30,7 @@ def write_files(root, files):
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def test_gpt2_encoder_from_file():
+def test_gpt2_encoder_from_file(gpt2_bpe):
     enc = data.gpt2_encoder()
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     assert enc.n_vocab == 50257 and enc.eot_token == 50256
@@ -73,7 +75,7 @@ def test_split_of_is_stable():
 
 # ----------------------------------------------------------------------------- local paths
 
-def test_local_folder_split_by_file(tmp_path):
+def test_local_folder_split_by_file(gpt2_bpe, tmp_path):
     files = {f"doc{i:03d}.txt": f"marker{i:03d} some text number {i}\nline two {i * 7}\n" for i in range(100)}
     files["sub/extra.md"] = "marker_sub nested file\n"
     write_files(tmp_path / "corpus", files)
@@ -99,7 +101,7 @@ def test_local_folder_split_by_file(tmp_path):
     assert set(seen) == set(files)  # every file exactly once; hidden and binary ones skipped
 
 
-def test_local_single_file_split_by_position(tmp_path):
+def test_local_single_file_split_by_position(gpt2_bpe, tmp_path):
     text = "".join(f"The quick brown fox {i} jumps over the lazy dog.\n" for i in range(400))
     (tmp_path / "book.txt").write_text(text)
     d = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=str(tmp_path / "out")))
@@ -111,8 +113,8 @@ def test_local_single_file_split_by_position(tmp_path):
     assert d.decode(all_ids) == text + "<|endoftext|>"
 
 
-def test_prepare_errors(tmp_path):
-    with pytest.raises(UsageError, match="unknown dataset 'nope'; use stdlib, dmmath or a path"):
+def test_prepare_errors(gpt2_bpe, tmp_path):
+    with pytest.raises(UsageError, match="unknown dataset 'nope'; use stdlib, dmmath, a path to a text file or folder, or hf:NAME"):
         data.prepare("nope", out_root=str(tmp_path))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UsageError, match="empty"):
@@ -122,10 +124,10 @@ def test_prepare_errors(tmp_path):
         data.prepare(str(tmp_path / "zero.txt"), out_root=str(tmp_path / "out"))
     with pytest.raises(UsageError, match="--data_dir"):
         data.prepare("stdlib", data_dir=str(tmp_path), out_root=str(tmp_path / "out"))
-    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".")]  # no temp leftovers
+    assert not os.path.exists(tmp_path / "out")  # the out_root it created is removed again
 
 
-def test_reuse_and_reprepare(tmp_path, monkeypatch):
+def test_reuse_and_reprepare(gpt2_bpe, tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("hello there, " * 200)
     out = str(tmp_path / "out")
     folder = data.prepare(str(tmp_path / "a.txt"), out_root=out)
@@ -144,7 +146,7 @@ def test_reuse_and_reprepare(tmp_path, monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("interrupted")
-    monkeypatch.setattr(data, "_build_gpt2", boom)
+    monkeypatch.setattr(data, "_build_text", boom)
     with pytest.raises(RuntimeError):
         data.prepare(str(tmp_path / "a.txt"), out_root=out)
     assert os.listdir(out) == [os.path.basename(folder)]
@@ -169,7 +171,7 @@ def test_bad_meta(tmp_path):
 # ----------------------------------------------------------------------------- Data API
 
 @pytest.fixture
-def small(tmp_path):
+def small(gpt2_bpe, tmp_path):
     text = "".join(f"Line {i}: the value is {i * i}.\n" for i in range(300))
     (tmp_path / "s.txt").write_text(text)
     return data.Data(data.prepare(str(tmp_path / "s.txt"), out_root=str(tmp_path / "out")))
@@ -221,7 +223,7 @@ MODULES = ("algebra__linear_1d", "arithmetic__add_or_sub")
 def fake_dmmath(root, n=150, dev=True):
     """Official layout: question/answer line pairs per module file. Returns {folder: [(q, a)]}."""
     made = {}
-    folders = list(data.DMMATH_REQUIRED) + (["dev"] if dev else [])
+    folders = list(dmmath.REQUIRED) + (["dev"] if dev else [])
     for d in folders:
         made[d] = []
         for m in MODULES:
@@ -305,12 +307,12 @@ def test_dmmath_errors(tmp_path):
     bad.write_text("What is 1 + 1?\n2\nWhat is 2 + 2?\n")
     with pytest.raises(UsageError, match="algebra__linear_1d.txt: malformed"):
         data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
-    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".")]
+    assert not os.path.exists(tmp_path / "out")  # the out_root it created is removed again
 
 
 # ----------------------------------------------------------------------------- stdlib (real, ~5 s)
 
-def test_stdlib_split_by_file(tmp_path):
+def test_stdlib_split_by_file(gpt2_bpe, tmp_path):
     d = data.Data(data.prepare("stdlib", out_root=str(tmp_path)))
     root = sysconfig.get_paths()["stdlib"]
     rels = data._walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
@@ -327,3 +329,118 @@ def test_stdlib_split_by_file(tmp_path):
         ends = np.cumsum(lens) - 1
         assert (toks[ends] == 50256).all() and (np.asarray(toks) == 50256).sum() >= len(mine)
     assert sum(d.meta["n_files"].values()) > 1000
+
+
+# ----------------------------------------------------------------------------- --tokenizer char
+
+def test_char_tokenizer_round_trip(tmp_path):
+    files = {f"doc{i:03d}.txt": f"line {i}: value {i * i}\n\tend {i % 7}\n" for i in range(80)}
+    files["doc003.txt"] += "naïve ∑"  # characters that may be unseen in train
+    write_files(tmp_path / "corpus", files)
+    d = data.Data(data.prepare(str(tmp_path / "corpus"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    assert os.path.basename(d.folder).startswith("corpus-") and d.folder.endswith("-char")
+    train_chars = sorted(set("".join(t for rel, t in files.items() if data.split_of(rel) == "train")) | {"\n"})
+    assert d.tokenizer == "char" and d.itos == train_chars + ["<|endoftext|>", "\ufffd"]
+    assert d.vocab_size == len(train_chars) + 2 and d.eot == len(train_chars) and d.meta["unk_id"] == len(train_chars) + 1
+    assert d.meta["split_rule"] == data.BY_FILE and d.meta["dtype"] == "uint16"
+    seen = []
+    for s in ("train", "dev", "test"):
+        want = [files[rel] for rel in sorted(files) if data.split_of(rel) == s]
+        want = ["".join(c if c in train_chars else "\ufffd" for c in t) for t in want]
+        toks = d.tokens(s)
+        assert d.decode(toks).split("<|endoftext|>") == want + [""] and len(toks) == sum(len(t) + 1 for t in want)
+        assert d.meta["n_files"][s] == len(want)
+        seen += [rel for rel in files if data.split_of(rel) == s]
+    assert sorted(seen) == sorted(files)
+    assert d.encode("line 1\n") == [d.stoi[c] for c in "line 1\n"] and d.encode("€") == [d.meta["unk_id"]]
+
+
+def test_train_passes_tokenizer_char_through(tmp_path, capsys):
+    """train.py --tokenizer char trains on character-level text (issue 18), here 3 updates in-process."""
+    import torch
+    import train
+    write_files(tmp_path / "corpus", {f"m{i:02d}.py": f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(60)})
+    argv = ["--model", "tango", "--depth", "2", "--size", "tiny", "--block_size", "32", "--batch_size", "2",
+            "--max_iters", "3", "--eval_interval", "3", "--eval_windows", "4", "--sample_tokens", "4", "--quiet",
+            "--dataset", str(tmp_path / "corpus"), "--tokenizer", "char", "--num_proc", "1",
+            "--data_root", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out")]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.main(argv)
+    finally:
+        torch.set_num_threads(n)
+    assert "test NLL" in capsys.readouterr().out
+    (name,) = os.listdir(tmp_path / "data")
+    d = data.Data(str(tmp_path / "data" / name))
+    ck = torch.load(tmp_path / "out" / "ckpt_best.pt", map_location="cpu", weights_only=True)
+    assert name.endswith("-char") and ck["data"]["itos"] == d.itos and ck["config"]["vocab_size"] == d.vocab_size
+    assert d.vocab_size == len(set("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(60)))) + 2
+
+
+def test_char_single_file_by_position_and_max_tokens(tmp_path):
+    text = "".join(f"The quick brown fox {i} jumps.\n" for i in range(200))
+    (tmp_path / "book.txt").write_text(text)
+    out = str(tmp_path / "out")
+    d = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=out, tokenizer="char"))
+    n = len(text) + 1
+    assert d.meta["splits"] == dict(train=int(n * 0.9), dev=int(n * 0.95) - int(n * 0.9), test=n - int(n * 0.95))
+    assert d.meta["split_rule"] == data.BY_POSITION and d.itos[:-2] == sorted(set(text[:int(n * 0.9)]) | {"\n"})
+    assert d.decode(np.concatenate([d.tokens(s) for s in ("train", "dev", "test")])) == text + "<|endoftext|>"
+    cut = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=out, tokenizer="char", max_tokens=500))
+    assert cut.folder.endswith("-char-max500") and sum(cut.meta["splits"].values()) == 500
+    assert cut.decode(np.concatenate([cut.tokens(s) for s in ("train", "dev", "test")])) == text[:500]
+
+
+def test_worker_processes_write_the_same_bins(tmp_path):
+    files = {f"f{i:02d}.py": f"def f{i}(x):\n    return x * {i}  # é\n" * (i + 1) for i in range(40)}
+    write_files(tmp_path / "src", files)
+    one = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "a"), num_proc=1))
+    two = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "b"), num_proc=2))
+    assert one.meta == two.meta
+    for s in ("train", "dev", "test"):
+        assert np.array_equal(one.tokens(s), two.tokens(s)) and len(one.tokens(s)) > 0
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(UsageError, match=r"--tokenizer gpt2: choose one of auto, gpt2, char \(dmmath: auto or char\)"):
+        data.prepare("dmmath", tokenizer="gpt2", out_root=str(tmp_path))
+    with pytest.raises(UsageError, match="--tokenizer bpe: choose one of auto, gpt2, char"):
+        data.prepare("stdlib", tokenizer="bpe", out_root=str(tmp_path))
+    with pytest.raises(UsageError, match="--max_tokens -1"):
+        data.prepare("stdlib", max_tokens=-1, out_root=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_cli_prepares_and_prints_counts(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello world, " * 300)
+    data.main(["--dataset", str(tmp_path / "a.txt"), "--data_root", str(tmp_path / "out"), "--tokenizer", "char"])
+    out = capsys.readouterr().out.splitlines()
+    d = data.Data(os.path.join(tmp_path, "out", os.listdir(tmp_path / "out")[0]))
+    counts = ", ".join(f"{k} {v:,}" for k, v in d.meta["splits"].items())
+    assert out == [f"prepared {d.folder}: {counts} tokens", f"{d.folder}: char vocab 12, {counts} tokens",
+                   f"source {d.meta['source']}; split {d.meta['split_rule']}"]
+    assert sum(d.meta["splits"].values()) == len("hello world, ") * 300 + 1
+
+
+def test_cli_help_and_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        data.main(["--help"])
+    entries = {" ".join(e.split()).split()[0]: " ".join(e.split())
+               for e in re.split(r"\n  (?=--)", capsys.readouterr().out)[1:]}  # one per flag
+    assert e.value.code == 0
+    for flag, default in [("--dataset", "stdlib"), ("--tokenizer", "auto"), ("--data_root", "data"),
+                          ("--max_tokens", "0"), ("--num_proc", str(os.cpu_count())), ("--hf_split", "train"),
+                          ("--hf_text_field", "text"), ("--hf_split_key", "auto")]:
+        assert entries[flag].endswith(f"(default: {default})"), entries[flag]
+    assert "../shared/data/dmmath" in entries["--data_dir"]
+    for argv, needle in [(["--max_tokens", "1.5"], "--max_tokens: '1.5' is not a whole number >= 0"),
+                         (["--tokenizer", "bpe"], "--tokenizer: invalid choice"),
+                         (["--dataset", "nope"], "--dataset: unknown dataset 'nope'")]:
+        with pytest.raises(SystemExit) as e:
+            data.main(argv + ["--data_root", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert data._count("1.5e9") == 1_500_000_000 and data._count("1_000") == 1000

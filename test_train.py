@@ -2,12 +2,14 @@
 
 The runs use a tiny DeepMind-Mathematics-shaped dataset written here (character vocabulary of
 ~20 symbols), so a training update of the 1M-parameter CPU-tier model takes milliseconds and the
-cost is mostly Python start-up. Runs that must be separate processes (resume, torchrun) are
-subprocesses; the catalogue of bad inputs calls train.main in this process.
+cost is mostly Python start-up. Only what needs separate processes runs as a subprocess (torchrun,
+and one bad input in a real process); the resume runs and the catalogue of bad inputs call
+train.main in this process.
 """
 import contextlib
 import copy
 import hashlib
+import io
 import json
 import math
 import os
@@ -153,28 +155,30 @@ def test_sample_starts_is_data_train_batch(data_root):
 
 
 def test_accumulation_averages_micro_batches_and_clips_once(data_root):
-    """The update follows the mean of the micro-batch gradients, clipped once on its total norm; the
-    returned (logged) loss is the mean of the micro-batch losses."""
+    """The update follows the gradient of the NLL summed over every scored target of the update
+    divided by their count, clipped once on its total norm; that is the returned (logged) loss."""
     d = data_mod.Data(str(next(data_root.iterdir())))
     torch.manual_seed(0)
     model = build_model(ModelConfig(model="loop", depth=1, width=32, vocab_size=d.vocab_size, n_embd=64,
                                     n_head=2, block_size=32))
     starts = [np.array([0, 100]), np.array([200, 300]), np.array([400, 500])]
-    ref, losses = copy.deepcopy(model), []
+    ref, nll, count = copy.deepcopy(model), 0.0, 0
     for s in starts:
         x, y = d.window_batch("train", s, 32)
-        loss = ref(x, y)[1]
+        loss = torch.nn.functional.cross_entropy(ref(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1,
+                                                 reduction="sum")
         loss.backward()
-        losses.append(loss.item())
-    mean_grad = [p.grad / 3 for p in ref.parameters()]
+        nll, count = nll + loss.item(), count + int((y != -1).sum())
+    assert len({int((d.window_batch("train", s, 32)[1] != -1).sum()) for s in starts}) > 1  # unequal counts
+    mean_grad = [p.grad / count for p in ref.parameters()]
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in mean_grad])).item()
     for clip in (1e9, norm / 4):
         m = copy.deepcopy(model)
-        r = SimpleNamespace(args=SimpleNamespace(device="cpu", block_size=32, grad_clip=clip), dist=train.Dist(),
+        r = SimpleNamespace(args=SimpleNamespace(device="cpu", block_size=32, grad_clip=clip, seed=0), dist=train.Dist(),
                             data=d, model=m, train_model=m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0),
                             ctx=contextlib.nullcontext(), it=0, latest_path="unused")
         loss, grad_norm = train.train_update(r, starts)
-        assert loss == pytest.approx(sum(losses) / 3, rel=1e-6) and grad_norm == pytest.approx(norm, rel=1e-5)
+        assert loss == pytest.approx(nll / count, rel=1e-6) and grad_norm == pytest.approx(norm, rel=1e-5)
         scale = min(1.0, clip / (norm + 1e-6))
         for p0, p1, g in zip(model.parameters(), m.parameters(), mean_grad):
             assert torch.allclose(p0 - p1, g * scale, rtol=1e-4, atol=1e-7)
@@ -182,22 +186,41 @@ def test_accumulation_averages_micro_batches_and_clips_once(data_root):
 
 # ----------------------------------------------------------------------------- exact resume
 
+def main_in_process(argv, dump=None):
+    """train.main in this process (TRAIN_DEBUG_DUMP=dump if given); returns its stdout."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        if dump:
+            mp.setenv("TRAIN_DEBUG_DUMP", dump)
+        try:
+            train.main([str(a) for a in argv])
+        except SystemExit as e:
+            raise AssertionError(f"train.py exited with {e.code}: {out.getvalue()[-2000:]}") from None
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def runs(mdm, data_root, tmp_path_factory):
     """A: 6 updates. B: 3 updates with A's schedule (--lr_decay_iters 6), then --resume to 6.
-    C: A again. D: another model seed, same data seed. All with accumulation 2, evals at 3 and 6."""
+    C: A again. D: another model seed, same data seed. All with accumulation 2, evals at 3 and 6.
+    In this process: setup() seeds every RNG, so runs do not depend on what ran before."""
     root = tmp_path_factory.mktemp("runs")
     common = ["--gradient_accumulation_steps", "2", "--warmup_iters", "2", "--eval_interval", "3"]
     out = {k: root / k for k in "ABCD"}
     dumps = {k: str(root / f"dump{k}") for k in "AB"}
-    run_train(flags(mdm, data_root, out["A"], *common, "--max_iters", "6"), {"TRAIN_DEBUG_DUMP": dumps["A"]})
-    run_train(flags(mdm, data_root, out["B"], *common, "--max_iters", "3", "--lr_decay_iters", "6"),
-              {"TRAIN_DEBUG_DUMP": dumps["B"]})
-    resumed = run_train(flags(mdm, data_root, out["B"], "--resume", "--max_iters", "6"),
-                        {"TRAIN_DEBUG_DUMP": dumps["B"]})
-    run_train(flags(mdm, data_root, out["C"], *common, "--max_iters", "6"))
-    run_train(flags(mdm, data_root, out["D"], *common, "--max_iters", "6", "--seed", "7", "--data_seed", "1337"))
-    return dict(out=out, dumps=dumps, resumed=resumed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        main_in_process(flags(mdm, data_root, out["A"], *common, "--max_iters", "6"), dumps["A"])
+        main_in_process(flags(mdm, data_root, out["B"], *common, "--max_iters", "3", "--lr_decay_iters", "6"),
+                        dumps["B"])
+        resumed = main_in_process(flags(mdm, data_root, out["B"], "--resume", "--max_iters", "6"), dumps["B"])
+        main_in_process(flags(mdm, data_root, out["C"], *common, "--max_iters", "6"))
+        main_in_process(flags(mdm, data_root, out["D"], *common, "--max_iters", "6", "--seed", "7",
+                              "--data_seed", "1337"))
+    finally:
+        torch.set_num_threads(threads)
+    return dict(out=out, dumps=dumps, resumed=SimpleNamespace(stdout=resumed))
 
 
 def test_resume_equals_uninterrupted_run(runs):
@@ -386,11 +409,16 @@ def ddp_runs(mdm, data_root, tmp_path_factory):
     torchrun with 2 processes (2 micro-batches each, the first under no_sync)."""
     root = tmp_path_factory.mktemp("ddp")
     common = ["--gradient_accumulation_steps", "4", "--max_iters", "2", "--eval_interval", "1"]
-    single = run_train(flags(mdm, data_root, root / "single", *common), {"TRAIN_DEBUG_DUMP": str(root / "s")})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the torchrun processes (OMP_NUM_THREADS=1)
+    try:
+        single = main_in_process(flags(mdm, data_root, root / "single", *common), str(root / "s"))
+    finally:
+        torch.set_num_threads(threads)
     ddp = run_train(flags(mdm, data_root, root / "ddp", *common), {"TRAIN_DEBUG_DUMP": str(root / "d")},
                     torchrun=2)
     return dict(single=root / "single", ddp=root / "ddp", s=str(root / "s"), d=str(root / "d"),
-                ddp_stdout=ddp.stdout, single_stdout=single.stdout)
+                ddp_stdout=ddp.stdout, single_stdout=single)
 
 
 def test_ddp_matches_single_process(ddp_runs):

@@ -6,16 +6,19 @@
     torchrun --standalone --nproc_per_node 8 train.py --model tango --size 70M   # 8 GPUs, DDP
     python train.py --model tango --depth 8 --resume             # continue out/ exactly
 
-Protocol: AdamW (fp32 states), linear warmup then cosine decay, weight decay 0.1 on matrices
-only, gradient clipping 1.0 once per update, micro-batches with gradient accumulation (the update
-minimises the average of the micro-batch losses; that average is the logged loss), dev NLL on a
-fixed set of dev windows at update counts fixed in advance (every --eval_interval and the last
+Protocol: AdamW (fp32 states), linear warmup then cosine decay, weight decay 0.1 on the weight
+matrices and the embedding only (each model declares its exempt parameters: no_decay_parameters),
+gradient clipping 1.0 once per update, micro-batches with gradient accumulation (the update
+minimises the NLL summed over the scored targets of all its micro-batches on all processes divided
+by their count; that is the logged loss), dev NLL on a fixed set of dev windows at update counts
+fixed in advance (every --eval_interval and the last
 update), the best-dev checkpoint kept and only it evaluated on test. NLL is in nats/token;
 throughput is the median training tokens/s over the final 100 updates.
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
 exits 2 before anything is written to --out_dir; a non-finite loss, gradient or dev NLL stops the
-run with "error: ..." naming the update and exit code 1, leaving the last good checkpoint as it was.
+run with "error: ..." naming the update and the last good checkpoint (or that none exists yet) and
+exit code 1, leaving that checkpoint as it was.
 
 Checkpoints (<out_dir>/ckpt_latest.pt, every evaluation; <out_dir>/ckpt_best.pt, lowest dev NLL):
 written to a temporary file and renamed into place; plain types and CPU tensors only, so
@@ -40,7 +43,9 @@ Multi-GPU (DDP; gloo on CPU, nccl on CUDA), one process per device:
 number of processes; each rank runs accum/world micro-batches, gradients are synchronised on the
 last one only (no_sync). Every rank draws the windows of all accum micro-batches of an update
 from the shared data RNG and takes its own contiguous share, so an update sees the same windows
-whatever the world size. Dev/test windows are sharded over ranks and their per-window NLL sums
+whatever the world size; the random draws inside a training step (Parcae's and RDM's depths and
+initial states) are seeded from (--seed, update, the micro-batch's global index) (step_seed), so
+they do not depend on it either. Dev/test windows are sharded over ranks and their per-window NLL sums
 (float64) gathered in window order. Only rank 0 prints and writes logs and checkpoints; rank 0
 also prepares the dataset, so on several machines --data_root must be on a shared file system.
 
@@ -65,7 +70,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, compile_regions
 from models import REGISTRY, TIERS, build_model, solve_width
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
@@ -96,7 +101,7 @@ IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_s
                   "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
 # models whose one block (or unit, or recurrent core) can be applied any number of times
 SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
-MACHINE_FLAGS = ("out_dir", "data_root", "resume", "quiet", "device", "dtype", "compile")
+MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
 TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
                  "seed", "data_seed")
 
@@ -133,9 +138,7 @@ def build_parser(suppress_defaults=False):
     a("--kl_threshold", type=float, default=5e-4, help="RDM: KL early-exit threshold (rdm_generate_depths)")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
       "1,2,4,8,16,32 (shared-block models: the TANGO family, loop, gau, flash, parcae, rdm)")
-    a("--dataset", default="stdlib", help="stdlib, dmmath, or a path to a text file or folder")
-    a("--data_dir", default=None, help="dmmath: folder in the official layout (default ../shared/data/dmmath)")
-    a("--data_root", default="data", help="where prepared token bins are cached")
+    data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, default=None, help="training context length T")
     a("--batch_size", type=int, default=None, help="micro-batch size (sequences per process)")
     a("--gradient_accumulation_steps", type=int, default=None,
@@ -159,7 +162,7 @@ def build_parser(suppress_defaults=False):
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
       help="autocast dtype; auto = bfloat16 on a GPU that supports it, float32 otherwise")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
-      help="torch.compile the model (default: on for CUDA)")
+      help="torch.compile each body's repeated unit once (regional; default: on for CUDA)")
     a("--seed", type=int, default=1337, help="model seed")
     a("--data_seed", type=int, default=None, help="data-order seed (default: --seed); same value = same batches")
     a("--resume", action="store_true", help="continue from <out_dir>/ckpt_latest.pt")
@@ -342,7 +345,7 @@ def load_data(args, dist):
     folder = error = None
     if dist.main:
         try:
-            folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root)
+            folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root, **data_mod.flag_options(args))
         except UsageError as e:
             error = str(e)
     if dist.ddp:
@@ -439,15 +442,36 @@ def lr_at(it, args):
     return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model, args):
-    """AdamW, weight decay on matrices (dim >= 2) only, minus any the body lists in
-    no_decay_parameters() (Parcae's A_log, dt_bias, B, C); fp32 states as parameters stay fp32."""
+def no_decay_parameters(model):
+    """The parameters exempt from weight decay, by the rule each model declares: a module class
+    lists the names of its own parameters that are gains, scales, offsets, temperatures, null
+    scores or state-space coefficients in a class attribute ``no_decay`` (RMSNorm: weight; TANGO:
+    log_tau, null; GAU/FLASH: gamma, beta; Parcae: A_log, dt_bias, B, C). Every other parameter
+    (the weight matrices and the embedding) decays, whatever its rank. Returns a list without
+    duplicates (a shared module counts once)."""
+    out = {}
+    for m in model.modules():
+        for name in getattr(m, "no_decay", ()):
+            p = getattr(m, name)
+            if not isinstance(p, torch.nn.Parameter):
+                raise TypeError(f"{type(m).__name__}.no_decay names {name!r}, which is not a parameter")
+            out[id(p)] = p
+    return list(out.values())
+
+
+def param_groups(model, weight_decay):
+    """AdamW parameter groups: [decayed (weight_decay), exempt (0)] (see no_decay_parameters)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    exempt = {id(p) for p in getattr(model.body, "no_decay_parameters", lambda: [])()}
-    decay = lambda p: p.dim() >= 2 and id(p) not in exempt
-    groups = [{"params": [p for p in params if decay(p)], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if not decay(p)], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    exempt = {id(p) for p in no_decay_parameters(model)}
+    return [{"params": [p for p in params if id(p) not in exempt], "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
+
+
+def make_optimizer(model, args):
+    """AdamW (betas 0.9, 0.95) over param_groups(model, --weight_decay); fp32 states as parameters
+    stay fp32."""
+    return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
+                             betas=(0.9, 0.95), eps=1e-8)
 
 
 def autocast_ctx(args):
@@ -458,6 +482,19 @@ def autocast_ctx(args):
 
 # ----------------------------------------------------------------------------- evaluation
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """model (every submodule) in eval mode inside the block; each module's own train/eval mode
+    restored after it, also on an error."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @torch.no_grad()
 def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, dist=None):
     """Mean NLL (nats/token) over the scored targets of fixed windows.
@@ -467,23 +504,25 @@ def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, di
     over ranks, then reduced in window order. So the value depends neither on the batch size nor on
     the world size, up to the float32 forward pass itself (see test_train.py)."""
     dist = dist or Dist()
-    model.eval()
     sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
     mine = np.arange(dist.rank, len(starts), dist.world)
-    for i in range(0, len(mine), batch_size):
-        idx = mine[i:i + batch_size]
-        x, y = data.window_batch(split, np.asarray(starts)[idx], block_size)
-        x, y = x.to(device), y.to(device)
-        with ctx:
-            logits, _ = model(x)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-        rows = torch.as_tensor(idx, device=device)
-        sums[rows] = nll.view(y.shape).double().sum(1)
-        counts[rows] = (y != -1).sum(1).double()
+    rows_per_batch = min(batch_size, len(mine))  # a short last batch is padded: one shape, no recompile
+    with eval_mode(model):
+        for i in range(0, len(mine), batch_size):
+            idx = mine[i:i + batch_size]
+            x, y = data.window_batch(split, np.asarray(starts)[idx], block_size)
+            x, y = x.to(device), y.to(device)
+            x = torch.cat((x, x[-1:].expand(rows_per_batch - len(idx), -1))).contiguous()
+            with ctx:
+                logits, _ = model(x)
+            logits = logits[:len(idx)]
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+            rows = torch.as_tensor(idx, device=device)
+            sums[rows] = nll.view(y.shape).double().sum(1)
+            counts[rows] = (y != -1).sum(1).double()
     dist.all_sum(sums)
     dist.all_sum(counts)
-    model.train()
     return float(sums.sum()) / max(float(counts.sum()), 1.0)
 
 
@@ -494,15 +533,14 @@ def exact_match(model, data, split, n_samples, device, ctx):
     probs = data.problems(split)
     tok = data.tokens(split)
     idx = np.linspace(0, len(probs) - 1, min(n_samples, len(probs))).round().astype(int)
-    model.eval()
     correct = 0
-    for q0, a0, a1 in probs[idx]:
-        prompt = torch.from_numpy(tok[q0:a0].astype(np.int64))[None].to(device)  # question + "\n"
-        with ctx:
-            out = model.generate(prompt, max_new_tokens=int(a1 - a0) + 2, temperature=0, stop_token=data.eot)
-        answer = data.decode(out[0, prompt.shape[1]:].tolist()).split("\n")[0]
-        correct += answer == data.decode(tok[a0:a1])
-    model.train()
+    with eval_mode(model):
+        for q0, a0, a1 in probs[idx]:
+            prompt = torch.from_numpy(tok[q0:a0].astype(np.int64))[None].to(device)  # question + "\n"
+            with ctx:
+                out = model.generate(prompt, max_new_tokens=int(a1 - a0) + 2, temperature=0, stop_token=data.eot)
+            answer = data.decode(out[0, prompt.shape[1]:].tolist()).split("\n")[0]
+            correct += answer == data.decode(tok[a0:a1])
     return correct / len(idx)
 
 
@@ -712,8 +750,10 @@ class DebugDump:
 
 @dataclass
 class Run:
-    """What a run holds once its inputs are validated. model is the bare LM (checkpoints,
-    generation); fwd is it compiled or not (evaluation); train_model is fwd, DDP-wrapped under torchrun."""
+    """What a run holds once its inputs are validated. model is the LM (checkpoints, generation),
+    with its repeated units compiled under --compile (common.compile_regions); fwd is the model
+    evaluation calls; train_model is fwd, DDP-wrapped under torchrun. t_start: time.time() at the
+    start; first_update_s: seconds from then to the end of this process's first update."""
     args: argparse.Namespace
     dist: Dist
     data: data_mod.Data
@@ -728,6 +768,15 @@ class Run:
     fwd: torch.nn.Module = None
     train_model: torch.nn.Module = None
     log: "Log" = None
+    t_start: float = 0.0
+    first_update_s: float = None
+    saved_at: int = None  # update of the checkpoint in out_dir (None: none written yet)
+
+    def checkpoint_note(self):
+        """What a stopped run leaves: the last good checkpoint, or that none exists yet."""
+        if self.saved_at is None:
+            return f"no checkpoint exists yet (the first is written after update {self.args.eval_interval})"
+        return f"the last good checkpoint is {self.latest_path} (update {self.saved_at})"
 
     @property
     def latest_path(self):
@@ -742,6 +791,7 @@ def run(args, given=frozenset()):
     """Validate, train, evaluate the best checkpoint on test; returns the summary (rank 0)."""
     t_start = time.time()
     r, ckpt, changed = setup(args, given)  # nothing written to out_dir before this returns
+    r.t_start = t_start
     open_outputs(r, resumed=ckpt is not None, changed=changed)
     rates = train_loop(r)
     summary = finish(r, rates, t_start)
@@ -775,9 +825,11 @@ def setup(args, given):
     if ckpt is not None:
         r.best_dev = check_resume(ckpt, r.latest_path, r.best_path, cfg, data, args)
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
-        r.it = ckpt["iter"]
+        r.it = r.saved_at = ckpt["iter"]
     r.ctx = autocast_ctx(args)
-    r.fwd = torch.compile(model) if args.compile else model
+    if args.compile:  # regional: each body's repeated unit (and the head) compiles once, whatever the depth
+        compile_regions(model)
+    r.fwd = model
     r.train_model = r.fwd
     if dist.ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -831,6 +883,10 @@ def train_loop(r):
         loss, grad_norm = train_update(r, starts)
         r.it += 1
         rates.append(tokens_per_update / (time.time() - t0))
+        if r.first_update_s is None:
+            r.first_update_s = time.time() - r.t_start
+            r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
+                      + (", compile" if args.compile else "") + " included)")
         dump.write(r.it, my_share(starts, r.dist), r.model)
         r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
                    **diagnostics(r.model, spectral=False))
@@ -849,28 +905,52 @@ def my_share(starts, dist):
 
 def train_update(r, starts):
     """One optimizer update over this rank's share of the micro-batches (gradients synchronised on
-    the last one). Returns the loss averaged over all micro-batches of all ranks and the gradient
-    norm before clipping; TrainingError if either is not finite (parameters left untouched)."""
+    the last one). The update minimises the summed NLL of every scored target of every
+    micro-batch of every rank divided by their count (so a micro-batch with few or no scored
+    targets weighs by its targets, and an update with none at all has loss 0 and zero gradients).
+    Returns that loss and the gradient norm before clipping; TrainingError if either is not finite
+    (parameters left untouched)."""
     args, dist = r.args, r.dist
     mine = my_share(starts, dist)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=args.device)
-    for j, s in enumerate(mine):
-        x, y = r.data.window_batch("train", s, args.block_size)
-        x, y = x.to(args.device), y.to(args.device)
+    first = my_share(list(range(len(starts))), dist)[0]  # global index of this rank's first micro-batch
+    batches = [tuple(t.to(args.device) for t in r.data.window_batch("train", s, args.block_size)) for s in mine]
+    n_scored = dist.all_sum(torch.tensor(float(sum(int((y != -1).sum()) for _, y in batches)),
+                                         dtype=torch.float64, device=args.device))
+    scale = dist.world / max(float(n_scored), 1.0)  # DDP averages gradients over ranks: undo that
+    nll_sum = torch.zeros((), dtype=torch.float64, device=args.device)
+    for j, (x, y) in enumerate(batches):
+        seed_random_draws(r.model, args.seed, r.it, first + j)
         sync = j == len(mine) - 1
         with contextlib.nullcontext() if sync or not dist.ddp else r.train_model.no_sync():
             with r.ctx:
-                _, loss = r.train_model(x, y)
-            (loss / len(mine)).backward()  # DDP averages over ranks: the mean over all micro-batches
-        loss_sum += loss.detach().double()
-    loss_avg = float(dist.all_sum(loss_sum)) / len(starts)
+                logits, _ = r.train_model(x)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+            (nll * scale).backward()
+        nll_sum += nll.detach().double()
+    loss = float(dist.all_sum(nll_sum)) / max(float(n_scored), 1.0)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(r.model.parameters(), args.grad_clip))
-    if not (math.isfinite(loss_avg) and math.isfinite(grad_norm)):
-        raise TrainingError(f"non-finite loss ({loss_avg}) or gradient norm ({grad_norm}) at update {r.it + 1}; "
-                            f"stopped; the last good checkpoint is {r.latest_path}")
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at update {r.it + 1}; "
+                            f"stopped; {r.checkpoint_note()}")
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
-    return loss_avg, grad_norm
+    return loss, grad_norm
+
+
+def step_seed(seed, update, micro_batch):
+    """The seed of the random draws (Parcae/RDM recurrence depths and initial states) of one
+    micro-batch: a function of the run's --seed, the update (0-based) and the micro-batch's global
+    index in the update only, so any world size, resume point or accumulation split draws the same."""
+    return int(np.random.SeedSequence([seed, update, micro_batch]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_random_draws(model, seed, update, micro_batch):
+    """Point every module that draws random numbers in training (an attribute rng_seed, see
+    baselines.seeded_generators) at step_seed(seed, update, micro_batch)."""
+    s = step_seed(seed, update, micro_batch)
+    for m in model.modules():
+        if hasattr(m, "rng_seed"):
+            m.rng_seed = s
 
 
 def eval_and_checkpoint(r, dev_starts):
@@ -879,8 +959,7 @@ def eval_and_checkpoint(r, dev_starts):
     dev = evaluate(r.fwd, r.data, "dev", dev_starts, args.block_size, args.eval_batch_size, args.device,
                    r.ctx, r.dist)
     if not math.isfinite(dev):
-        raise TrainingError(f"non-finite dev NLL ({dev}) after update {r.it}; stopped; the last good "
-                            f"checkpoint is {r.latest_path}")
+        raise TrainingError(f"non-finite dev NLL ({dev}) after update {r.it}; stopped; {r.checkpoint_note()}")
     improved = dev < r.best_dev
     r.best_dev = min(r.best_dev, dev)
     r.log.emit(event="eval", iter=r.it, dev_nll=dev, best=improved, **diagnostics(r.model, spectral=True))
@@ -922,6 +1001,7 @@ def save_checkpoints(r, dev, improved):
         save_atomic(state, r.best_path)
     save_atomic(dict(state, optimizer=to_cpu(r.optimizer.state_dict()), rng=rng_state(r.rng, args.device)),
                 r.latest_path)
+    r.saved_at = r.it
 
 
 def check_resume(ckpt, latest_path, best_path, cfg, data, args):
@@ -977,7 +1057,7 @@ def finish(r, rates, t_start):
                "tokens": best["iter"] * tokens_per_update,
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
-               "wall_s": time.time() - t_start}
+               "first_update_s": r.first_update_s, "wall_s": time.time() - t_start}
     if curve is not None:
         summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
     for split in data.meta.get("em_splits", []):
@@ -1004,27 +1084,32 @@ def print_report(s, data, args):
     if "depth_sweep" in s:
         print("dev NLL by test-time depth: " + ", ".join(
             f"K={k}: {v:.4f}" for k, v in zip(s["depth_sweep"]["depths"], s["depth_sweep"]["dev_nll"])))
+    if s["first_update_s"] is not None:
+        print(f"first update           {s['first_update_s']:.1f} s after start"
+              + (" (compile included)" if args.compile else ""))
     print(f"wall time              {s['wall_s']:.0f} s")
 
 
 def print_sample(model, data, args, device, ctx):
-    """A short decoded sample from the best checkpoint (dmmath: one problem, answered greedily)."""
+    """A short decoded sample from the best checkpoint (dmmath: one problem, answered greedily),
+    in eval mode (Parcae/RDM: fixed depth and seeded initial state); the model's mode is restored."""
     if args.sample_tokens == 0:
         return
     torch.manual_seed(args.seed)
-    model.eval()  # Parcae/RDM: fixed depth and seeded initial state
-    if data.problems(data.test_split) is not None:
-        q0, a0, a1 = data.problems(data.test_split)[0]
-        tok = data.tokens(data.test_split)
-        prompt = torch.from_numpy(tok[q0:a0].astype(np.int64))[None].to(device)
+    with eval_mode(model):
+        if data.problems(data.test_split) is not None:
+            q0, a0, a1 = data.problems(data.test_split)[0]
+            tok = data.tokens(data.test_split)
+            prompt = torch.from_numpy(tok[q0:a0].astype(np.int64))[None].to(device)
+            with ctx:
+                out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0, stop_token=data.eot)
+            print(f"\n--- sample ({data.test_split}, greedy) ---\nQ: {data.decode(tok[q0:a0 - 1])}\n"
+                  f"model: {data.decode(out[0, prompt.shape[1]:].tolist()).strip()}\n"
+                  f"reference: {data.decode(tok[a0:a1])}")
+            return
+        prompt = torch.tensor([[data.eot]], device=device)
         with ctx:
-            out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0, stop_token=data.eot)
-        print(f"\n--- sample ({data.test_split}, greedy) ---\nQ: {data.decode(tok[q0:a0 - 1])}\n"
-              f"model: {data.decode(out[0, prompt.shape[1]:].tolist()).strip()}\nreference: {data.decode(tok[a0:a1])}")
-        return
-    prompt = torch.tensor([[data.eot]], device=device)
-    with ctx:
-        out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=200)
+            out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=200)
     print(f"\n--- sample (temperature 0.8, top-k 200) ---\n{data.decode(out[0, 1:].tolist())}\n---")
 
 

@@ -1,4 +1,4 @@
-"""Puts the repository root on sys.path, so tests/ imports the project's modules (train, tango, ...)."""
+"""Tests in this folder import the project's modules from the repository root."""
 import os
 import sys
 

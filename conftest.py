@@ -1,0 +1,29 @@
+"""Shared test set-up: the GPT-2 vocabulary of the BPE tests.
+
+The BPE tests read the vocabulary from GPT2_BPE_FILE (default ../shared/data/gpt2.tiktoken next to
+this repository); nothing downloads at test time, so where that file is missing they skip, with
+the reason, through the session fixture gpt2_bpe.
+"""
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+
+
+def bpe_missing(path=BPE):
+    """None when the GPT-2 BPE file exists, else the reason the BPE tests skip."""
+    if os.path.isfile(path):
+        return None
+    return (f"GPT2_BPE_FILE={path} does not exist; the GPT-2 BPE tests need it "
+            "(tests never download the vocabulary)")
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe():
+    """The GPT-2 BPE file's path; skips the test (and any fixture built on it) when it is missing."""
+    reason = bpe_missing()
+    if reason:
+        pytest.skip(reason)
+    return BPE

@@ -1,0 +1,174 @@
+"""Regional compilation (issue 12): each body's repeated unit compiles once, whatever the depth.
+
+Graphs are counted with torch._dynamo's CompileCounter backend: dynamo captures the same graphs
+and checks the same guards whatever the backend, so the counts are those of an inductor run, and
+the counter runs each graph eagerly (no C++ compile: seconds, not minutes, on CPU). A real
+inductor compile of every model is a manual check (README / the issue report), too slow here.
+"""
+import functools
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.testing import CompileCounter
+
+import common
+import data as data_mod
+import models
+import train
+from common import ModelConfig, compile_regions, compiled_region_names
+
+EVAL_AND_CHECKPOINT = train.eval_and_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """A mini DeepMind-Mathematics dataset ("What is a + b?"), prepared once."""
+    src = tmp_path_factory.mktemp("mdm")
+    rng = np.random.default_rng(0)
+    for folder, n in [("train-easy", 100), ("train-medium", 100), ("train-hard", 100), ("dev", 40),
+                      ("interpolate", 40), ("extrapolate", 40)]:
+        (src / folder).mkdir()
+        lines = []
+        for a, b in zip(rng.integers(0, 50, n), rng.integers(0, 50, n)):
+            lines += [f"What is {a} + {b}?", str(a + b)]
+        (src / folder / "arith.txt").write_text("\n".join(lines) + "\n")
+    root = tmp_path_factory.mktemp("data")
+    data_mod.prepare("dmmath", str(src), str(root))
+    return src, root
+
+
+def compiled_run(data_root, tmp_path, monkeypatch, depth):
+    """train.py --compile on a tiny TANGO: 4 updates, evaluations after 2 and 4 (6 dev windows in
+    batches of 4: a short last batch), test evaluation, exact match on 2 x 3 problems and a printed
+    sample. Returns the graph count after the first update, after each evaluation and at the end,
+    and the compiled variants per region."""
+    src, root = data_root
+    cnt = CompileCounter()
+    monkeypatch.setattr(train, "compile_regions", functools.partial(compile_regions, backend=cnt))
+    seen, regions = [], {}
+
+    def eval_and_checkpoint(r, dev_starts):
+        seen.append(cnt.frame_count)  # before this evaluation
+        EVAL_AND_CHECKPOINT(r, dev_starts)
+        seen.append(cnt.frame_count)
+        regions.update({n: r.model for n in compiled_region_names(r.model)})
+
+    monkeypatch.setattr(train, "eval_and_checkpoint", eval_and_checkpoint)
+    s = train.run(train.parse_args(
+        ["--model", "tango", "--depth", str(depth), "--size", "tiny", "--block_size", "32", "--batch_size", "2",
+         "--max_iters", "4", "--eval_interval", "2", "--eval_windows", "6", "--eval_batch_size", "4",
+         "--em_samples", "3", "--sample_tokens", "6", "--quiet", "--compile", "--dataset", "dmmath",
+         "--data_dir", str(src), "--data_root", str(root), "--out_dir", str(tmp_path / f"K{depth}")]))
+    variants = {"Tango.update": len(_debug_get_cache_entry_list(models.tango.Tango.update.region.__code__)),
+                "LM.head": len(_debug_get_cache_entry_list(common.LM.head.region.__code__))}
+    return seen, cnt.frame_count, sorted(regions), variants, s
+
+
+def test_tango_compiles_each_region_once_for_training_once_for_evaluation(data_root, tmp_path, monkeypatch, capsys):
+    counts = {}
+    for K in (4, 8):
+        torch._dynamo.reset()
+        seen, end, regions, variants, summary = compiled_run(data_root, tmp_path, monkeypatch, K)
+        assert regions == ["LM.head", "Tango.update"]
+        # training: one graph per region; the first evaluation (no grad) one more per region;
+        # the second evaluation, test NLL, exact-match decoding and the sample: none
+        assert seen == [2, 4, 4, 4] and end == 4, (K, seen, end)
+        assert variants == {"Tango.update": 2, "LM.head": 2}
+        assert summary["first_update_s"] > 0 and summary["exact_match_interpolate"] >= 0
+        counts[K] = (seen, end, variants)
+    assert counts[4] == counts[8]
+    out = capsys.readouterr().out
+    assert "first update after" in out and ", compile included)" in out and "--- sample" in out
+
+
+def _small(name, depth):
+    # Parcae/RDM: a fixed training recurrence (mean 4, 1 step backpropagated: so some steps run
+    # without grad, a graph of their own) whatever the evaluation depth K
+    return ModelConfig(model=name, vocab_size=61, block_size=16, n_embd=64, n_head=2, depth=depth, width=96,
+                       window=4, gau_s=32, chunk=4, mu_rec=4, mu_bwd=1)
+
+
+@pytest.mark.parametrize("name", list(models.REGISTRY))
+def test_every_model_graph_count_independent_of_depth_and_equal_to_eager(name):
+    """A training step, an evaluation at another batch size and cached greedy decoding, with the
+    compiled regions: outputs and gradients equal the eager model's, decoding adds no graph, and
+    the graph count is the same at K = 3 and K = 4 (untied blocks/units share their graph)."""
+    counts = []
+    for K in (3, 4):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        eager = models.build_model(_small(name, K))
+        compiled = models.build_model(_small(name, K))
+        compiled.load_state_dict(eager.state_dict())
+        cnt = CompileCounter()
+        compile_regions(compiled, backend=cnt)
+        idx = torch.randint(0, 61, (3, 16))
+        losses, grads = [], []
+        for m in (eager, compiled):
+            torch.manual_seed(1)  # Parcae/RDM draw their depth and initial state from it
+            loss = m(idx, idx)[1]
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad for p in m.parameters()])
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads[1], grads[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        for m in (eager, compiled):
+            m.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(idx[:2])[0], eager(idx[:2])[0], rtol=1e-5, atol=1e-5)
+        n = cnt.frame_count
+        assert compiled.generate(idx[:1, :5], 4, temperature=0).tolist() == eager.generate(idx[:1, :5], 4, temperature=0).tolist()
+        assert cnt.frame_count == n  # decoding runs eagerly
+        counts.append(n)
+    assert counts[0] == counts[1] and counts[0] >= 4, counts
+
+
+# ----------------------------------------------------------------------------- shared parts (issue 12, item 4)
+@pytest.mark.parametrize("name", ["tango", "loop"])
+def test_vocabulary_padding_is_never_predicted_sampled_or_counted(name):
+    cfg = _small(name, 3)  # V = 61: E has 64 rows
+    torch.manual_seed(0)
+    model = models.build_model(cfg)
+    d = cfg.n_embd
+    assert tuple(model.wte.weight.shape) == (64, d) and model.wte.weight[61:].abs().sum() == 0
+    assert model.num_params(non_embedding=False) == model.num_params() + 61 * d
+    assert model.num_params() == sum(p.numel() for p in model.body.parameters()) + d  # + final norm
+    idx = torch.randint(0, 61, (2, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, 16, 61)
+    # the loss is the NLL over the 61 real entries, recomputed from the hidden state by hand
+    h = model.norm_f(model.body(model.wte(idx), *common.rope_cos_sin(torch.arange(16))))
+    manual = h @ model.wte.weight[:61].t()
+    torch.testing.assert_close(logits, manual)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(manual.reshape(-1, 61), idx.reshape(-1)))
+    with torch.no_grad():
+        model.wte.weight[61:] = 100.0  # padding rows that would dominate every softmax if they were scored
+    out = model.generate(idx[:, :3], 20, temperature=2.0)
+    assert int(out.max()) < 61
+
+
+def test_rope_tables_built_once_per_forward_in_the_compute_dtype(monkeypatch):
+    model = models.build_model(_small("loop", 3))
+    seen, calls = [], []
+    body_forward = model.body.forward
+    monkeypatch.setattr(model.body, "forward", lambda x, cos, sin, cache=None: seen.append(cos.dtype) or body_forward(x, cos, sin, cache))
+    rope = common.rope_cos_sin
+    monkeypatch.setattr(common, "rope_cos_sin", lambda *a, **k: calls.append(1) or rope(*a, **k))
+    idx = torch.randint(0, 61, (2, 16))
+    model(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx)
+    assert seen == [torch.float32, torch.bfloat16] and len(calls) == 2  # K = 3 applications, one table each forward

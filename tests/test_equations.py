@@ -1,0 +1,361 @@
+"""Every registered model against a float64 hand computation written from the equations in its
+docstring (tango.py, baselines.py, parcae.py), with every parameter moved away from its init
+(random tau, null scores, A_log, dt_bias, B, C, scale-offsets, norm gains), so that a one-line
+change in a model's update cannot hide behind an init value.
+
+The hand computations use only plain tensor arithmetic: their own RMSNorm, SiLU, softmax and RoPE
+(pairs (x_i, x_{i+16}) of each 32-dim head rotated by position * 10000^(-2i/32)); nothing from
+common.py, tango.py, baselines.py or parcae.py except the parameters they read and Parcae/RDM's
+seeded evaluation state h_0 (a table of random numbers, not an equation).
+"""
+import math
+
+import pytest
+import torch
+
+import baselines
+import models
+from common import ModelConfig
+
+F64 = torch.float64
+V, T_SEQ = 61, 11
+CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4, chunk=4, gau_s=64,
+           n_prelude=1, n_core=2, n_coda=1)
+DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2}  # three sets: first, middle (twice), last
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def config(name, **kw):
+    return ModelConfig(**{**CFG, "model": name, "depth": DEPTH.get(name, 2), **kw})
+
+
+def perturbed(name, seed=0, **kw):
+    """A float64 model of `name` with every parameter drawn away from its init."""
+    torch.manual_seed(seed)
+    model = models.build_model(config(name, **kw)).double().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=F64)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            leaf = pname.rsplit(".", 1)[-1]
+            if leaf == "log_tau":  # tau in [2, 12], different per head
+                p.copy_(torch.empty_like(p).uniform_(math.log(2), math.log(12), generator=g))
+            elif leaf in ("null", "A_log", "dt_bias", "beta"):
+                p.copy_(0.7 * rnd(*p.shape))
+            elif leaf == "gamma":
+                p.copy_(1 + 0.5 * rnd(*p.shape))
+            elif p.dim() == 1:  # RMSNorm gains
+                p.copy_(1 + 0.3 * rnd(*p.shape))
+            elif pname == "wte.weight":
+                p.copy_(rnd(*p.shape))
+            else:  # matrices (incl. Parcae's B and C): entries ~ N(0, 1/fan_in)
+                p.copy_(rnd(*p.shape) / math.sqrt(p.shape[1]))
+    return model
+
+
+# ----------------------------------------------------------------------------- plain building blocks
+
+def rms(x, w, eps=1e-6):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def silu(z):
+    return z / (1 + torch.exp(-z))
+
+
+def softplus(z):
+    return torch.log1p(torch.exp(z))
+
+
+def unit(v):
+    return v / v.norm(dim=-1, keepdim=True)
+
+
+def lin(x, w):
+    """x W for a weight stored as nn.Linear stores it (out x in)."""
+    return x @ w.t()
+
+
+def rope(x, pos):
+    """x: (T, 32k); each 32-dim group rotated: pair (x_i, x_{i+16}) by angle pos * 10000^(-i/16)."""
+    T, m = x.shape
+    i = torch.arange(16, dtype=F64)
+    ang = pos.to(F64)[:, None] * 10000.0 ** (-2 * i / 32)  # (T, 16)
+    c, s = torch.cos(ang), torch.sin(ang)
+    out = []
+    for g in range(m // 32):
+        a, b = x[:, 32 * g:32 * g + 16], x[:, 32 * g + 16:32 * g + 32]
+        out += [a * c - b * s, a * s + b * c]
+    return torch.cat(out, -1)
+
+
+def causal_softmax_rows(scores):
+    """Row-wise softmax over j <= i of a (T, T) score matrix."""
+    T = scores.shape[0]
+    out = torch.zeros_like(scores)
+    for i in range(T):
+        e = torch.exp(scores[i, :i + 1] - scores[i, :i + 1].max())
+        out[i, :i + 1] = e / e.sum()
+    return out
+
+
+# ----------------------------------------------------------------------------- parameter access
+# Transformer++ may keep q/k/v as three d x d maps (wq, wk, wv) or one fused `qkv` (rows [q; k; v]),
+# and SwiGLU W_1, W_3 as two maps (w1, w3) or one fused `w13` (rows [W_1; W_3]).
+
+def attn_weights(attn):
+    if hasattr(attn, "qkv"):
+        wq, wk, wv = attn.qkv.weight.chunk(3, 0)
+    else:
+        wq, wk, wv = attn.wq.weight, attn.wk.weight, attn.wv.weight
+    return wq, wk, wv, attn.wo.weight
+
+
+def mlp_weights(mlp):
+    if hasattr(mlp, "w13"):
+        w1, w3 = mlp.w13.weight.chunk(2, 0)
+    else:
+        w1, w3 = mlp.w1.weight, mlp.w3.weight
+    return w1, w3, mlp.w2.weight
+
+
+# ----------------------------------------------------------------------------- hand computations
+
+def attention(u, attn, pos, n_head):
+    """Causal softmax attention with RoPE on q and k, scale 1/sqrt(32), then W_o."""
+    wq, wk, wv, wo = attn_weights(attn)
+    q, k, v = lin(u, wq), lin(u, wk), lin(u, wv)
+    heads = []
+    for a in range(n_head):
+        sl = slice(32 * a, 32 * a + 32)
+        qa, ka = rope(q[:, sl], pos), rope(k[:, sl], pos)
+        heads.append(causal_softmax_rows(qa @ ka.t() / math.sqrt(32)) @ v[:, sl])
+    return lin(torch.cat(heads, -1), wo)
+
+
+def swiglu(u, mlp):
+    w1, w3, w2 = mlp_weights(mlp)
+    return lin(silu(lin(u, w1)) * lin(u, w3), w2)
+
+
+def tpp_block(x, blk, pos, H):
+    """Transformer++: x + Attn(Norm x), then + SwiGLU(Norm x)."""
+    x = x + attention(rms(x, blk.norm1.weight), blk.attn, pos, H)
+    return x + swiglu(rms(x, blk.norm2.weight), blk.mlp)
+
+
+def sandwich_block(x, blk, pos, H):
+    """RDM: x' = n2(x + Attn(n1 x)); x'' = n4(x' + SwiGLU(n3 x'))."""
+    x = rms(x + attention(rms(x, blk.n1.weight), blk.attn, pos, H), blk.n2.weight)
+    return rms(x + swiglu(rms(x, blk.n3.weight), blk.mlp), blk.n4.weight)
+
+
+def tango_update(x, body, gset, pos, H, window=None):
+    """One TANGO update (tango.py docstring), per head a and query i, as written there."""
+    T, _ = x.shape
+    u = rms(x, body.norm.weight)
+    q, k = lin(u, body.wq.weight), lin(u, body.wk.weight)
+    g = silu(lin(u, gset.wg.weight))  # source gate
+    v = lin(u, gset.wv.weight)        # destination, linear
+    Fh = g.shape[1] // H
+    G = torch.zeros_like(g)
+    for a in range(H):
+        qa = rope(unit(q[:, 32 * a:32 * a + 32]), pos)
+        ka = rope(unit(k[:, 32 * a:32 * a + 32]), pos)
+        tau, b = torch.exp(body.log_tau[a]), body.null[a]
+        ga = g[:, Fh * a:Fh * (a + 1)]
+        for i in range(T):
+            lo = 0 if window is None else max(0, i - window + 1)  # sources lo..i get their own score
+            m = torch.exp(tau * (ka[lo:i + 1] @ qa[i]))
+            num, mass = m @ ga[lo:i + 1], m.sum()
+            if lo > 0:  # Windowed TANGO: the lo older sources share one score
+                s_old = torch.exp(tau * (qa[i] @ unit(ka[:lo].sum(0))))
+                num, mass = num + s_old * ga[:lo].sum(0), mass + s_old * lo
+            G[i, Fh * a:Fh * (a + 1)] = num / (torch.exp(b) + mass)
+    return lin(G * v, gset.wo.weight)
+
+
+def tango_body(x, model, pos):
+    cfg, body = model.cfg, model.body
+    K = cfg.depth
+    for k in range(K):
+        s = 0 if cfg.model != "tango-3set" or k == 0 else 2 if k == K - 1 else 1  # first, middle, last
+        window = cfg.window if cfg.model == "tango-windowed" else None
+        x = x + tango_update(x, body, body.sets[s], pos, cfg.n_head, window)
+    return x
+
+
+def tpp_body(x, model, pos):
+    cfg, blocks = model.cfg, model.body.blocks
+    assert len(blocks) == (1 if cfg.model == "loop" else cfg.depth)
+    for k in range(cfg.depth):
+        x = tpp_block(x, blocks[k % len(blocks)], pos, cfg.n_head)
+    return x
+
+
+def gau_unit(x, unit_, pos, e, c, chunk=None):
+    """GAU (chunk None): relu(Q K^T / c)^2 causal; FLASH: local relu^2 in the chunk + global linear.
+    [U | V | Z] = SiLU(u W_in) with U, V e wide and Z the rest (s wide)."""
+    T = x.shape[0]
+    uvz = silu(lin(rms(x, unit_.norm.weight), unit_.w_in.weight))
+    U, Vv, Z = uvz[:, :e], uvz[:, e:2 * e], uvz[:, 2 * e:]
+    heads = [rope(Z * unit_.gamma[h] + unit_.beta[h], pos) for h in range(unit_.gamma.shape[0])]
+    W = torch.zeros(T, T, dtype=F64)
+    for i in range(T):
+        for j in range(i + 1):
+            if chunk is None:
+                W[i, j] = torch.relu(heads[0][i] @ heads[1][j] / c) ** 2
+            elif i // chunk == j // chunk:
+                W[i, j] = torch.relu(heads[0][i] @ heads[1][j] / chunk) ** 2
+            else:
+                W[i, j] = heads[2][i] @ heads[3][j] / chunk
+    return lin(U * (W @ Vv), unit_.wo.weight)
+
+
+def gau_body(x, model, pos):
+    cfg, units = model.cfg, model.body.units
+    assert len(units) == (1 if cfg.tie_unit else cfg.depth)
+    for k in range(cfg.depth):
+        unit_ = units[k % len(units)]
+        assert unit_.gamma.shape == (4 if cfg.model == "flash" else 2, cfg.gau_s)  # scale-offset heads on Z
+        x = x + gau_unit(x, unit_, pos, cfg.width, cfg.block_size, cfg.chunk if cfg.model == "flash" else None)
+    return x
+
+
+def eval_h0(T, d, std):
+    """The seeded evaluation state (a table of random numbers; its std is the documented one)."""
+    return baselines.eval_state(0, T, d, std, "cpu", F64)[0]
+
+
+def parcae_body(x, model, pos, depth=None, h0=None):
+    body, H, d = model.body, model.cfg.n_head, model.cfg.n_embd
+    for blk in body.prelude:
+        x = tpp_block(x, blk, pos, H)
+    e = rms(x, body.prelude_norm.weight)
+    delta = softplus(body.dt_bias)
+    abar = torch.exp(-delta * torch.exp(body.A_log))  # Abar = exp(Delta A), A = -exp(A_log)
+    inj = delta * lin(e, body.B)                        # Delta * (B e)
+    h = eval_h0(x.shape[0], d, math.sqrt(2 / (5 * d))) if h0 is None else h0
+    for _ in range(model.cfg.depth if depth is None else depth):
+        u = abar * h + inj
+        for blk in body.core:
+            u = tpp_block(u, blk, pos, H)
+        h = u
+    y = lin(h, body.C)
+    for blk in body.coda:
+        y = tpp_block(y, blk, pos, H)
+    return y
+
+
+def rdm_body(x, model, pos):
+    body, H, d = model.body, model.cfg.n_head, model.cfg.n_embd
+    x = x * math.sqrt(d)
+    for blk in body.prelude:
+        x = sandwich_block(x, blk, pos, H)
+    e, h = x, eval_h0(x.shape[0], d, math.sqrt(2 / 5))
+    for _ in range(model.cfg.depth):
+        u = lin(torch.cat((h, e), -1), body.adapter.weight)  # W [h; e]
+        for blk in body.core:
+            u = sandwich_block(u, blk, pos, H)
+        h = u
+    for blk in body.coda:
+        h = sandwich_block(h, blk, pos, H)
+    return h
+
+
+HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_body, "loop": tpp_body,
+        "untied": tpp_body, "gau": gau_body, "flash": gau_body, "parcae": parcae_body, "rdm": rdm_body}
+
+
+def hand_logits(model, idx, pos=None, body_fn=None):
+    """Embedding -> body (by hand) -> RMSNorm -> tied head, one sequence at a time."""
+    E = model.wte.weight[:model.cfg.vocab_size]  # the padding rows are never predicted
+    body_fn = body_fn or HAND[model.cfg.model]
+    rows = []
+    for r in range(idx.shape[0]):
+        p = torch.arange(idx.shape[1]) if pos is None else pos
+        x = body_fn(E[idx[r]], model, p)
+        rows.append(lin(rms(x, model.norm_f.weight), E))
+    return torch.stack(rows)
+
+
+def tokens(B=2, T=T_SEQ, seed=3):
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- tests
+
+def test_every_registered_model_has_a_hand_computation():
+    assert set(HAND) == set(models.REGISTRY)
+
+
+@pytest.mark.parametrize("name", list(models.REGISTRY))
+@torch.no_grad()
+def test_model_equals_hand_computation(name):
+    model = perturbed(name)
+    idx = tokens()
+    logits, _ = model(idx)
+    torch.testing.assert_close(logits, hand_logits(model, idx), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["gau", "flash"])
+@torch.no_grad()
+def test_untied_units_equal_hand_computation(name):
+    model = perturbed(name, tie_unit=False)
+    assert len(model.body.units) == model.cfg.depth
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], hand_logits(model, idx), rtol=1e-9, atol=1e-9)
+
+
+@torch.no_grad()
+def test_explicit_positions_reach_every_rope():
+    """The hand computation with arbitrary (repeated, non-contiguous) positions: RoPE uses the
+    given ids, not the sequence index (latent tokens rely on this)."""
+    pos = torch.tensor([0, 1, 1, 2, 7, 7, 7, 8, 30, 31, 100])
+    for name in ("tango-windowed", "loop", "flash", "parcae"):
+        model = perturbed(name, seed=5)
+        idx = tokens(seed=5)
+        torch.testing.assert_close(model(idx, positions=pos)[0], hand_logits(model, idx, pos),
+                                   rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("name", list(models.REGISTRY))
+@torch.no_grad()
+def test_shift_invariance(name):
+    """RoPE makes scores depend on positions only through i - j: positions + 37 give the same
+    logits; reversed positions do not (so the check is not vacuous)."""
+    model = perturbed(name, seed=1)
+    idx = tokens(seed=1)
+    T = idx.shape[1]
+    base, _ = model(idx)
+    shifted, _ = model(idx, positions=torch.arange(T) + 37)
+    torch.testing.assert_close(shifted, base, rtol=1e-9, atol=1e-9)
+    other, _ = model(idx, positions=torch.arange(T).flip(0))
+    assert (other - base).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_parcae_per_sequence_depths_equal_hand_computation():
+    """Training-mode schedule with given depths and h_0: each row is its own T_i recurrences from
+    h_0 (idle steps are the identity)."""
+    from common import rope_cos_sin
+    model = perturbed("parcae", seed=2)
+    model.train()
+    body, d = model.body, model.cfg.n_embd
+    idx = tokens(B=3, seed=2)
+    T = idx.shape[1]
+    h0 = torch.randn(3, T, d, generator=torch.Generator().manual_seed(9), dtype=F64) * 0.1
+    depths = torch.tensor([1, 3, 2])
+    cos, sin = rope_cos_sin(torch.arange(T), dtype=F64)
+    got = model.norm_f(body(model.wte(idx), cos, sin, None, depths=depths, h0=h0)) @ model.wte.weight[:V].t()
+    E, pos = model.wte.weight[:V], torch.arange(T)
+    for r in range(3):
+        y = parcae_body(E[idx[r]], model, pos, depth=int(depths[r]), h0=h0[r])
+        torch.testing.assert_close(got[r], lin(rms(y, model.norm_f.weight), E), rtol=1e-9, atol=1e-9)

@@ -1,0 +1,477 @@
+"""Field faults (issue 14): each test failed on the code before its fix and asserts the right value.
+
+1 sampling arguments, 2 loss over scored targets of the whole update, 3 random draws independent
+of the world size, 4 latent tokens on half-precision bases, 5 under-determined scaling-law fits,
+6 sweep settings, 7 BPE tests without the vocabulary, 8 leftovers (folders, train/eval mode),
+9 weight-decay exemptions, 10 CI installs the optional extras the tests use.
+"""
+import contextlib
+import copy
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data as data_mod
+import flops
+import latent_tokens as lt
+import sweep
+import train
+from common import ModelConfig, UsageError, sample_next
+from models import REGISTRY, build_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_cfg(name, **kw):
+    base = dict(model=name, vocab_size=23, block_size=16, n_embd=64, n_head=2, depth=3 if name == "tango-3set" else 2,
+                width=64, window=8, gau_s=32, chunk=8, n_prelude=1, n_core=1, n_coda=1)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def long_questions(tmp_path_factory):
+    """A DeepMind-Mathematics-layout dataset whose questions (~45 characters) are far longer than
+    its answers (1-3 characters): 8-token windows inside a question score no target."""
+    root = tmp_path_factory.mktemp("longq")
+    rng = np.random.default_rng(0)
+    for folder, n in [("train-easy", 200), ("train-medium", 10), ("train-hard", 10), ("dev", 30),
+                      ("interpolate", 30), ("extrapolate", 30)]:
+        (root / folder).mkdir()
+        lines = []
+        for a, b in zip(rng.integers(0, 50, n), rng.integers(0, 50, n)):
+            lines += [f"Let us consider the following: what is {a} + {b}?", str(a + b)]
+        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path_factory.mktemp("longq_data")
+    return root, out, data_mod.Data(data_mod.prepare("dmmath", str(root), str(out)))
+
+
+# ============================================================================ 1. sampling arguments
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-3), "top_k"), (dict(top_k=2.5), "top_k"), (dict(top_k=True), "top_k"),
+])
+def test_bad_sampling_arguments_raise_naming_the_argument(kw, needle):
+    torch.manual_seed(0)
+    model = build_model(small_cfg("loop")).eval()
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"^{needle} .*: must be"):
+        model.generate(idx, 4, **kw)
+    with pytest.raises(ValueError, match=rf"^{needle} "):
+        sample_next(torch.zeros(2, 23), **kw)
+
+
+@pytest.mark.parametrize("n", [-1, 2.5, "3"])
+def test_bad_max_new_tokens_raises(n):
+    model = build_model(small_cfg("loop")).eval()
+    with pytest.raises(ValueError, match=r"^max_new_tokens .*: must be an int >= 0"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), n)
+
+
+def test_extreme_but_legal_sampling_values():
+    """temperature 1e-30 is the argmax (it overflowed to NaN probabilities before); a huge
+    temperature is uniform; top_k > V keeps every token; max_new_tokens 0 returns the prompt."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 23, generator=g) * 50
+    for t in (1e-30, 1e-300, 5e-324):
+        assert torch.equal(sample_next(logits, t)[:, 0], logits.argmax(-1))
+    torch.manual_seed(1)
+    draws = sample_next(logits[:1].expand(20000, -1), 1e300)[:, 0]
+    counts = torch.bincount(draws, minlength=23).double() / 20000
+    assert counts.min() > 0.03 and counts.max() < 0.06  # uniform: 1/23 = 0.0435 each
+    torch.manual_seed(2)
+    a = sample_next(logits, 1.0, top_k=10 ** 9)
+    torch.manual_seed(2)
+    assert torch.equal(a, sample_next(logits, 1.0))
+    torch.manual_seed(3)  # top_k = 1 at any temperature is the argmax
+    assert torch.equal(sample_next(logits, 7.0, top_k=1)[:, 0], logits.argmax(-1))
+    model = build_model(small_cfg("loop")).eval()
+    idx = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(idx, 0), idx)
+    greedy = model.generate(idx, 5, temperature=0)
+    assert torch.equal(model.generate(idx, 5, temperature=1e-30), greedy)
+
+
+def test_negative_temperature_no_longer_samples_the_least_likely_tokens():
+    model = build_model(small_cfg("loop")).eval()
+    with pytest.raises(ValueError, match=r"temperature -1.0: must be a finite number >= 0 \(0 = greedy\)"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 20, temperature=-1.0)
+
+
+# ============================================================================ 2. loss of an update
+
+def run_for(d, model, starts, clip=1e9, seed=0):
+    return SimpleNamespace(args=SimpleNamespace(device="cpu", block_size=8, grad_clip=clip, seed=seed),
+                           dist=train.Dist(), data=d, model=model, train_model=model,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=1.0), ctx=contextlib.nullcontext(), it=0)
+
+
+def test_micro_batch_without_scored_targets(long_questions):
+    """One micro-batch of windows inside questions (no scored target): the update's loss is the
+    NLL summed over the 3 micro-batches' scored targets / their count (it was NaN, a mean over 0)."""
+    _, _, d = long_questions
+    n = len(d.tokens("train")) - 9
+    counts = {s: int((d.window_batch("train", [s], 8)[1] != -1).sum()) for s in range(0, n, 7)}
+    empty = [s for s, c in counts.items() if c == 0][:2]
+    full = sorted((s for s, c in counts.items() if c > 0), key=lambda s: -counts[s])[:4]
+    assert len(empty) == 2 and len(full) == 4
+    starts = [np.array(empty), np.array(full[:2]), np.array(full[2:])]
+    torch.manual_seed(0)
+    model = build_model(small_cfg("loop", vocab_size=d.vocab_size, block_size=8))
+    ref = copy.deepcopy(model)
+    nll, count = 0.0, 0
+    for s in starts:
+        x, y = d.window_batch("train", s, 8)
+        total = F.cross_entropy(ref(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+        total.backward()
+        nll, count = nll + total.item(), count + int((y != -1).sum())
+    assert count == sum(counts[s] for s in full)
+    grads = [p.grad / count for p in ref.parameters()]
+    m = copy.deepcopy(model)
+    loss, _ = train.train_update(run_for(d, m, starts), starts)
+    assert math.isfinite(loss) and loss == pytest.approx(nll / count, rel=1e-6)
+    for p0, p1, g in zip(model.parameters(), m.parameters(), grads):  # SGD lr 1, no clipping: p0 - p1 = grad
+        assert torch.allclose(p0 - p1, g, rtol=1e-4, atol=1e-7)
+    m = copy.deepcopy(model)  # an update with no scored target at all: loss 0, zero gradients
+    loss, norm = train.train_update(run_for(d, m, starts[:1]), starts[:1])
+    assert loss == 0.0 and norm == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m.parameters()))
+
+
+def test_nonfinite_message_says_which_checkpoint_exists(long_questions, tmp_path):
+    _, _, d = long_questions
+    model = build_model(small_cfg("loop", vocab_size=d.vocab_size, block_size=8))
+    with torch.no_grad():
+        model.norm_f.weight.fill_(float("nan"))
+    args = SimpleNamespace(device="cpu", block_size=8, grad_clip=1.0, seed=0, eval_interval=20, out_dir=str(tmp_path))
+    r = train.Run(args, train.Dist(), d, model.cfg, 0, model, torch.optim.SGD(model.parameters(), lr=1.0),
+                  np.random.default_rng(0), train_model=model, ctx=contextlib.nullcontext())
+    starts = [np.array([0, 50])]
+    with pytest.raises(train.TrainingError) as e:
+        train.train_update(r, starts)
+    assert str(e.value).endswith("at update 1; stopped; no checkpoint exists yet "
+                                 "(the first is written after update 20)")
+    assert "ckpt_latest.pt" not in str(e.value)
+    r.it, r.saved_at = 7, 5
+    with pytest.raises(train.TrainingError) as e:
+        train.train_update(r, starts)
+    assert str(e.value).endswith(f"at update 8; stopped; the last good checkpoint is "
+                                 f"{os.path.join(str(tmp_path), 'ckpt_latest.pt')} (update 5)")
+
+
+# ============================================================================ 3. random draws
+
+def seeded_forward(model, global_seed, micro_batch):
+    train.seed_random_draws(model, 1337, 0, micro_batch)
+    torch.manual_seed(global_seed)
+    x = torch.arange(2 * 16).view(2, 16) % 23
+    return model(x)[0]
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_training_draws_depend_only_on_seed_update_and_micro_batch(name):
+    """A training forward of every model is a function of (seed, update, micro-batch index): torch's
+    global RNG state does not enter (Parcae's and RDM's depths and h_0 came from it)."""
+    torch.manual_seed(0)
+    model = build_model(small_cfg(name, depth=3, mu_rec=3)).train()
+    a, b = seeded_forward(model, 1, 0), seeded_forward(model, 2, 0)
+    assert torch.equal(a, b)
+    if any(hasattr(m, "rng_seed") for m in model.modules()):  # the models that draw: another index, other draws
+        assert not torch.equal(a, seeded_forward(model, 1, 1))
+
+
+def drawing_models():
+    return [n for n in REGISTRY if any(hasattr(m, "rng_seed") for m in build_model(small_cfg(n)).modules())]
+
+
+def test_the_drawing_models_are_parcae_and_rdm():
+    assert drawing_models() == ["parcae", "rdm"]
+
+
+def run_train(argv, torchrun=2):
+    """train.py under torchrun with that many processes (gloo on CPU)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun)]
+    p = subprocess.run([*launcher, os.path.join(REPO, "train.py"), *argv], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p
+
+
+def log_of(out, event):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["event"] == event]
+
+
+@pytest.mark.parametrize("name", ["parcae", "rdm"])
+def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_path):
+    """The issue's Parcae case: 2 updates of 2 micro-batches, once alone and once under torchrun
+    with 2 processes: parameters within 1e-6, equal losses and dev NLL (they were 1.1e-3 apart).
+    Parametrized by the models that draw (test_the_drawing_models_are_parcae_and_rdm)."""
+    root, data_root, _ = long_questions
+    flags = ["--model", name, "--depth", "2", "--n_prelude", "1", "--n_core", "1", "--n_coda", "1",
+             "--block_size", "32", "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_iters", "2",
+             "--eval_interval", "1", "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2",
+             "--sample_tokens", "0", "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),
+             "--quiet"]
+    train.main([*flags, "--out_dir", str(tmp_path / "one")])  # in this process: saves a start-up
+    run_train([*flags, "--out_dir", str(tmp_path / "ddp")], torchrun=2)
+    a = torch.load(tmp_path / "one" / "ckpt_latest.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "ddp" / "ckpt_latest.pt", weights_only=True)["model"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    one, ddp = log_of(tmp_path / "one", "train"), log_of(tmp_path / "ddp", "train")
+    assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in one], rel=1e-6)
+    one, ddp = log_of(tmp_path / "one", "eval"), log_of(tmp_path / "ddp", "eval")
+    assert [r["dev_nll"] for r in ddp] == pytest.approx([r["dev_nll"] for r in one], rel=1e-6)
+
+
+# ============================================================================ 4. latent tokens, half precision
+
+def tiny_llama(dtype):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)",
+                                       exc_type=ImportError)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=13, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_latent_table_and_adam_state_stay_float32(dtype):
+    base = tiny_llama(dtype)
+    llm = lt.LatentLM(base, "Comma_2", marker_ids=[2])
+    assert llm.Z.dtype == torch.float32 and base.get_input_embeddings().weight.dtype == dtype
+    rng = np.random.default_rng(0)
+    augs = [llm.augment([1] + list(rng.integers(3, 13, 12)) + [2] + list(rng.integers(3, 13, 6)), 6)
+            for _ in range(16)]
+    z0 = llm.Z.detach().clone()
+    llm.train()
+    losses = lt.train_latents(llm, augs, epochs=3, batch_size=4, lr=5e-2, min_lr=5e-5, warmup=0.01)
+    assert llm.training and not base.training  # the mode it found (the base stays frozen in eval)
+    assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
+    assert llm.Z.dtype == torch.float32
+    assert (llm.Z.detach() != z0).float().mean().item() > 0.99  # every entry moved, also late in the schedule
+    # the last update (lr at the floor 5e-5) still moves Z: it is not lost to half-precision rounding
+    z1 = llm.Z.detach().clone()
+    opt = torch.optim.AdamW([llm.Z], lr=5e-5, weight_decay=1e-4)
+    llm.loss(augs[:4]).backward()
+    opt.step()
+    assert all(s.dtype == torch.float32 for s in opt.state[llm.Z].values() if torch.is_tensor(s) and s.dim())
+    assert (llm.Z.detach() != z1).float().mean().item() > 0.99
+
+
+def test_latent_tokens_nonfinite_loss_exits_1(tmp_path, capsys):
+    """A base whose forward gives NaN: the run stops with one line and exit code 1 (it went on and
+    exited 0 with 0 % accuracy)."""
+    cfg = ModelConfig(model="loop", vocab_size=len(lt.TASK_VOCAB), block_size=64, n_embd=32, n_head=1, depth=1,
+                      width=64)
+    model = build_model(cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["norm_f.weight"].fill_(float("nan"))
+    torch.save({"model": state, "config": cfg.to_dict(),
+                "data": {"tokenizer": "task", "vocab_size": len(lt.TASK_VOCAB), "itos": lt.TASK_VOCAB}},
+               tmp_path / "nan.pt")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        lt.main(["--base", str(tmp_path / "nan.pt"), "--task", "summation", "--policy", "Comma_2",
+                 "--n_train", "8", "--epochs", "1", "--n_test", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1
+    assert re.fullmatch(r"error: non-finite loss \(nan\) or gradient norm \(nan\) at step 1 \(epoch 1\); stopped\n",
+                        err), err
+
+
+# ============================================================================ 5. scaling-law fits
+
+def test_fit_skips_a_law_whose_variables_do_not_vary():
+    """Five runs of one model and size (one N, one D): the training law is skipped with its reason
+    instead of printing E = 4.4e-12, A = 1.4e-12; a depth sweep over 2 depths likewise."""
+    runs = [{"path": f"run{i}", "model": "loop", "N": 1e6, "D": 2e7, "mu_rec": 4, "dev_nll": 2.0 + 0.01 * i,
+             "sweep_depths": [1, 1, 2, 2, 2] if i == 0 else None, "sweep_nll": [3, 2.9, 2.5, 2.4, 2.5]}
+            for i in range(5)]
+    rows = {r["law"]: r for r in flops.fit_runs(runs, restarts=2)}
+    assert "params" not in rows["training"] and "params" not in rows["depth"] and "params" not in rows["unified"]
+    assert rows["training"]["error"] == "training law: N takes 1 distinct value in these runs; " \
+                                        "fitting its exponent needs >= 3"
+    assert rows["depth"]["error"] == "depth law: T takes 2 distinct values in these runs; fitting its exponent needs >= 3"
+    with pytest.raises(UsageError, match="D takes 2 distinct values"):
+        flops.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
+
+
+# ============================================================================ 6. sweep settings
+
+def fake_run(folder, argv, summary):
+    """A finished run folder: log.jsonl with train.py's resolved flags for argv, and summary.json."""
+    os.makedirs(folder, exist_ok=True)
+    a = vars(train.resolve_args(train.parse_args([*argv, "--out_dir", str(folder)])))
+    with open(os.path.join(folder, "log.jsonl"), "w") as f:
+        f.write(json.dumps({"event": "start", "args": a}) + "\n")
+    if summary is not None:
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump(summary, f)
+
+
+SUMMARY = dict(model="tango-windowed", depth=2, size="tiny", dataset="dmmath", width=100, non_embedding_params=1000,
+               params=2000, best_iter=4, dev_nll=2.0, test_split="interpolate", test_nll=2.1, unigram_dev=3.0,
+               tokens=100, tok_per_s_median_last100=10.0, data_seed=1, world_size=1, wall_s=1.0)
+
+
+def test_sweep_run_refuses_a_run_trained_with_other_flags(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "runs"
+    fake_run(root / "dmmath" / "tango-windowed-K2-s1",
+             ["--model", "tango-windowed", "--depth", "2", "--dataset", "dmmath", "--seed", "1", "--data_seed", "1",
+              "--size", "tiny", "--window", "8"], dict(SUMMARY, seed=1))
+    started = []
+    monkeypatch.setattr(sweep, "prepare_data", lambda *a: started.append("prepare"))
+    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    argv = ["run", "--root", str(root), "--models", "tango-windowed", "--depths", "2", "--datasets", "dmmath"]
+    with pytest.raises(UsageError) as e:
+        sweep.main([*argv, "--seeds", "2", "--", "--size", "tiny", "--window", "16"])
+    assert str(e.value) == (f"{root / 'dmmath' / 'tango-windowed-K2-s1'}: trained with --window 8, this sweep asks "
+                            "for --window 16; use another --root (or delete that run) to change a setting")
+    assert started == []  # nothing prepared, nothing trained
+    assert sweep.main([*argv, "--seeds", "2", "--", "--size", "tiny", "--window", "8"]) == 0  # same flags: fine
+    assert started[0] == "prepare" and len(started) == 2 and "--seed" in started[1] and "2" in started[1]
+
+
+def test_sweep_report_refuses_a_cell_of_mixed_settings(tmp_path):
+    root = tmp_path / "runs"
+    common = ["--model", "tango-windowed", "--depth", "2", "--dataset", "dmmath", "--size", "tiny"]
+    fake_run(root / "dmmath" / "a-s1", [*common, "--seed", "1", "--window", "8"], dict(SUMMARY, seed=1))
+    fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--window", "16"], dict(SUMMARY, seed=2))
+    with pytest.raises(UsageError, match=r"dmmath/tango-windowed/2: .*a-s1 has --window 8, .*a-s2 has --window 16"):
+        sweep.report(str(root))
+    with pytest.raises(UsageError, match="--window 8"):
+        sweep.load_runs(str(root))
+    fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--window", "8"], dict(SUMMARY, seed=2))
+    assert "| tango-windowed | 2 | 2 |" in sweep.report(str(root))  # only the seed differs: one cell of 2 runs
+    # collected runs (summary.json only): the summaries' settings are compared
+    os.remove(root / "dmmath" / "a-s1" / "log.jsonl")
+    with open(root / "dmmath" / "a-s1" / "summary.json", "w") as f:
+        json.dump(dict(SUMMARY, seed=1, width=128), f)
+    with pytest.raises(UsageError, match="has width 128, .* has width 100"):
+        sweep.report(str(root))
+
+
+# ============================================================================ 7. BPE tests without the vocabulary
+
+def test_bpe_tests_skip_with_the_reason_without_the_vocabulary(tmp_path):
+    missing = str(tmp_path / "missing.tiktoken")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                        "test_data.py::test_gpt2_encoder_from_file", "test_data.py::test_batches_and_windows",
+                        "test_data.py::test_bin_uint32_round_trip"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env={**os.environ, "GPT2_BPE_FILE": missing, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert "1 passed, 2 skipped" in p.stdout
+    assert p.stdout.count(f"GPT2_BPE_FILE={missing} does not exist; the GPT-2 BPE tests need it "
+                          "(tests never download the vocabulary)") == 2
+
+
+# ============================================================================ 8. leftovers
+
+def test_offline_bpe_error_leaves_no_data_root(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPT2_BPE_FILE", str(tmp_path / "missing.tiktoken"))
+    (tmp_path / "text.txt").write_text("some text " * 100)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--dataset", str(tmp_path / "text.txt"), "--data_root", str(tmp_path / "new" / "data"),
+                    "--out_dir", str(tmp_path / "out"), "--quiet"])
+    assert e.value.code == 2 and "GPT2_BPE_FILE" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["text.txt"]  # neither data root (nor its parent) nor out_dir
+
+
+def test_helpers_restore_the_mode_they_found(long_questions):
+    _, _, d = long_questions
+    model = build_model(small_cfg("parcae", vocab_size=d.vocab_size, block_size=8))
+    ctx = contextlib.nullcontext()
+    starts = d.eval_windows("dev", 8, 4)
+    for setting in ("eval", "train", "mixed"):
+        model.train(setting != "eval")
+        if setting == "mixed":
+            model.body.eval()
+        before = [m.training for m in model.modules()]
+        train.evaluate(model, d, "dev", starts, 8, 2, "cpu", ctx)
+        assert [m.training for m in model.modules()] == before, setting
+        train.exact_match(model, d, "interpolate", 2, "cpu", ctx)
+        assert [m.training for m in model.modules()] == before, setting
+        train.print_sample(model, d, SimpleNamespace(sample_tokens=3, seed=0), "cpu", ctx)
+        assert [m.training for m in model.modules()] == before, setting
+
+
+# ============================================================================ 9. weight decay
+
+DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3set; one prelude/core/coda block)
+    "tango": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight", "body.sets.0.wv.weight",
+              "body.sets.0.wo.weight"],
+    "tango-windowed": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight",
+                       "body.sets.0.wv.weight", "body.sets.0.wo.weight"],
+    "tango-3set": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight", "body.sets.0.wv.weight",
+                   "body.sets.0.wo.weight", "body.sets.1.wg.weight", "body.sets.1.wv.weight", "body.sets.1.wo.weight",
+                   "body.sets.2.wg.weight", "body.sets.2.wv.weight", "body.sets.2.wo.weight"],
+    "loop": ["wte.weight", "body.blocks.0.attn.wq.weight", "body.blocks.0.attn.wk.weight",
+             "body.blocks.0.attn.wv.weight", "body.blocks.0.attn.wo.weight", "body.blocks.0.mlp.w1.weight",
+             "body.blocks.0.mlp.w3.weight", "body.blocks.0.mlp.w2.weight"],
+    "untied": ["wte.weight", "body.blocks.0.attn.wq.weight", "body.blocks.0.attn.wk.weight",
+               "body.blocks.0.attn.wv.weight", "body.blocks.0.attn.wo.weight", "body.blocks.0.mlp.w1.weight",
+               "body.blocks.0.mlp.w3.weight", "body.blocks.0.mlp.w2.weight", "body.blocks.1.attn.wq.weight",
+               "body.blocks.1.attn.wk.weight", "body.blocks.1.attn.wv.weight", "body.blocks.1.attn.wo.weight",
+               "body.blocks.1.mlp.w1.weight", "body.blocks.1.mlp.w3.weight", "body.blocks.1.mlp.w2.weight"],
+    "gau": ["wte.weight", "body.units.0.w_in.weight", "body.units.0.wo.weight"],
+    "flash": ["wte.weight", "body.units.0.w_in.weight", "body.units.0.wo.weight"],
+    "parcae": ["wte.weight"] + [f"body.{part}.0.{w}.weight" for part in ("prelude", "core", "coda")
+                                for w in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")],
+    "rdm": ["wte.weight"] + [f"body.prelude.0.{w}.weight" for w in
+                             ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")]
+           + ["body.adapter.weight"] + [f"body.{part}.0.{w}.weight" for part in ("core", "coda") for w in
+                                        ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")],
+}
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_only_weight_matrices_are_decayed(name):
+    """AdamW's decayed group is exactly the weight matrices and the embedding: GAU/FLASH's gamma and
+    beta (which are (n_qk, s) matrices), TANGO's log_tau and null, Parcae's A_log, dt_bias, B, C and
+    every RMSNorm gain are exempt, by the declaration of their module class."""
+    assert set(DECAYED) == set(REGISTRY)
+    model = build_model(small_cfg(name))
+    opt = train.make_optimizer(model, SimpleNamespace(weight_decay=0.1, learning_rate=1e-3))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed, exempt = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
+    assert [names[id(p)] for p in decayed["params"]] == DECAYED[name]
+    assert len(decayed["params"]) + len(exempt["params"]) == len(names)
+
+
+# ============================================================================ 10. CI extras
+
+def test_ci_installs_every_optional_extra_the_tests_import():
+    """Every package a test imports with pytest.importorskip is installed by .ci/run, so those tests
+    run (not skip) on every submission."""
+    wanted = set()
+    for folder in (REPO, os.path.join(REPO, "tests")):
+        for f in os.listdir(folder):
+            if f.startswith("test_") and f.endswith(".py"):
+                wanted |= set(re.findall(r"importorskip\(\s*\"(\w+)\"", open(os.path.join(folder, f)).read()))
+    assert {"transformers", "matplotlib"} <= wanted
+    installs = " ".join(line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+                        if "pip install" in line and not line.lstrip().startswith("#"))
+    assert all(re.search(rf"\b{w}\b", installs) for w in wanted), (wanted, installs)
