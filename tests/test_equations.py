@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-import baselines
 import models
+import parcae
 from common import ModelConfig
 
 F64 = torch.float64
@@ -231,7 +231,7 @@ def gau_body(x, model, pos):
 
 def eval_h0(T, d, std):
     """The seeded evaluation state (a table of random numbers; its std is the documented one)."""
-    return baselines.eval_state(0, T, d, std, "cpu", F64)[0]
+    return parcae.eval_state(0, T, d, std, "cpu", F64)[0]
 
 
 def parcae_body(x, model, pos, depth=None, h0=None):
