@@ -11,13 +11,7 @@ from common import ModelConfig, UsageError
 TIERS = [(512, 16, 44_270_000), (768, 24, 121_400_000)]  # 70M, 160M (models.TIERS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only add contention on a shared CPU (100x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def small_cfg(model, **kw):

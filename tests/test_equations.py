@@ -24,12 +24,7 @@ CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4,
 DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2}  # three sets: first, middle (twice), last
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def config(name, **kw):
@@ -276,7 +271,7 @@ HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_b
 
 def hand_logits(model, idx, pos=None, body_fn=None):
     """Embedding -> body (by hand) -> RMSNorm -> tied head, one sequence at a time."""
-    E = model.wte.weight
+    E = model.wte.weight[:model.cfg.vocab_size]  # the V real rows; the rest pad the matmul (never predicted)
     body_fn = body_fn or HAND[model.cfg.model]
     rows = []
     for r in range(idx.shape[0]):
