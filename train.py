@@ -1,4 +1,4 @@
-"""Train any registered model on a prepared dataset (SPEC.md section 8).
+"""Train any registered model on a prepared dataset (MATH.md, "Training protocol").
 
     python train.py --model tango --depth 8                      # CPU tier, stdlib, ~7 min
     python train.py --model loop --depth 4 --dataset dmmath
@@ -946,7 +946,7 @@ def step_seed(seed, update, micro_batch):
 
 def seed_random_draws(model, seed, update, micro_batch):
     """Point every module that draws random numbers in training (an attribute rng_seed, see
-    baselines.seeded_generators) at step_seed(seed, update, micro_batch)."""
+    parcae.seeded_generators) at step_seed(seed, update, micro_batch)."""
     s = step_seed(seed, update, micro_batch)
     for m in model.modules():
         if hasattr(m, "rng_seed"):
