@@ -1,14 +1,16 @@
 """The synthetic-task experiments of *Enhancing Latent Computation in Transformers with Latent
-Tokens* (arXiv 2505.12629, §4) at our scale: `pretrain` a tiny base on the tasks' in-distribution
-data (the paper uses Llama-3.2-1B), then `sweep` every task x method x seed and write the results
-table. Both run from latent_tokens.py's command line:
+Tokens* (arXiv 2505.12629, §4) at our scale: `run_one` trains latents for one task, policy and seed
+and evaluates them; `pretrain` trains a tiny base on the tasks' in-distribution data (the paper
+uses Llama-3.2-1B); `sweep` runs every task x method x seed and writes the results table. They are
+the bodies of latent_tokens.py's commands:
 
+    python latent_tokens.py --base CKPT --task summation --policy Comma_2      # run
     python latent_tokens.py pretrain --task all --out_dir out/latent_base      # tiny base, ~6 CPU min
     python latent_tokens.py sweep --base out/latent_base/ckpt_best.pt --out_dir results/latent_tokens \\
         --n_train 1024 --epochs 3 --n_test 256 --ablate_readout
 
-Both train through latent_tokens.fit (the one training loop) and write checkpoints with
-train.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
+They train through latent_tokens.fit (the one training loop); pretrain writes its checkpoint
+with train.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
 """
 import json
 import os
@@ -22,9 +24,60 @@ import torch.nn.functional as F
 import train
 from common import ModelConfig, UsageError
 from latent_bases import load_base
-from latent_tokens import (LatentLM, Policy, _base_flags, _parser, _train_flags, cosine_lr, evaluate, fit,
-                           mean_latents, parse, run_one)
+from latent_tokens import (LatentLM, Policy, _base_flags, _parser, _train_flags, choose, cosine_lr,
+                           evaluate, fit, latent_params, parse, parse_policy, train_latents)
 from tasks import TASK_ALPHABET, TASKS, CharTokenizer, encode_sample, get_task, task_tokenizer
+
+
+# =============================================================================== one run
+
+def mean_latents(llm, augs):
+    return float(np.mean([sum(a.is_latent) for a in augs])) if augs else 0.0
+
+
+def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", marker=",", seed=0,
+            n_train=4096, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, warmup=0.01,
+            weight_decay=1e-4, grad_clip=1.0, n_test=1024, eval_mode="tf", levels=None, init="embedding",
+            readout="latent", log=None):
+    """Train latents for one (task, policy, seed) on a frozen base and evaluate every level;
+    returns (record dict, LatentLM)."""
+    torch.manual_seed(seed)
+    rules = parse_policy(policy)
+    marker_ids = tok.marker_ids(marker) if any(r.kind == "marker" for r in rules) else ()
+    llm = LatentLM(base, Policy(rules, None, groups, marker_ids, readout), position_mode=position_mode, init=init)
+    rng = np.random.default_rng([seed, list(TASKS).index(task.name)])
+    augs = [llm.augment(*encode_sample(tok, task, task.sample(rng, "train"))) for _ in range(n_train)]
+    t0 = time.time()
+    losses = train_latents(llm, augs, epochs, batch_size, lr, min_lr, warmup, weight_decay, grad_clip, seed, log)
+    t_train = time.time() - t0
+    metrics = {lv: evaluate(llm, tok, task, lv, n_test, mode=eval_mode) for lv in levels or list(task.levels)}
+    return {"task": task.name, "policy": policy, "groups": groups, "position_mode": position_mode,
+            "init": init, "readout": readout, "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
+            "latents_per_train_sample": mean_latents(llm, augs),
+            "final_loss": float(np.mean(losses[-8:])) if losses else None,
+            "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
+            "metric": task.metric, "metrics": metrics}, llm
+
+
+def run(args):
+    """The plain command: train latents for one task and policy, print and save the result."""
+    base, tok = load_base(args.base)
+    task = get_task(args.task)
+    t0 = time.time()
+    rec, llm = run_one(base, tok, task, args.policy, args.groups, args.position_mode, args.marker, args.seed,
+                       args.n_train, args.epochs, args.batch_size, args.lr, args.min_lr, args.warmup,
+                       args.weight_decay, args.grad_clip, args.n_test, args.eval_mode, init=args.init,
+                       readout=args.readout, log=print)
+    print(f"{task.name} / {llm.policy} / {args.position_mode}: {rec['latent_vectors']} latent vectors, "
+          f"{rec['latents_per_train_sample']:.1f} latents per training sample")
+    for lv, v in rec["metrics"].items():
+        print(f"  {'ID ' if lv in task.id_levels else 'OOD'} {lv:6s} {task.metric}: {v:.4f}")
+    print(f"  ({time.time() - t0:.0f} s)")
+    if args.save:
+        torch.save(latent_params(llm), args.save)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 # =============================================================================== a tiny base for the tasks
@@ -58,6 +111,9 @@ def pretrain(args):
     one), loss on every token; train.make_optimizer (AdamW, train.py's decay groups), cosine_lr
     from --lr to 10 % after 2 % warmup, weight decay 0.1, clipping 1.0, through `fit`."""
     from models import build_model
+    if args.d % 32 or args.d < 32:
+        raise UsageError(f"--d {args.d}: must be a multiple of 32")
+    choose("vocab", args.vocab, ("task", "char"))
     torch.manual_seed(args.seed)
     names = list(TASKS) if args.task == "all" else [get_task(t).name for t in args.task.split(",")]
     mix = args.mix or ("1,2,1" if args.task == "all" else ",".join("1" * len(names)))

@@ -40,35 +40,29 @@ inputs the base knows; "normal" is N(0, 0.02). On our tiny task base the rows di
 budget (Repetition ID 84 % vs 75 %, 128 updates, seed 0). Z is float32 at least (float64 on a
 float64 base) and cast to the base's dtype at use; the base is frozen and stays in eval mode.
 
-Bases: this project's `common.LM` (any models.REGISTRY model, through `forward_embeds` with
-explicit position ids and a dict cache) or a Hugging Face causal LM (hf_base.py).
+Bases (latent_bases.py): this project's `common.LM` (any models.REGISTRY model) or a Hugging Face
+causal LM, both driven with input embeddings, explicit position ids and a decoding cache.
 
 Training (App. B.1, Table 2): AdamW (train.param_groups) on Z alone, lr 5e-2, warmup 1 %, cosine
 to 5e-5, weight decay 1e-4, batch 16, 10 epochs; clipping 1.0 is our addition. `fit` is the one
-training loop, used for Z and for `pretrain`'s small task base; checkpoints go through
-train.save_atomic. Evaluation is teacher-forced greedy ("tf", default): one batched forward over
-query + reference; greedy decoding reproduces the first r reference tokens iff the argmax at each
-of those r scored positions is right (the policy sees only the prefix), so exact match and the
-Generation count equal greedy decoding's. --eval_mode generate runs the cached decoder instead.
-The tasks, their generators and metrics are in tasks.py. Commands:
+training loop, for Z and for the small task base (latent_experiments.py). Evaluation is
+teacher-forced greedy ("tf", default): one batched forward over query + reference; greedy decoding
+reproduces the first r reference tokens iff the argmax at each of those r scored positions is
+right (the policy sees only the prefix), so exact match and the Generation count equal greedy
+decoding's; --eval_mode generate runs the cached decoder. Tasks and metrics: tasks.py.
 
-    python latent_tokens.py pretrain --task all --out_dir out/latent_base      # tiny base, ~6 CPU min
-    python latent_tokens.py --base out/latent_base/ckpt_best.pt --task summation --policy Comma_2
+    python latent_tokens.py --base CKPT --task summation --policy Comma_2
     python latent_tokens.py --base CKPT --task repetition --policy Start_1+Comma_1 --groups rule
     python latent_tokens.py --base CKPT --task generation --policy none        # frozen base alone
-    python latent_tokens.py sweep --base CKPT --out_dir results/latent_tokens \\
-        --n_train 1024 --epochs 3 --n_test 256 --ablate_readout                 # the results table
+    python latent_tokens.py pretrain --help; python latent_tokens.py sweep --help  # latent_experiments.py
 
 Bad input (unknown policy/task, missing checkpoint, ...): one line, exit code 2; a non-finite loss
 or gradient norm: one line, exit code 1.
 """
 import argparse
-import json
 import math
-import os
 import re
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,9 +72,8 @@ import torch.nn.functional as F
 
 import train as train_mod
 from common import UsageError
-from latent_bases import load_base, make_backend
-from tasks import (TASK_ALPHABET, TASK_VOCAB, TASKS, CharTokenizer, Tokenizer, encode_sample, get_task,  # noqa: F401
-                   task_tokenizer, test_set)
+from latent_bases import make_backend
+from tasks import TASK_VOCAB, TASKS, encode_sample, get_task, test_set  # noqa: F401 (lt.TASK_VOCAB, as before)
 from train import TrainingError
 
 POSITION_MODES = ("prepend", "append", "increase")
@@ -495,34 +488,6 @@ def evaluate(llm, tok, task, level, n_test=256, batch_size=32, mode="tf"):
     return float(np.mean(scores))
 
 
-def mean_latents(llm, augs):
-    return float(np.mean([sum(a.is_latent) for a in augs])) if augs else 0.0
-
-
-def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", marker=",", seed=0,
-            n_train=4096, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, warmup=0.01,
-            weight_decay=1e-4, grad_clip=1.0, n_test=1024, eval_mode="tf", levels=None, init="embedding",
-            readout="latent", log=None):
-    """Train latents for one (task, policy, seed) on a frozen base and evaluate every level;
-    returns (record dict, LatentLM)."""
-    torch.manual_seed(seed)
-    rules = parse_policy(policy)
-    marker_ids = tok.marker_ids(marker) if any(r.kind == "marker" for r in rules) else ()
-    llm = LatentLM(base, Policy(rules, None, groups, marker_ids, readout), position_mode=position_mode, init=init)
-    rng = np.random.default_rng([seed, list(TASKS).index(task.name)])
-    augs = [llm.augment(*encode_sample(tok, task, task.sample(rng, "train"))) for _ in range(n_train)]
-    t0 = time.time()
-    losses = train_latents(llm, augs, epochs, batch_size, lr, min_lr, warmup, weight_decay, grad_clip, seed, log)
-    t_train = time.time() - t0
-    metrics = {lv: evaluate(llm, tok, task, lv, n_test, mode=eval_mode) for lv in levels or list(task.levels)}
-    return {"task": task.name, "policy": policy, "groups": groups, "position_mode": position_mode,
-            "init": init, "readout": readout, "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
-            "latents_per_train_sample": mean_latents(llm, augs),
-            "final_loss": float(np.mean(losses[-8:])) if losses else None,
-            "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
-            "metric": task.metric, "metrics": metrics}, llm
-
-
 # =============================================================================== command line
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -591,10 +556,6 @@ def check_args(args):
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     choose("readout", getattr(args, "readout", "latent"), READOUTS)
     choose("position_mode", getattr(args, "position_mode", "prepend"), POSITION_MODES)
-    if args.cmd == "pretrain":
-        if args.d % 32 or args.d < 32:
-            raise UsageError(f"--d {args.d}: must be a multiple of 32")
-        choose("vocab", args.vocab, ("task", "char"))
     if args.cmd == "run":
         get_task(args.task)
         parse_policy(args.policy)
@@ -608,31 +569,14 @@ def check_args(args):
 
 
 def main(argv=None):
-    """The command line; pretrain and sweep are in latent_experiments.py (which imports this module)."""
+    """The command line; the commands' bodies are in latent_experiments.py (which imports this module)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        import latent_experiments
         if argv and argv[0] in ("pretrain", "sweep"):
-            import latent_experiments
             latent_experiments.main(argv)
             return
-        args = parse(run_parser(), argv, "run")
-        base, tok = load_base(args.base)
-        task = get_task(args.task)
-        t0 = time.time()
-        rec, llm = run_one(base, tok, task, args.policy, args.groups, args.position_mode, args.marker, args.seed,
-                           args.n_train, args.epochs, args.batch_size, args.lr, args.min_lr, args.warmup,
-                           args.weight_decay, args.grad_clip, args.n_test, args.eval_mode, init=args.init,
-                           readout=args.readout, log=print)
-        print(f"{task.name} / {llm.policy} / {args.position_mode}: {rec['latent_vectors']} latent vectors, "
-              f"{rec['latents_per_train_sample']:.1f} latents per training sample")
-        for lv, v in rec["metrics"].items():
-            print(f"  {'ID ' if lv in task.id_levels else 'OOD'} {lv:6s} {task.metric}: {v:.4f}")
-        print(f"  ({time.time() - t0:.0f} s)")
-        if args.save:
-            torch.save(latent_params(llm), args.save)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        latent_experiments.run(parse(run_parser(), argv, "run"))
     except (UsageError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, UsageError) else 1)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import latent_bases
 import latent_experiments
 import latent_tokens as lt
 import models
@@ -365,7 +366,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert torch.load(tmp_path / "z.pt", weights_only=True)["Z"].shape == (2, 1, 32)
     lt.main(["pretrain", "--out_dir", str(tmp_path / "cbase"), "--vocab", "char", "--d", "32", "--depth", "1",
              "--steps", "1", "--eval_interval", "1", "--n_samples", "6", "--n_dev", "3", "--n_test", "2"])
-    base, tok = lt.load_base(str(tmp_path / "cbase" / "ckpt_best.pt"))
+    base, tok = latent_bases.load_base(str(tmp_path / "cbase" / "ckpt_best.pt"))
     assert tok.kind == "char" and tok.itos == list(tasks.TASK_ALPHABET)
     lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "generation", "--policy", "none", "--n_test", "2",
              "--eval_mode", "generate"])
