@@ -296,7 +296,8 @@ def make_table(runs):
 # =============================================================================== command line
 
 def pretrain_parser():
-    p = _parser("latent_tokens.py pretrain", pretrain.__doc__.split("\n")[0])
+    p = _parser("latent_tokens.py pretrain", "a tiny base trained on the tasks' in-distribution data "
+                                             "(writes train.txt, meta.json, ckpt_best.pt)")
     a = p.add_argument
     a("--task", default="all", help="all or a comma list of " + ", ".join(TASKS))
     a("--mix", default=None, help="integer weights per task (default 1,2,1 for all: Summation's retrieval "
