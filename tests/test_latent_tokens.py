@@ -354,6 +354,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     meta = json.load(open(out / "meta.json"))
     assert meta["itos"] == ck["data"]["itos"]
     assert open(out / "train.txt").read().startswith("\n")
+    assert sorted(os.listdir(out)) == ["ckpt_best.pt", "meta.json", "train.txt"]  # no temporary file left
     capsys.readouterr()
     js = tmp_path / "r.jsonl"
     lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "repetition", "--policy", "Start_1+Comma_1",
