@@ -169,8 +169,8 @@ def pretrain(args):
             if d < best:
                 best, tag = d, " (best, saved)"
                 train.save_atomic({"model": train.clean_state_dict(model), "config": cfg.to_dict(),
-                                       "data": {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos},
-                                       "iter": it + 1, "best_dev": best, "dev_nll": d}, path)
+                                   "data": {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos},
+                                   "iter": it + 1, "best_dev": best, "dev_nll": d}, path)
             print(f"update {it + 1}: train loss {loss:.4f}  dev NLL {d:.4f}{tag}  ({time.time() - t0:.0f} s)", flush=True)
     base, tok = load_base(path)
     llm = LatentLM(base, "none")
