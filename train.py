@@ -597,11 +597,11 @@ def save_atomic(obj, path):
             os.close(fd)
 
 
-def load_checkpoint(path, keys=("model", "config")):
-    """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing,
-    unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
+def load_checkpoint(path, keys=("model", "config"), flag="--resume"):
+    """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing (naming
+    flag), unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
     if not os.path.isfile(path):
-        raise UsageError(f"--resume: no checkpoint at {path}")
+        raise UsageError(f"{flag}: no checkpoint at {path}")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file
