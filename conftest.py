@@ -27,3 +27,14 @@ def gpt2_bpe():
     if reason:
         pytest.skip(reason)
     return BPE
+
+
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread inside the test: the tensors in these tests are tiny, and on a
+    shared CPU spinning threads make them many times slower."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,4 +1,4 @@
-"""Train any registered model on a prepared dataset (SPEC.md section 8).
+"""Train any registered model on a prepared dataset (MATH.md, "Training protocol").
 
     python train.py --model tango --depth 8                      # CPU tier, stdlib, ~7 min
     python train.py --model loop --depth 4 --dataset dmmath
@@ -597,11 +597,11 @@ def save_atomic(obj, path):
             os.close(fd)
 
 
-def load_checkpoint(path, keys=("model", "config")):
-    """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing,
-    unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
+def load_checkpoint(path, keys=("model", "config"), flag="--resume"):
+    """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing (naming
+    flag), unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
     if not os.path.isfile(path):
-        raise UsageError(f"--resume: no checkpoint at {path}")
+        raise UsageError(f"{flag}: no checkpoint at {path}")
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file
@@ -946,7 +946,7 @@ def step_seed(seed, update, micro_batch):
 
 def seed_random_draws(model, seed, update, micro_batch):
     """Point every module that draws random numbers in training (an attribute rng_seed, see
-    baselines.seeded_generators) at step_seed(seed, update, micro_batch)."""
+    parcae.seeded_generators) at step_seed(seed, update, micro_batch)."""
     s = step_seed(seed, update, micro_batch)
     for m in model.modules():
         if hasattr(m, "rng_seed"):

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-import baselines
 import models
+import parcae
 from common import ModelConfig
 
 F64 = torch.float64
@@ -24,12 +24,7 @@ CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4,
 DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2}  # three sets: first, middle (twice), last
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def config(name, **kw):
@@ -231,7 +226,7 @@ def gau_body(x, model, pos):
 
 def eval_h0(T, d, std):
     """The seeded evaluation state (a table of random numbers; its std is the documented one)."""
-    return baselines.eval_state(0, T, d, std, "cpu", F64)[0]
+    return parcae.eval_state(0, T, d, std, "cpu", F64)[0]
 
 
 def parcae_body(x, model, pos, depth=None, h0=None):
@@ -276,7 +271,7 @@ HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_b
 
 def hand_logits(model, idx, pos=None, body_fn=None):
     """Embedding -> body (by hand) -> RMSNorm -> tied head, one sequence at a time."""
-    E = model.wte.weight[:model.cfg.vocab_size]  # the padding rows are never predicted
+    E = model.wte.weight[:model.cfg.vocab_size]  # the V real rows; the rest pad the matmul (never predicted)
     body_fn = body_fn or HAND[model.cfg.model]
     rows = []
     for r in range(idx.shape[0]):
@@ -354,8 +349,8 @@ def test_parcae_per_sequence_depths_equal_hand_computation():
     h0 = torch.randn(3, T, d, generator=torch.Generator().manual_seed(9), dtype=F64) * 0.1
     depths = torch.tensor([1, 3, 2])
     cos, sin = rope_cos_sin(torch.arange(T), dtype=F64)
-    got = model.norm_f(body(model.wte(idx), cos, sin, None, depths=depths, h0=h0)) @ model.wte.weight[:V].t()
-    E, pos = model.wte.weight[:V], torch.arange(T)
+    got = model.norm_f(body(model.wte(idx), cos, sin, None, depths=depths, h0=h0)) @ model.wte.weight.t()
+    E, pos = model.wte.weight, torch.arange(T)
     for r in range(3):
         y = parcae_body(E[idx[r]], model, pos, depth=int(depths[r]), h0=h0[r])
         torch.testing.assert_close(got[r], lin(rms(y, model.norm_f.weight), E), rtol=1e-9, atol=1e-9)

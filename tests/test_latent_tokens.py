@@ -1,30 +1,30 @@
-"""Tests for latent tokens (latent_tokens.py, SPEC.md section 6): augmented sequences and position
-ids on hand-built examples for every policy and position mode, the loss mask, frozen base,
-cached decoding == full forward (every REGISTRY model, and tiny Hugging Face Llama / GPT-2 when
-transformers is installed), teacher-forced scoring == greedy decoding, the three task generators
-and their metrics, and the CLI (one-line errors with exit code 2, a tiny end-to-end run)."""
+"""Tests for latent_tokens.py (*Enhancing Latent Computation in Transformers with Latent Tokens*,
+arXiv 2505.12629, §3; MATH.md "Latent tokens"): augmented sequences and position ids on hand-built
+examples for every policy and position mode, the loss mask, frozen base, cached decoding == full
+forward (every REGISTRY model, and tiny Hugging Face Llama / GPT-2 when transformers is installed),
+teacher-forced scoring == greedy decoding, the one training loop, and the command line (one-line
+errors with exit code 2, a tiny end-to-end run, the committed results table regenerated from its
+runs). The task generators and metrics are tested in test_tasks.py."""
 import json
 import math
-import re
+import os
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import latent_bases
+import latent_experiments
 import latent_tokens as lt
 import models
+import tasks
 from common import ModelConfig, UsageError
 
 B, C = 0, 9  # beginning token and marker (',') in the hand-built examples
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pol(spec, groups="shared"):
@@ -148,7 +148,7 @@ def small_cfg(model, **kw):
 
 def loud(model, seed=0):
     """float64 with weights big enough that mixing and positions move the logits a lot (at the
-    SPEC init the attention barely changes anything and comparisons would be vacuous)."""
+    default init the attention barely changes anything and comparisons would be vacuous)."""
     torch.manual_seed(seed)
     model = model.to(torch.float64)
     with torch.no_grad():
@@ -282,118 +282,46 @@ def test_hf_cached_decode_equals_full_forward(kind):
     assert llm.Z.grad.abs().sum() > 0
 
 
-# ----------------------------------------------------------------------------- tasks
+# ----------------------------------------------------------------------------- training
 
-TOK = lt.task_tokenizer()
-
-
-def test_task_tokenizer():
-    """Llama-3-like pieces: the paper's equation '44@47=83,' is six tokens; numbers of up to three
-    digits are one token; words keep their leading space; char mode is one token per character."""
-    assert [TOK.itos[i] for i in TOK.encode("44@47=83,")] == ["44", "@", "47", "=", "83", ","]
-    assert [TOK.itos[i] for i in TOK.encode("Var10=29, Var1+Var10=")] == [
-        "Var", "10", "=", "29", ",", " Var", "1", "+", "Var", "10", "="]
-    text = "Please repeat the following equation 6 times: 100+100=200,"
-    assert TOK.decode(TOK.encode(text)) == text and len(TOK.encode(text)) == 16
-    assert TOK.bos == TOK.eos == TOK.encode("\n")[0] and TOK.marker_ids(",") == TOK.encode(",")
-    with pytest.raises(UsageError):
-        TOK.encode("201")  # not a token any generator emits
-    char = lt.CharTokenizer(lt.TASK_ALPHABET)
-    assert char.decode(char.encode(text)) == text and len(char.encode("44@47=83,")) == 9
+def test_cosine_lr_values():
+    """Warmup to the peak over `warmup` updates, the peak again at update `warmup`, cosine to the
+    floor at update `total` (hand values: cos(pi/2) = 0)."""
+    lrs = [lt.cosine_lr(s, 10, 1.0, 0.1, 2) for s in range(11)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert lrs[6] == pytest.approx(0.55, abs=1e-15) and lrs[10] == pytest.approx(0.1, abs=1e-15)
+    assert lt.cosine_lr(40, 10, 1.0, 0.1, 2) == pytest.approx(0.1, abs=1e-15)
 
 
-def test_generation_format_and_metric():
-    gen = lt.TASKS["generation"]
-    eqs = gen.chain("44", "47", 7)  # the paper's example
-    assert "".join(eqs[:5]) == "44@47=83,47@83=34,83@34=21,34@21=53,21@53=72,"
-    assert "".join(eqs[5:]) == "53@72=31,72@31=11,"
-    q = "".join(eqs[:5])
-    assert gen.score(q, "53@72=31,72@31=11,") == 2
-    assert gen.score(q, "53@72=31,72@31=11,31@11=") == 2  # an unfinished equation does not count
-    assert gen.score(q, "53@72=31,72@31=12,31@12=41,") == 1  # wrong result; the chain breaks there
-    assert gen.score(q, "53@72=31,11@11=20,") == 1  # obeys the rule but is not chained
-    assert gen.score(q, "53@72=30,") == 0 and gen.score(q, "") == 0
-    assert gen.score_prefix("53@72=31,72@31=1", "53@72=31,72@31=11,", False) == 1
-    rng = np.random.default_rng(0)
-    lens = set()
-    for _ in range(200):
-        s = gen.sample(rng)
-        assert re.fullmatch(r"(\d\d@\d\d=\d\d,){5}", s.query)
-        n = len(s.response) // 9
-        lens.add(n)
-        assert re.fullmatch(r"(\d\d@\d\d=\d\d,)+", s.response) and gen.score(s.query, s.response) == n
-    assert lens == set(range(1, 11))
-    s = gen.sample(rng, "40")
-    assert gen.score(s.query, s.response) == 40
-
-
-def test_summation_format_and_metric():
-    summ = lt.TASKS["summation"]
-    q = "Var0=29, Var1=24, Var2=20, Var3=17, Var4=16, Var5=28, Var1+Var2="  # the paper's example
-    assert summ.answer(q) == "24+20=44"
-    assert summ.score(q, "24+20=44", True) == 1.0
-    assert summ.score(q, "24+20=45", True) == 0.0
-    assert summ.score(q, "24+20=44", False) == 0.0  # no ending token within the budget
-    rng = np.random.default_rng(1)
-    ns = set()
-    for _ in range(300):
-        s = summ.sample(rng)
-        mt = re.fullmatch(r"((?:Var\d+=\d\d, )+)Var(\d+)\+Var(\d+)=", s.query)
-        vals = re.findall(r"Var(\d+)=(\d\d), ", mt.group(1))
-        assert [int(k) for k, _ in vals] == list(range(len(vals)))
-        assert all(10 <= int(v) < 30 for _, v in vals) and mt.group(2) != mt.group(3)
-        ns.add(len(vals))
-        assert s.response == summ.answer(s.query)
-    assert ns == set(range(5, 15))
-    assert all(30 <= summ.sample(rng, "30-49").info["n"] < 50 for _ in range(20))
-
-
-def test_repetition_format_and_metric():
-    rep = lt.TASKS["repetition"]
-    q = "Please repeat the following equation 6 times: 48+19=67,48+19=67,"  # the paper's example
-    assert rep.answer(q) == "48+19=67," * 4
-    assert rep.score(q, "48+19=67," * 4, True) == 1.0
-    assert rep.score(q, "48+19=67," * 5, True) == 0.0 and rep.score(q, "48+19=67," * 3, True) == 0.0
-    rng = np.random.default_rng(2)
-    s2s = set()
-    for _ in range(300):
-        s = rep.sample(rng)
-        mt = re.fullmatch(r"Please repeat the following equation (\d+) times: ((\d+)\+(\d+)=(\d+),)+", s.query)
-        a, b, c = int(mt.group(3)), int(mt.group(4)), int(mt.group(5))
-        assert 1 <= a <= 100 and 1 <= b <= 100 and c == a + b
-        s1, s2 = s.info["s1"], s.info["s2"]
-        assert 1 <= s1 <= 5 and int(mt.group(1)) == s1 + s2 and s.query.count(",") == s1
-        assert s.response == mt.group(2) * s2 == rep.answer(s.query)
-        s2s.add(s2)
-    assert s2s == set(range(1, 6))
-    assert all(8 <= rep.sample(rng, "8-10").info["s2"] <= 10 for _ in range(20))
-
-
-def test_generators_are_seeded_and_in_the_alphabet():
-    for task in lt.TASKS.values():
-        a = [task.sample(np.random.default_rng(7)) for _ in range(3)]
-        b = [task.sample(np.random.default_rng(7)) for _ in range(3)]
-        assert [(s.query, s.response) for s in a] == [(s.query, s.response) for s in b]
-        for lv in task.levels:
-            s = lt.test_set(task, lv, 5)[0]
-            assert s.query == lt.test_set(task, lv, 5)[0].query
-            TOK.encode(s.query + s.response)  # raises on a character outside the vocabulary
-    v, q = lt.encode_sample(TOK, lt.TASKS["summation"], lt.Sample("Var0=11, Var0+Var0=", "11+11=22"))
-    assert v[0] == TOK.bos and v[-1] == TOK.eos and TOK.decode(v[1:q]) == "Var0=11, Var0+Var0="
-    v, q = lt.encode_sample(TOK, lt.TASKS["generation"], lt.TASKS["generation"].sample(np.random.default_rng(0)))
-    assert v[-1] == TOK.encode(",")[0]  # Generation responses have no ending token
-
-
-def test_teacher_forced_metrics_on_known_answers():
-    """With a base that always predicts the reference (an oracle), every metric is perfect; the
-    same samples scored with a corrupted reference get the partial/zero scores."""
-    for task in lt.TASKS.values():
-        s = lt.test_set(task, list(task.levels)[0], 1)[0]
-        v, q = lt.encode_sample(TOK, task, s)
-        full = task.score_prefix(TOK.decode(v[q:]), s.response, True)
-        assert full == (len(s.response) // 9 if task.name == "generation" else 1.0)
-        half = task.score_prefix(TOK.decode(v[q:q + 8]), s.response, False)  # 1 equation + 2 tokens
-        assert half == (1 if task.name == "generation" else 0.0)
+def test_train_latents_is_adamw_on_z_by_hand():
+    """train_latents == an independent float64 loop: the same epoch permutations, cosine_lr,
+    clipping to grad_clip, AdamW (betas 0.9, 0.999, eps 1e-8, decoupled decay) on Z alone."""
+    llm = latent_model("untied", "Start_1+Comma_2", groups="rule")
+    augs = [llm.augment(V1, Q1), llm.augment(V2, Q2), llm.augment(QUERY + CONT, len(QUERY))]
+    z0 = llm.Z.detach().clone()
+    base0 = {k: v.clone() for k, v in llm.base.state_dict().items()}
+    losses = lt.train_latents(llm, augs, epochs=2, batch_size=2, lr=1e-2, min_lr=1e-4, warmup=0.25,
+                              weight_decay=0.1, grad_clip=0.5, seed=4)
+    ref = lt.LatentLM(llm.base, llm.policy)
+    with torch.no_grad():
+        ref.Z.copy_(z0)
+    m, v, want, rng, t = torch.zeros_like(z0), torch.zeros_like(z0), [], np.random.default_rng(4), 0
+    for _ in range(2):
+        perm = rng.permutation(3)
+        for b in range(2):
+            lr = 1e-2 * (t + 1) if t < 1 else 1e-4 + (1e-2 - 1e-4) * 0.5 * (1 + math.cos(math.pi * (t - 1) / 3))
+            loss = ref.loss([augs[i] for i in perm[2 * b:2 * b + 2]])
+            g, = torch.autograd.grad(loss, ref.Z)
+            g = g * min(1.0, 0.5 / (float(g.norm()) + 1e-6))
+            t += 1
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            with torch.no_grad():
+                ref.Z.mul_(1 - lr * 0.1)
+                ref.Z.sub_(lr / (1 - 0.9 ** t) * m / (v.sqrt() / math.sqrt(1 - 0.999 ** t) + 1e-8))
+            want.append(loss.item())
+    assert losses == pytest.approx(want, rel=1e-12)
+    torch.testing.assert_close(llm.Z.detach(), ref.Z.detach(), rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(base0[k], w) for k, w in llm.base.state_dict().items())  # the base is frozen
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -422,10 +350,11 @@ def test_cli_end_to_end(tmp_path, capsys):
              "--n_samples", "30", "--n_dev", "6", "--n_test", "4"])
     ck = torch.load(out / "ckpt_best.pt", map_location="cpu", weights_only=True)
     assert set(ck) == {"model", "config", "data", "iter", "best_dev", "dev_nll"}
-    assert ck["data"]["tokenizer"] == "task" and ck["data"]["itos"] == lt.TASK_VOCAB
+    assert ck["data"]["tokenizer"] == "task" and ck["data"]["itos"] == tasks.TASK_VOCAB
     meta = json.load(open(out / "meta.json"))
     assert meta["itos"] == ck["data"]["itos"]
     assert open(out / "train.txt").read().startswith("\n")
+    assert sorted(os.listdir(out)) == ["ckpt_best.pt", "meta.json", "train.txt"]  # no temporary file left
     capsys.readouterr()
     js = tmp_path / "r.jsonl"
     lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "repetition", "--policy", "Start_1+Comma_1",
@@ -438,8 +367,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert torch.load(tmp_path / "z.pt", weights_only=True)["Z"].shape == (2, 1, 32)
     lt.main(["pretrain", "--out_dir", str(tmp_path / "cbase"), "--vocab", "char", "--d", "32", "--depth", "1",
              "--steps", "1", "--eval_interval", "1", "--n_samples", "6", "--n_dev", "3", "--n_test", "2"])
-    base, tok = lt.load_base(str(tmp_path / "cbase" / "ckpt_best.pt"))
-    assert tok.kind == "char" and tok.itos == list(lt.TASK_ALPHABET)
+    base, tok = latent_bases.load_base(str(tmp_path / "cbase" / "ckpt_best.pt"))
+    assert tok.kind == "char" and tok.itos == list(tasks.TASK_ALPHABET)
     lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "generation", "--policy", "none", "--n_test", "2",
              "--eval_mode", "generate"])
     assert "equations" in capsys.readouterr().out
@@ -450,3 +379,25 @@ def test_cli_end_to_end(tmp_path, capsys):
     runs = json.load(open(tmp_path / "res" / "results_summation.json"))
     assert len(runs) == 1 + 5 * 2
     assert "python latent_tokens.py pretrain --out_dir" in table and "python latent_tokens.py sweep" in table
+
+
+@pytest.mark.parametrize("make", [lt.run_parser, latent_experiments.pretrain_parser,
+                                  latent_experiments.sweep_parser])
+def test_help_shows_every_default(make):
+    p = make()
+    fmt = p.formatter_class(p.prog)
+    for act in p._actions:
+        if act.option_strings and act.dest != "help" and not act.required:
+            assert "default" in fmt._get_help_string(act), act.dest
+    text = " ".join(p.format_help().split())
+    assert "(default: None)" not in text
+
+
+def test_committed_table_regenerates_from_its_runs():
+    """results/latent_tokens/README_table.md holds make_table over the committed runs, byte for byte."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "latent_tokens")
+    runs = [r for name in tasks.TASKS for r in json.load(open(os.path.join(root, f"results_{name}.json")))]
+    assert len(runs) == 57
+    table = latent_experiments.make_table(runs)
+    assert table.count("| frozen base alone |") == 3
+    assert table in open(os.path.join(root, "README_table.md")).read()
