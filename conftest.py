@@ -27,3 +27,36 @@ def gpt2_bpe():
     if reason:
         pytest.skip(reason)
     return BPE
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors and in-process runs use one thread, like the subprocesses (OMP_NUM_THREADS=1):
+    on a shared 2-core machine intra-op threads make them 10-100x slower. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _write_mdm(root, n_train, n_extrapolate, n_eval=60):
+    """A small dataset in the official DeepMind Mathematics layout under root (a pathlib.Path):
+    "What is a + b?" / answer lines, n_train problems in each train-* folder; returns root."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for folder, n in [("train-easy", n_train), ("train-medium", n_train), ("train-hard", n_train), ("dev", n_eval),
+                      ("interpolate", n_eval), ("extrapolate", n_extrapolate)]:
+        (root / folder).mkdir()
+        lines = []
+        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
+            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
+        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def write_mdm():
+    """write_mdm(root, n_train, n_extrapolate): the mini DeepMind Mathematics dataset writer."""
+    return _write_mdm

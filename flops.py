@@ -220,8 +220,9 @@ def recurrent_param_split(cfg: ModelConfig):
 def unrolled_params(cfg: ModelConfig, mu_rec=None) -> int:
     """N(mu_rec): non-embedding parameters with the core unrolled mu_rec times (default: the
     config's mu_rec, i.e. cfg.mu_rec or cfg.depth). The N of the scaling laws (SPEC 5)."""
+    from baselines import resolve_recurrence
     core, rest = recurrent_param_split(cfg)
-    mu = mu_rec if mu_rec is not None else (cfg.mu_rec or cfg.depth)
+    mu = mu_rec if mu_rec is not None else resolve_recurrence(cfg)[0]
     return rest + mu * core
 
 
@@ -419,12 +420,13 @@ def read_run(path):
                 sweep = rec
     if start is None or summary is None:
         raise UsageError(f"{f}: needs a 'start' and a 'summary' event (run not finished?)")
+    from baselines import resolve_recurrence
     cfg = ModelConfig.from_dict(start["config"])
     args = start.get("args", {})
     per_update = args.get("batch_size", 1) * args.get("gradient_accumulation_steps", 1) * cfg.block_size
     looped = cfg.model in RECURRENT_MODELS
     return {"path": path, "model": cfg.model, "config": cfg,
-            "mu_rec": (cfg.mu_rec or cfg.depth) if looped else cfg.depth,
+            "mu_rec": resolve_recurrence(cfg)[0] if looped else cfg.depth,
             "N": unrolled_params(cfg) if looped else start.get("non_embedding_params"),
             "D": float(summary.get("tokens", summary["best_iter"] * per_update)),
             "dev_nll": float(summary["dev_nll"]),

@@ -24,12 +24,7 @@ CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4,
 DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2}  # three sets: first, middle (twice), last
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(name, **kw):

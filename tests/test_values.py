@@ -21,12 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- learning-rate schedule
@@ -55,18 +50,9 @@ def test_lr_schedule_literal_values():
 # ----------------------------------------------------------------------------- in-process runs
 
 @pytest.fixture(scope="module")
-def mdm(tmp_path_factory):
+def mdm(tmp_path_factory, write_mdm):
     """A small dataset in the DeepMind Mathematics layout: "What is a + b?" / answer."""
-    root = tmp_path_factory.mktemp("mdm")
-    rng = np.random.default_rng(0)
-    for folder, n in [("train-easy", 200), ("train-medium", 200), ("train-hard", 200), ("dev", 60),
-                      ("interpolate", 60), ("extrapolate", 30)]:
-        (root / folder).mkdir()
-        lines = []
-        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
-            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
-        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
-    return root
+    return write_mdm(tmp_path_factory.mktemp("mdm"), n_train=200, n_extrapolate=30)
 
 
 @pytest.fixture(scope="module")

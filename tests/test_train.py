@@ -1,4 +1,4 @@
-"""Tests for train.py (issue 7): exact resume, safe checkpoints, clear errors, DDP on CPU.
+"""Tests for train.py (and checkpoint.py, config.py, datacheck.py, evaluation.py): exact resume, safe checkpoints, clear errors, DDP on CPU.
 
 The runs use a tiny DeepMind-Mathematics-shaped dataset written here (character vocabulary of
 ~20 symbols), so a training update of the 1M-parameter CPU-tier model takes milliseconds and the
@@ -23,41 +23,26 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data as data_mod
 import train
 from common import ModelConfig
 from models import build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 TINY = ["--model", "loop", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--eval_windows", "6",
         "--eval_batch_size", "4", "--sample_tokens", "5", "--em_samples", "3", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process runs use one thread, like the subprocesses (OMP_NUM_THREADS=1): on a shared
-    2-core machine two spinning threads per process make a tiny run 10-30x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def mdm(tmp_path_factory):
+def mdm(tmp_path_factory, write_mdm):
     """A small dataset in the official DeepMind Mathematics layout: "What is a + b?" / answer.
     Questions are at most 16 characters, so every 32-token window has scored (answer) targets."""
-    root = tmp_path_factory.mktemp("mdm")
-    rng = np.random.default_rng(0)
-    for folder, n in [("train-easy", 300), ("train-medium", 300), ("train-hard", 300), ("dev", 60),
-                      ("interpolate", 60), ("extrapolate", 60)]:
-        (root / folder).mkdir()
-        lines = []
-        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
-            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
-        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
-    return root
+    return write_mdm(tmp_path_factory.mktemp("mdm"), n_train=300, n_extrapolate=60)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +64,8 @@ def run_train(argv, env_extra=None, torchrun=0, check=True, timeout=300):
     launcher = [sys.executable]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun)]
-    p = subprocess.run([*launcher, os.path.join(HERE, "train.py"), *argv], capture_output=True, text=True,
-                       env=env, cwd=HERE, timeout=timeout)
+    p = subprocess.run([*launcher, os.path.join(REPO, "train.py"), *argv], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=timeout)
     if check:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
@@ -256,7 +241,7 @@ def test_same_seed_same_log_other_seed_differs(runs):
 def test_checkpoint_contents(runs):
     A = runs["out"]["A"]
     latest, best = load(A / "ckpt_latest.pt"), load(A / "ckpt_best.pt")  # weights_only=True
-    assert set(train.TRAINING_KEYS) <= set(latest) and "optimizer" not in best
+    assert set(checkpoint.TRAINING_KEYS) <= set(latest) and "optimizer" not in best
     evals = records(A, "eval")
     assert latest["best_dev"] == min(r["dev_nll"] for r in evals)
     assert best["dev_nll"] == latest["best_dev"] and best["iter"] == min(evals, key=lambda r: r["dev_nll"])["iter"]
@@ -279,8 +264,8 @@ def test_clean_state_dict_strips_wrappers():
 
     wrapped = Wrapper(torch.compile(model))  # torch.compile wraps lazily: nothing compiles here
     assert all(k.startswith("module._orig_mod.") for k in wrapped.state_dict())
-    assert list(train.clean_state_dict(wrapped)) == list(model.state_dict())
-    assert list(train.strip_prefixes(wrapped.state_dict())) == list(model.state_dict())
+    assert list(checkpoint.clean_state_dict(wrapped)) == list(model.state_dict())
+    assert list(checkpoint.strip_prefixes(wrapped.state_dict())) == list(model.state_dict())
 
 
 def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_path, capsys):
@@ -288,7 +273,7 @@ def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_pa
     shutil.copytree(runs["out"]["A"], out)
     best = load(out / "ckpt_best.pt")
     best["dev_nll"] = 0.01  # a best no later evaluation can beat
-    train.save_atomic(best, str(out / "ckpt_best.pt"))
+    checkpoint.save_atomic(best, str(out / "ckpt_best.pt"))
     before = snapshot(out)["ckpt_best.pt"]
     code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "9"), capsys)
     assert code == 0, err
@@ -349,13 +334,13 @@ def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", dies_mid_write)
     with pytest.raises(OSError, match="disk full"):
-        train.save_atomic({"model": {}}, str(path))
+        checkpoint.save_atomic({"model": {}}, str(path))
     monkeypatch.undo()
     assert snapshot(tmp_path) == good  # untouched, and no temporary file left behind
     assert load(path)["iter"] == 6
     (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:1000])  # what a non-atomic save could leave
     with pytest.raises(train.UsageError, match="truncated or corrupted"):
-        train.load_checkpoint(str(tmp_path / "cut.pt"))
+        checkpoint.load_checkpoint(str(tmp_path / "cut.pt"))
 
 
 def test_nonfinite_loss_stops_with_the_step_and_keeps_checkpoint(runs, mdm, data_root, tmp_path, capsys):
