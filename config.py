@@ -21,6 +21,9 @@ from models import REGISTRY, TIERS, solve_width
 # the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
 # window (Windowed TANGO W), chunk (FLASH C) and gau_s (GAU/FLASH s) scale with the context: at
 # W >= T Windowed TANGO is exactly full-prefix TANGO and at C >= T FLASH is one quadratic chunk.
+_GPU_TIER = dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000, eval_interval=250,
+                 learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000, window=256, chunk=256,
+                 gau_s=128)
 TIER_DEFAULTS = {
     "tiny": dict(block_size=128, batch_size=8, gradient_accumulation_steps=1, max_iters=120,
                  eval_interval=20, learning_rate=6e-3, warmup_iters=10, eval_windows=32, em_samples=100,
@@ -28,12 +31,8 @@ TIER_DEFAULTS = {
     "cpu": dict(block_size=256, batch_size=8, gradient_accumulation_steps=1, max_iters=150,
                 eval_interval=25, learning_rate=2e-3, warmup_iters=10, eval_windows=48, em_samples=100,
                 window=64, chunk=64, gau_s=128),
-    "70M": dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000,
-                eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000,
-                window=256, chunk=256, gau_s=128),
-    "160M": dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000,
-                 eval_interval=250, learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000,
-                 window=256, chunk=256, gau_s=128),
+    "70M": _GPU_TIER,
+    "160M": dict(_GPU_TIER),  # the same run settings; the tiers differ in width and parameter target
 }
 # models whose one block (or unit, or recurrent core) can be applied any number of times
 SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")

@@ -56,7 +56,19 @@ def _write_mdm(root, n_train, n_extrapolate, n_eval=60):
     return root
 
 
-@pytest.fixture(scope="session")
-def write_mdm():
-    """write_mdm(root, n_train, n_extrapolate): the mini DeepMind Mathematics dataset writer."""
-    return _write_mdm
+@pytest.fixture(scope="module")
+def mdm(request, tmp_path_factory):
+    """A small dataset in the official DeepMind Mathematics layout ("What is a + b?" / answer, at
+    most 16 characters a question), written once per test module; its size is the module's
+    MDM_SIZE = (problems per train-* folder, extrapolate problems), default (300, 60)."""
+    n_train, n_extrapolate = getattr(request.module, "MDM_SIZE", (300, 60))
+    return _write_mdm(tmp_path_factory.mktemp("mdm"), n_train, n_extrapolate)
+
+
+@pytest.fixture(scope="module")
+def data_root(mdm, tmp_path_factory):
+    """mdm prepared once (data.prepare("dmmath", ...)); the module's runs share this data_root."""
+    import data
+    root = tmp_path_factory.mktemp("data")
+    data.prepare("dmmath", str(mdm), str(root))
+    return root

@@ -68,6 +68,20 @@ def greedy_answer(model, data, split, problem, max_new_tokens, ctx, device):
     return data.decode(out[0, prompt.shape[1]:].tolist())
 
 
+def depth_sweep(model, depths, nll):
+    """[nll() with model.body.depth = k for k in depths]: a shared-block model's NLL at other
+    recurrence counts than it was trained with; the trained depth is restored after it."""
+    body = model.body
+    trained, curve = body.depth, []
+    try:
+        for k in depths:
+            body.depth = k
+            curve.append(nll())
+    finally:
+        body.depth = trained
+    return curve
+
+
 @torch.no_grad()
 def exact_match(model, data, split, n_samples, device, ctx):
     """Fraction of problems whose greedily decoded answer equals the reference exactly (dmmath).

@@ -14,9 +14,9 @@ windows every --eval_interval updates and after the last; the checkpoint with th
 the one evaluated on test. Throughput: median training tokens/s over the final 100 updates.
 
 Reading order: flags (build_parser) -> set-up (setup) -> the training loop (train_loop and its
-update, train_update) -> the final report (finish). Out of the story: config.py (tier defaults,
-flag validation, processes), datacheck.py (preparing and checking the data), checkpoint.py
-(checkpoints and --resume).
+update, train_update, where the loss is computed) -> the final report (finish). Out of the story:
+config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
+checking the data), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
 exits 2 before anything is written to --out_dir; a non-finite loss, gradient or dev NLL stops the
@@ -52,7 +52,7 @@ from checkpoint import (BEST, LATEST, check_resume, load_checkpoint, remove_stal
 from common import ModelConfig, UsageError, compile_regions
 from config import Dist, DebugDump, Log, autocast_ctx, model_config, resolve_args, tier_default
 from datacheck import load_data
-from evaluation import evaluate, exact_match, print_report, print_sample
+from evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model
 # names other code uses as train.X (latent_tokens.py: save_atomic, eval_mode)
 from checkpoint import save_atomic  # noqa: F401,E402
@@ -416,23 +416,6 @@ def diagnostics(model, spectral):
 
 # ----------------------------------------------------------------------------- the final report
 
-def depth_sweep(r, model):
-    """Dev NLL of the (best) model at each --eval_depths recurrence count; restores the depth."""
-    args, body = r.args, model.body
-    dev_starts = r.data.eval_windows("dev", args.block_size, args.eval_windows)
-    trained, curve = body.depth, []
-    try:
-        for k in args.depth_list:
-            body.depth = k
-            curve.append(evaluate(model, r.data, "dev", dev_starts, args.block_size, args.eval_batch_size,
-                                  args.device, r.ctx, r.dist))
-    finally:
-        body.depth = trained
-    r.log.emit(event="depth_sweep", depths=args.depth_list, dev_nll=curve)
-    return curve
-
-
-
 def finish(r, rates, t_start):
     """Evaluate the best-dev checkpoint on test (sharded over ranks); rank 0 adds exact match,
     writes summary.json and prints the report. Returns the summary (None on other ranks)."""
@@ -446,7 +429,12 @@ def finish(r, rates, t_start):
     test_starts = data.eval_windows(data.test_split, args.block_size, args.eval_windows)
     test = evaluate(model, data, data.test_split, test_starts, args.block_size, args.eval_batch_size,
                     args.device, r.ctx, r.dist)
-    curve = depth_sweep(r, model) if args.depth_list else None
+    curve = None
+    if args.depth_list:  # --eval_depths: dev NLL of the best checkpoint at other recurrence counts
+        dev_starts = data.eval_windows("dev", args.block_size, args.eval_windows)
+        curve = depth_sweep(model, args.depth_list, lambda: evaluate(
+            model, data, "dev", dev_starts, args.block_size, args.eval_batch_size, args.device, r.ctx, r.dist))
+        r.log.emit(event="depth_sweep", depths=args.depth_list, dev_nll=curve)
     if not r.dist.main:
         return None
     tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size

@@ -38,19 +38,8 @@ TINY = ["--model", "loop", "--depth", "2", "--block_size", "32", "--batch_size",
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def mdm(tmp_path_factory, write_mdm):
-    """A small dataset in the official DeepMind Mathematics layout: "What is a + b?" / answer.
-    Questions are at most 16 characters, so every 32-token window has scored (answer) targets."""
-    return write_mdm(tmp_path_factory.mktemp("mdm"), n_train=300, n_extrapolate=60)
-
-
-@pytest.fixture(scope="module")
-def data_root(mdm, tmp_path_factory):
-    """mini dmmath prepared once; runs share this data_root."""
-    root = tmp_path_factory.mktemp("data")
-    data_mod.prepare("dmmath", str(mdm), str(root))
-    return root
+# mdm (a mini DeepMind Mathematics dataset: every 32-token window has scored answer targets) and
+# data_root (it prepared once) are the fixtures of conftest.py
 
 
 def flags(mdm, data_root, out_dir, *extra):

@@ -49,18 +49,7 @@ def test_lr_schedule_literal_values():
 
 # ----------------------------------------------------------------------------- in-process runs
 
-@pytest.fixture(scope="module")
-def mdm(tmp_path_factory, write_mdm):
-    """A small dataset in the DeepMind Mathematics layout: "What is a + b?" / answer."""
-    return write_mdm(tmp_path_factory.mktemp("mdm"), n_train=200, n_extrapolate=30)
-
-
-@pytest.fixture(scope="module")
-def data_root(mdm, tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    data_mod.prepare("dmmath", str(mdm), str(root))
-    return root
-
+MDM_SIZE = (200, 30)  # the conftest.py fixtures mdm and data_root: 200 problems per train folder
 
 PARCAE = ["--model", "parcae", "--size", "tiny", "--depth", "2", "--n_prelude", "1", "--n_core", "1",
           "--n_coda", "1", "--block_size", "32", "--batch_size", "2", "--eval_windows", "4",
