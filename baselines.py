@@ -1,4 +1,8 @@
-"""Baselines: Untied and Loop Transformer++ (SPEC.md section 2).
+"""Baselines: Untied and Loop Transformer++, GAU and FLASH (MATH.md, "Transformer++" and "GAU and FLASH").
+
+Transformer++ is the modern Transformer recipe as summarized in "Mamba: Linear-Time Sequence
+Modeling with Selective State Spaces" (arXiv 2312.00752, §4.2), with SwiGLU from "GLU Variants
+Improve Transformer" (arXiv 2002.05202, §2); TANGO's paper compares against it (§2, "Baselines").
 
 Transformer++ block (pre-norm, RMSNorm, RoPE, SwiGLU, no biases):
 
@@ -98,17 +102,17 @@ class TransformerPP(nn.Module):
 
 
 def untied_transformer(cfg):
-    """Untied Transformer++: K independently parameterized blocks (SPEC section 2)."""
+    """Untied Transformer++: K independently parameterized blocks."""
     return TransformerPP(cfg, tied=False)
 
 
 def loop_transformer(cfg):
-    """Loop Transformer++: one Transformer++ block applied K times (SPEC section 2)."""
+    """Loop Transformer++: one Transformer++ block applied K times."""
     return TransformerPP(cfg, tied=True)
 
 
 # ============================================================================= GAU and FLASH
-# SPEC.md section 4; Hua, Dai, Liu, Le 2022, "Transformer quality in linear time".
+# "Transformer Quality in Linear Time" (Hua, Dai, Liu, Le 2022; arXiv 2202.10447): §2 GAU, §3 FLASH.
 #
 # One gated attention unit replaces attention and the feed-forward network:
 #
@@ -126,14 +130,14 @@ def loop_transformer(cfg):
 #     global_i = Q_l_i (sum_{h < chunk(i)} K_l[h]^T V[h]) / C       (exclusive prefix sum)
 # No token shift, no relative-position bias.
 #
-# Init of the scale g (a change from SPEC's g ~ N(0, 0.02)): the paper's code draws g ~ N(0, 0.02)
+# Init of the scale g (our change from g ~ N(0, 0.02)): the paper's code draws g ~ N(0, 0.02)
 # but also adds a relative-position bias inside the relu, which keeps the kernel alive at init.
-# Without that bias (SPEC), |Q . K| / c ~ 1e-5 and relu(.)^2 ~ 1e-12: GAU's gradients sit far below
-# AdamW's eps and the unit barely trains (measured: the unit's W_in moved by ~2e-6). We draw
-# g ~ N(1, 0.02), so Q ~ K ~ Z at init. Measured on stdlib, CPU tier, depth 4, 40 updates:
-# dev NLL 6.05 with N(0, 0.02) vs 4.87 with N(1, 0.02) (README, "Choices").
+# Without that bias (we use RoPE alone), |Q . K| / c ~ 1e-5 and relu(.)^2 ~ 1e-12: GAU's
+# gradients sit far below AdamW's eps and the unit barely trains (measured: the unit's W_in moved
+# by ~2e-6). We draw g ~ N(1, 0.02), so Q ~ K ~ Z at init. Measured on stdlib, CPU tier, depth 4,
+# 40 updates: dev NLL 6.05 with N(0, 0.02) vs 4.87 with N(1, 0.02) (MATH.md, "GAU and FLASH").
 #
-# RoPE on the s-dim Q/K (our choice; SPEC only says "RoPE"): the body receives the 32-dim
+# RoPE on the s-dim Q/K (our choice; MATH.md, "GAU and FLASH"): the body receives the 32-dim
 # tables (head dim d_h = 32), so the s dims are split into s/32 groups of 32 and each group is
 # rotated with those tables. This is RoPE with the 32-dim frequency schedule repeated s/32 times;
 # every group is an exact rotation by position, so Q_i . K_j depends on positions only through
@@ -315,272 +319,12 @@ class GAUStack(nn.Module):
 
 
 def gau(cfg):
-    """Full-attention GAU (SPEC section 4). Non-embedding parameters:
+    """Full-attention GAU (arXiv 2202.10447, §2). Non-embedding parameters:
     units (3de + ds + 4s + d) + d, units = 1 if cfg.tie_unit else K; e = cfg.width, s = cfg.gau_s."""
     return GAUStack(cfg)
 
 
 def flash(cfg, impl="fast"):
-    """FLASH, chunk C = cfg.chunk (SPEC section 4). Non-embedding parameters:
+    """FLASH, chunk C = cfg.chunk (arXiv 2202.10447, §3). Non-embedding parameters:
     units (3de + ds + 8s + d) + d, units = 1 if cfg.tie_unit else K."""
     return GAUStack(cfg, flash=True, impl=impl)
-
-
-# ============================================================================= Recurrent-depth model (RDM)
-# SPEC.md section 5; Geiping et al. 2025 ("Huginn"), the Parcae paper's baseline
-# (seeds/002_*.txt). Prelude -> recurrent core looped T times -> coda, from sandwich blocks:
-#
-#     x' = n2(x + Attn(n1 x));  x'' = n4(x' + SwiGLU(n3 x'))       (4 RMSNorms per block)
-#     e   = Prelude(sqrt(d) * embed(idx))          (the LM looks the embedding up; the body scales it)
-#     h_0 ~ TruncNormal(0, sqrt(2/5), +-3 sd)       per element, random in training, seeded at eval
-#     for t in 1..T:  h = Core(W [h; e])            W: 2d -> d (the adapter), L_R sandwich blocks
-#     x_out = Coda(h)                              then the LM's final norm and tied head
-#
-# Parameters: (L_P + L_R + L_C)(4d^2 + 3dF + 4d) + 2d^2, plus the LM's final norm d.
-# Depth in training, once per micro-batch (forward in train mode with autograd on):
-#     tau ~ N(log mu_rec - sigma^2/2, sigma), sigma = 0.5;  T = Poisson(exp(tau)) + 1
-# so E[exp(tau)] = mu_rec and E[T] = mu_rec + 1. The first T - k steps run under no_grad,
-# the last k = min(T, mu_bwd) carry gradients (Huginn's n = max(T - s, 0), k = min(T, s)).
-# Evaluation (eval mode, or any forward without autograd) runs exactly self.depth recurrences
-# (cfg.depth; settable for the test-time sweep). KL early exit: rdm_generate_depths.
-#
-# Compile: train.py --compile compiles the sandwich block application (common.compile_regions),
-# one graph per (grad mode, shapes) reused by every block at every recurrence, so the sampled
-# Python-int loop length never enters a graph. The recurrence driver is also
-# torch.compiler.disable(recursive=False), for a whole-model torch.compile.
-
-import math  # noqa: E402
-
-TRUNC_SD = 3.0          # initial states are truncated at +-3 standard deviations
-EVAL_STATE_SEED = 1234  # evaluation draws h_0 from generators seeded from this
-_EVAL_CHUNK = 256       # eval h_0 table: positions in chunks of 256, chunk c seeded EVAL_STATE_SEED + c
-_eval_tables = {}
-
-
-def sub_cache(cache, key):
-    """The decoding-cache dict of one block application (None when not decoding)."""
-    return None if cache is None else cache.setdefault(key, {})
-
-
-@torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def seeded_generators(seed, device):
-    """The generators of one training forward's random draws: (CPU generator for the recurrence
-    depths, generator on `device` for h_0), both seeded with seed; (None, None) when seed is None,
-    which means torch's global RNG. train.py sets a body's rng_seed per micro-batch
-    (train.step_seed: a function of --seed, the update and the micro-batch's global index), so the
-    draws do not depend on the number of processes."""
-    if seed is None:
-        return None, None
-    cpu = torch.Generator().manual_seed(seed)
-    device = torch.device(device)
-    return cpu, (cpu if device.type == "cpu" else torch.Generator(device).manual_seed(seed))
-
-
-@torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def random_state(shape, std, device, dtype, generator=None):
-    """h_0 ~ TruncNormal(0, std, +-3 std) from generator (None: torch's global RNG) (training)."""
-    h = torch.empty(shape, device=device, dtype=torch.float32)
-    nn.init.trunc_normal_(h, 0.0, std, -TRUNC_SD * std, TRUNC_SD * std, generator=generator)
-    return h.to(dtype)
-
-
-@torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def eval_state(start, T, d, std, device, dtype):
-    """Deterministic h_0 for sequence indices start..start+T-1: (1, T, d), the same for every row.
-
-    Row i depends only on its index i (chunk i // 256 is drawn from a CPU generator seeded
-    EVAL_STATE_SEED + chunk), so evaluation NLL is independent of batch size and device, and
-    cached decoding (which asks for one index at a time) sees exactly the h_0 of a full forward.
-    """
-    rows = []
-    for c in range(start // _EVAL_CHUNK, (start + T - 1) // _EVAL_CHUNK + 1):
-        key = (c, d, float(std))
-        if key not in _eval_tables:
-            g = torch.Generator().manual_seed(EVAL_STATE_SEED + c)
-            t = torch.empty(_EVAL_CHUNK, d)
-            nn.init.trunc_normal_(t, 0.0, std, -TRUNC_SD * std, TRUNC_SD * std, generator=g)
-            _eval_tables[key] = t
-        rows.append(_eval_tables[key])
-    table = torch.cat(rows)
-    off = start - (start // _EVAL_CHUNK) * _EVAL_CHUNK
-    return table[off:off + T].to(device=device, dtype=dtype)[None]
-
-
-def resolve_recurrence(cfg):
-    """(mu_rec, mu_bwd) of a config: mu_rec = cfg.mu_rec or cfg.depth, mu_bwd = cfg.mu_bwd or
-    ceil(mu_rec / 2). Raises UsageError for counts < 0 / < 1."""
-    mu_rec = cfg.mu_rec or cfg.depth
-    mu_bwd = cfg.mu_bwd or math.ceil(mu_rec / 2)
-    if cfg.mu_rec < 0 or cfg.mu_bwd < 0 or mu_rec < 1 or mu_bwd < 1:
-        raise UsageError(f"mu_rec {cfg.mu_rec} / mu_bwd {cfg.mu_bwd}: must be >= 1 (0 = default)")
-    if cfg.n_prelude < 0 or cfg.n_coda < 0 or cfg.n_core < 1:
-        raise UsageError(f"layers (prelude {cfg.n_prelude}, core {cfg.n_core}, coda {cfg.n_coda}): "
-                         "need n_core >= 1 and n_prelude, n_coda >= 0")
-    return mu_rec, mu_bwd
-
-
-class SandwichBlock(nn.Module):
-    """x' = n2(x + Attn(n1 x)); x'' = n4(x' + SwiGLU(n3 x')). Parameters: 4d^2 + 3dF + 4d."""
-
-    def __init__(self, d, n_head, width):
-        super().__init__()
-        self.n1, self.n2, self.n3, self.n4 = RMSNorm(d), RMSNorm(d), RMSNorm(d), RMSNorm(d)
-        self.attn = Attention(d, n_head)
-        self.mlp = SwiGLU(d, width)
-
-    @compiled_region  # one block application: the repeated unit of RDM
-    def forward(self, x, cos, sin, cache=None):
-        x = self.n2(x + self.attn(self.n1(x), cos, sin, cache))
-        return self.n4(x + self.mlp(self.n3(x)))
-
-
-@torch.compiler.disable  # RNG / host-side work: always eager, never traced
-def rdm_sample_depths(n, mu_rec, sigma=0.5, generator=None):
-    """n draws of RDM's depth T = Poisson(exp(tau)) + 1, tau ~ N(log mu_rec - sigma^2/2, sigma),
-    from a CPU generator (None: torch's global CPU RNG): (n,) int64 with E[T] = mu_rec + 1."""
-    tau = torch.randn(n, dtype=torch.float64, generator=generator) * sigma + (math.log(mu_rec) - sigma ** 2 / 2)
-    return torch.poisson(tau.exp(), generator=generator).long() + 1
-
-
-class RecurrentDepth(nn.Module):
-    """RDM body (SPEC section 5). forward(x, cos, sin, cache) -> (B, T, d).
-
-    Internal API (tests): forward(..., n_steps=T, h0=tensor) runs T recurrences with
-    truncated backprop through the last min(T, mu_bwd) and the given initial state.
-    self.depth: evaluation recurrences; self.mu_rec, self.mu_bwd: training sampler.
-    diagnostics(): the recurrent state's mean L2 norm (over channels, averaged over tokens)
-    after each recurrence of the last forward.
-    """
-
-    def __init__(self, cfg):
-        super().__init__()
-        d, H, F_ = cfg.n_embd, cfg.n_head, cfg.width
-        self.mu_rec, self.mu_bwd = resolve_recurrence(cfg)
-        self.depth = cfg.depth
-        self.sigma = 0.5
-        self.emb_scale = math.sqrt(d)
-        self.h0_std = math.sqrt(2 / 5)
-        self.prelude = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_prelude))
-        self.adapter = nn.Linear(2 * d, d, bias=False)  # W [h; e]
-        self.core = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_core))
-        self.coda = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_coda))
-        self._norms, self._steps = [], 0
-        self.rng_seed = None  # seed of the training draws (baselines.seeded_generators); None: global RNG
-
-    def encode(self, x, cos, sin, cache=None):
-        """Scaled embedding -> prelude -> e."""
-        x = x * self.emb_scale
-        for j, blk in enumerate(self.prelude):
-            x = blk(x, cos, sin, sub_cache(cache, ("prelude", j)))
-        return x
-
-    def decode(self, h, cos, sin, cache=None):
-        for j, blk in enumerate(self.coda):
-            h = blk(h, cos, sin, sub_cache(cache, ("coda", j)))
-        return h
-
-    @torch.compiler.disable  # RNG / host-side work: always eager, never traced
-    def initial_state(self, e, cache=None, generator=None):
-        B, T, d = e.shape
-        if self.training:
-            return random_state((B, T, d), self.h0_std, e.device, e.dtype, generator)
-        start = cache.get("len", 0) if cache is not None else 0
-        return eval_state(start, T, d, self.h0_std, e.device, e.dtype).expand(B, T, d)
-
-    def _step(self, h, e, cos, sin, caches=None):
-        """One recurrence: h <- Core(W [h; e])."""
-        u = self.adapter(torch.cat((h, e), -1))
-        for j, blk in enumerate(self.core):
-            u = blk(u, cos, sin, None if caches is None else caches[j])
-        return u
-
-    @torch.compiler.disable(recursive=False)
-    def recur(self, e, cos, sin, cache=None, n_steps=None, h0=None):
-        norms = []
-        cpu_gen, gen = seeded_generators(self.rng_seed, e.device)
-        if n_steps is None and self.training and torch.is_grad_enabled():
-            n_steps = int(rdm_sample_depths(1, self.mu_rec, self.sigma, cpu_gen)[0])  # drawn first, then h_0
-        h = self.initial_state(e, cache, gen) if h0 is None else h0
-        if n_steps is not None:  # training-style: truncated backprop through depth
-            if cache is not None:
-                raise ValueError("decoding runs a fixed depth (eval mode)")
-            k = min(n_steps, self.mu_bwd)
-            for t in range(n_steps):
-                if t < n_steps - k:
-                    with torch.no_grad():
-                        h = self._step(h, e, cos, sin)
-                else:
-                    h = self._step(h, e, cos, sin)
-                norms.append(h.detach().norm(dim=-1).mean())
-        else:
-            for t in range(self.depth):
-                caches = None if cache is None else [sub_cache(cache, ("core", t, j)) for j in range(len(self.core))]
-                h = self._step(h, e, cos, sin, caches)
-                norms.append(h.detach().norm(dim=-1).mean())
-        self._norms, self._steps = norms, len(norms)
-        return h
-
-    def forward(self, x, cos, sin, cache=None, n_steps=None, h0=None):
-        e = self.encode(x, cos, sin, cache)
-        h = self.recur(e, cos, sin, cache, n_steps, h0)
-        return self.decode(h, cos, sin, cache)
-
-    def diagnostics(self, spectral=True):
-        """{"state_norm": [per recurrence], "state_norm_max", "steps"} of the last forward; with
-        spectral (one d x d SVD) also "w1_spectral_norm" = ||W_1||_2 of the adapter's state half,
-        W [h; e] = W_1 h + W_2 e: the linear recurrence matrix Parcae constrains (Abar) and RDM
-        leaves free."""
-        norms = torch.stack(self._norms).float().tolist() if self._norms else []
-        out = {"state_norm": norms, "state_norm_max": max(norms, default=0.0), "steps": self._steps}
-        if spectral:
-            with torch.no_grad():
-                w1 = self.adapter.weight[:, :self.adapter.weight.shape[0]].float()
-                out["w1_spectral_norm"] = float(torch.linalg.matrix_norm(w1, ord=2))
-        return out
-
-
-def rdm(cfg):
-    """Recurrent-depth model (SPEC section 5). Non-embedding parameters:
-    (L_P + L_R + L_C)(4d^2 + 3dF + 4d) + 2d^2 + d (final norm)."""
-    return RecurrentDepth(cfg)
-
-
-@torch.no_grad()
-def rdm_generate_depths(model, idx, max_depth=None, threshold=5e-4):
-    """RDM evaluation with the KL early exit (Geiping et al.; SPEC section 5), full sequence.
-
-    model: an LM with an RDM body (eval mode is set by the caller); idx: (B, T) token ids.
-    Recurrence t = 1..max_depth (default body.depth); after each, every position's next-token
-    distribution p_t = softmax(head(norm_f(Coda(h_t)))) is read out; a position exits at the first
-    t >= 2 with KL(p_{t-1} || p_t) < threshold; its state is frozen
-    from then on (later recurrences leave it unchanged; later positions still attend to it) and its
-    logits are those of step t. Positions that never exit use step max_depth.
-
-    Returns (logits (B, T, V), exit_step (B, T) int64 in 1..max_depth).
-    """
-    from common import compute_dtype, rope_cos_sin
-    body = model.body
-    max_depth = body.depth if max_depth is None else max_depth
-    x = model.wte(idx)
-    B, T = idx.shape
-    cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), dtype=compute_dtype(x))
-    e = body.encode(x, cos, sin)
-    h = body.initial_state(e)
-    done = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
-    exit_step = torch.full((B, T), max_depth, dtype=torch.long, device=idx.device)
-    out = prev = None
-    for t in range(1, max_depth + 1):
-        h = torch.where(done[..., None], h, body._step(h, e, cos, sin))
-        logits = model.logits(model.norm_f(body.decode(h, cos, sin)))
-        logp = F.log_softmax(logits.float(), -1)
-        if prev is not None:
-            kl = (prev.exp() * (prev - logp)).sum(-1)  # KL(p_{t-1} || p_t)
-            newly = ~done & (kl < threshold)
-            exit_step[newly] = t
-            done |= newly
-        keep = (done & (exit_step < t))[..., None]  # exited at an earlier step: keep those logits
-        out = logits if out is None else torch.where(keep, out, logits)
-        prev = logp
-        if bool(done.all()):
-            break
-    return out, exit_step

@@ -36,7 +36,7 @@ different tokens per step would compare allocators, not architectures.
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one), after --warmup untimed ones (the last is the memory measurement).
 MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T, B T)
-            = 6 x (SPEC 7 forward MACs of one sequence) / T per token: 2 FLOPs per MAC, backward
+            = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
             so a causal kernel that skips the masked half can exceed 'its' share). Parcae and RDM
             use the same formula at cfg.depth recurrences, but their training step runs a random
@@ -84,8 +84,8 @@ DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
 MEMORY_DEF_CPU = ("peak RSS during one training step (forward, backward, clip, AdamW step) minus RSS just "
                   "before it; parameters and AdamW states already allocated, gradients freed")
 MEMORY_DEF_CUDA = "torch.cuda.max_memory_allocated during one training step minus memory_allocated before it"
-FLOPS_DEF = ("flops.train_flops: 6 x SPEC-7 forward MACs per token (2 FLOPs/MAC, backward = 2 x forward, "
-             "full T x T score matrices, tied head V d included)")
+FLOPS_DEF = ("flops.train_flops: 6 x forward MACs per token (MATH.md, Cost; 2 FLOPs/MAC, "
+             "backward = 2 x forward, full T x T score matrices, tied head V d included)")
 
 
 # ============================================================================= child: one configuration

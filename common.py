@@ -3,7 +3,7 @@
 Each architecture file (tango.py, baselines.py, ...) defines only its residual *body*
 (a module mapping embeddings (B, T, d) to the final residual stream (B, T, d)); the token
 embedding, the tied head, the loss, cached generation and parameter counting live here
-(SPEC.md section 1), so every model has the same API:
+(MATH.md, "What every model shares"), so every model has the same API:
 
     model = build_model(cfg)                       # models.py
     logits, loss = model(idx, targets, positions)  # (B, T, V), scalar NLL in nats/token
@@ -25,7 +25,7 @@ class UsageError(ValueError):
     """Bad user input (a flag, a file, a checkpoint). train.py prints str(e) on one line and exits 2."""
 
 
-HEAD_DIM = 32  # d_h = 32 everywhere (SPEC notation)
+HEAD_DIM = 32  # d_h = 32 everywhere (MATH.md glossary)
 VOCAB_MULTIPLE = 64  # the embedding/head has ceil(V / 64) * 64 rows (aligned matmul); rows >= V are padding
 
 
@@ -36,8 +36,9 @@ class ModelConfig:
     model: registry name (models.py); vocab_size V; block_size: training context T;
     n_embd: residual width d; n_head: H = d / 32; depth: K block applications;
     width: expansion width F (TANGO gated width, Transformer++ feed-forward width, ...);
-    window: Windowed TANGO window W (SPEC section 3).
-    gau_s, chunk, tie_unit: GAU/FLASH shared dim s, FLASH chunk C, one unit shared by all K applications (SPEC section 4).
+    window: Windowed TANGO window W (MATH.md, "TANGO").
+    gau_s, chunk, tie_unit: GAU/FLASH shared dim s, FLASH chunk C, one unit shared by all K
+    applications (MATH.md, "GAU and FLASH").
     """
     model: str = "tango"
     vocab_size: int = 50257
@@ -50,11 +51,11 @@ class ModelConfig:
     gau_s: int = 128
     chunk: int = 256
     tie_unit: bool = True
-    # Parcae / recurrent-depth model RDM (SPEC section 5): prelude -> core looped -> coda.
+    # Parcae / recurrent-depth model RDM (parcae.py): prelude -> core looped -> coda.
     n_prelude: int = 2          # L_P Transformer++ (RDM: sandwich) blocks before the loop
     n_core: int = 2             # L_R blocks in the recurrent core (one recurrence = L_R block applications)
     n_coda: int = 2             # L_C blocks after the loop
-    mu_rec: int = 0             # mean training recurrence; 0 = depth (resolve_recurrence; depth = eval recurrences)
+    mu_rec: int = 0             # mean training recurrence; 0 = depth (parcae.resolve_recurrence)
     mu_bwd: int = 0             # recurrences backpropagated through; 0 = ceil(mu_rec / 2)
     # fields of older versions that nothing read; configs that carry them still load (from_dict)
     DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
@@ -73,7 +74,7 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned gain (SPEC section 1). x: (..., d) -> (..., d)."""
+    """RMSNorm with a learned gain (MATH.md, "What every model shares"). x: (..., d) -> (..., d)."""
     no_decay = ("weight",)  # a gain: no weight decay (train.no_decay_parameters)
 
     def __init__(self, d, eps=1e-6):
@@ -172,7 +173,7 @@ def compiled_region_names(model):
 
 
 class LM(nn.Module):
-    """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (SPEC section 1).
+    """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (MATH.md, "What every model shares").
 
     E is stored with ceil(V / 64) * 64 rows (VOCAB_MULTIPLE: the head matmul gets an aligned
     size); the padding rows are zero, never looked up, and the logits are sliced to V, so they are
@@ -204,7 +205,7 @@ class LM(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def num_params(self, non_embedding=True):
-        """Parameter count, each shared tensor counted once; non_embedding excludes E (SPEC section 1).
+        """Parameter count, each shared tensor counted once; non_embedding excludes E.
         E counts V x d (its padding rows are not parameters of the model)."""
         n = sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates shared tensors
         return n - self.wte.weight.numel() if non_embedding else n - self.wte.weight[self.cfg.vocab_size:].numel()
@@ -219,7 +220,7 @@ class LM(nn.Module):
         return self.forward_embeds(x, targets, positions, cache)
 
     def forward_embeds(self, x, targets=None, positions=None, cache=None):
-        """forward() from input embeddings x: (B, T, d) (used by latent tokens, SPEC section 6)."""
+        """forward() from input embeddings x: (B, T, d) (used by latent tokens; MATH.md, "Latent tokens")."""
         T = x.shape[1]
         if positions is None:
             start = cache.get("len", 0) if cache is not None else 0

@@ -1,7 +1,8 @@
-"""Analytical forward cost and training FLOPs (SPEC.md section 7).
+"""Analytical forward cost and training FLOPs (MATH.md, "Cost").
 
 Units: forward_macs counts multiply-accumulates (MACs) for ONE sequence of length T (batch 1);
-1 MAC = 2 FLOPs. Convention (SPEC 7): every score matrix is a full product (no causal halving),
+1 MAC = 2 FLOPs. Convention (MATH.md, "Cost"; it reproduces the MAC figures of "TANGO: Treating
+Tokens as Operators", §4.1): every score matrix is a full product (no causal halving),
 every linear map costs (its parameters) x (tokens) at each application, plus the tied head V d T.
 
     linear = sum over the K applications of the matrix parameters applied there, times T
@@ -17,21 +18,22 @@ every linear map costs (its parameters) x (tokens) at each application, plus the
 
 Matrix parameters per application: TANGO 2d^2 + 3dF (3-set: the one set in use, F = F3),
 Transformer++ 4d^2 + 3dF, GAU/FLASH 3de + ds (e = cfg.width, s = cfg.gau_s). Elementwise gains
-(norms, tau, b, GAU scale-offsets) are not MACs and are left out; SPEC's derivation multiplies
-N* (which includes them) by T K, but they are (2d + 2H) / N* = 2.4e-5 of it at the 70M tier, so
-the check values are unchanged. Windowed TANGO's one summary source per query (T K (d + F)
-elementwise work, 1/W of the window) is left out, as in SPEC's T W (d + F).
+(norms, tau, b, GAU scale-offsets) are not MACs and are left out; a count of N* (which includes
+them) x T K would differ by (2d + 2H) / N* = 2.4e-5 at the 70M tier, so the check values are the
+same either way. Windowed TANGO's one summary source per query (T K (d + F)
+elementwise work, 1/W of the window) is left out, as in the convention's T W (d + F).
 
 counter_expected_macs gives what torch.utils.flop_counter.FlopCounterMode / 2 reports for one
 forward of the default ("fast") implementation; it differs from the convention only by padding,
 spelled out there. train_flops = 3 x forward x 2 FLOPs/MAC (backward ~ 2 x forward): 6 N D style.
 
 CLI: python flops.py --size 70M --depth 4 --block_size 8192 [--vocab_size 50257] [--window 256]
-     python flops.py fit RUN_DIR [RUN_DIR ...] [--law all|depth|training|unified]   (SPEC 5 fits)
+     python flops.py fit RUN_DIR [RUN_DIR ...] [--law all|depth|training|unified]   (Parcae's fits)
 
-Parcae / RDM (SPEC 5): forward MACs at cfg.depth recurrences (recurrent_forward_macs), unrolled
-parameter counts, effective training FLOPs (2 N1 + 6 N2) D, and the scaling-law fits: see the
-section at the end.
+Parcae / RDM (MATH.md, "Parcae and RDM"): forward MACs at cfg.depth recurrences
+(recurrent_forward_macs), unrolled parameter counts, effective training FLOPs (2 N1 + 6 N2) D, and
+the scaling-law fits of "Parcae: Scaling Laws For Stable Looped Language Models" (arXiv 2604.12946,
+§5.2 training law, §5.3 test-time and unified laws): see the section at the end.
 """
 import argparse
 import math
@@ -41,7 +43,7 @@ import models
 from common import VOCAB_MULTIPLE, ModelConfig, UsageError
 from tango import QK_PAD  # fast-path query/key width (32 score dims + null dim, padded to 40)
 
-# SPEC 7 check values: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
+# The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
 PAPER_MACS = {"tango": 9.44e12, "tango-windowed": 1.90e12, "loop": 1.94e12, "untied": 0.85e12}
 
 
@@ -71,7 +73,7 @@ def _per_application(cfg: ModelConfig, T: int):
 
 
 def forward_macs(cfg: ModelConfig, T: int) -> dict:
-    """Forward MACs of one sequence of length T by SPEC 7: {"linear", "scores", "mix", "head", "total"}."""
+    """Forward MACs of one sequence of length T by the convention above: {"linear", "scores", "mix", "head", "total"}."""
     if cfg.model in RECURRENT_MODELS:  # Parcae / RDM: prelude + K x core + coda (section below)
         return recurrent_forward_macs(cfg, T)
     params, scores, mix = _per_application(cfg, T)
@@ -124,7 +126,7 @@ def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:
 
 
 def parcae_effective_flops(N1: float, N2: float, D: float) -> float:
-    """Parcae-style effective training FLOPs C = (2 N1 + 6 N2) D (SPEC 5 and 7): N1 unrolled
+    """Parcae-style effective training FLOPs C = (2 N1 + 6 N2) D (MATH.md, "Cost"): N1 unrolled
     parameters run without gradients (forward only), N2 those backpropagated through; D tokens."""
     return (2.0 * N1 + 6.0 * N2) * D
 
@@ -138,7 +140,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse(argv):
-    p = _Parser(description="Analytical forward MACs per sequence (SPEC.md section 7).")
+    p = _Parser(description="Analytical forward MACs per sequence (MATH.md, \"Cost\").")
     p.add_argument("--size", default="70M", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K (>= 1)")
     p.add_argument("--block_size", type=int, default=8192, help="sequence length T (>= 1)")
@@ -159,15 +161,15 @@ def _sci(x):
 
 def main(argv=None):
     """Print one row per registered model: solved width, non-embedding params, forward MACs, and
-    at the paper's setting (70M, K=4, T=8192, V=50257, W=256) the SPEC 7 figure and the difference.
-    `python flops.py fit RUN ...` fits the SPEC 5 scaling laws instead (fit_main)."""
+    at the paper's setting (70M, K=4, T=8192, V=50257, W=256) the TANGO paper's §4.1 figure and the
+    difference. `python flops.py fit RUN ...` fits Parcae's scaling laws instead (fit_main)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["fit"]:
         return fit_main(argv[1:])
     a = _parse(argv)
     d, H, target = models.TIERS[a.size]
     paper = vars(a) == PAPER_SETTING
-    print(f"forward MACs per sequence (SPEC 7): tier {a.size} (d={d}, N*={target:,}), K={a.depth}, "
+    print(f"forward MACs per sequence (MATH.md, Cost): tier {a.size} (d={d}, N*={target:,}), K={a.depth}, "
           f"T={a.block_size}, V={a.vocab_size}, W={a.window}")
     print(f"{'model':<16}{'width':>7}{'non-emb params':>16}{'fwd MACs':>10}" + (f"{'paper':>10}{'diff':>9}" if paper else ""))
     for name in models.REGISTRY:
@@ -187,7 +189,7 @@ def main(argv=None):
 
 
 # ============================================================================= Parcae / RDM
-# Looped models (SPEC 5): prelude (L_P blocks) -> core (L_R blocks) applied K = cfg.depth times
+# Looped models (MATH.md, "Parcae and RDM"): prelude (L_P blocks) -> core (L_R blocks) applied K = cfg.depth times
 # (the evaluation recurrence) -> coda (L_C blocks), all Transformer++ / sandwich blocks with
 # 4d^2 + 3dF matrix parameters and full T^2 d score and mix MACs per block application. Parcae
 # computes B e once and C h once (2 d^2 per token); RDM applies its adapter W: 2d -> d at every
@@ -199,7 +201,7 @@ RECURRENT_MODELS = ("parcae", "rdm")
 
 
 def recurrent_forward_macs(cfg: ModelConfig, T: int) -> dict:
-    """SPEC 7 forward MACs of Parcae / RDM at cfg.depth recurrences (same keys as forward_macs)."""
+    """Forward MACs (the convention above) of Parcae / RDM at cfg.depth recurrences (same keys as forward_macs)."""
     d, F, K = cfg.n_embd, cfg.width, cfg.depth
     apps = cfg.n_prelude + cfg.n_coda + K * cfg.n_core  # block applications
     inject = 2 * d * d * (1 if cfg.model == "parcae" else K)
@@ -219,20 +221,20 @@ def recurrent_param_split(cfg: ModelConfig):
 
 def unrolled_params(cfg: ModelConfig, mu_rec=None) -> int:
     """N(mu_rec): non-embedding parameters with the core unrolled mu_rec times (default: the
-    config's mu_rec, i.e. cfg.mu_rec or cfg.depth). The N of the scaling laws (SPEC 5)."""
-    from baselines import resolve_recurrence
+    config's mu_rec, parcae.resolve_recurrence). The N of Parcae's scaling laws."""
+    import parcae
     core, rest = recurrent_param_split(cfg)
-    mu = mu_rec if mu_rec is not None else resolve_recurrence(cfg)[0]
+    mu = mu_rec if mu_rec is not None else parcae.resolve_recurrence(cfg)[0]
     return rest + mu * core
 
 
 def parcae_train_flops(cfg: ModelConfig, tokens: float, T=None) -> float:
-    """SPEC 5 effective training FLOPs C = (2 N1 + 6 N2) D of a looped model at its nominal
+    """Parcae's effective training FLOPs C = (2 N1 + 6 N2) D of a looped model at its nominal
     mu_rec and mu_bwd: N1 = N_core (mu_rec - mu_bwd), N2 = N_noncore + N_core mu_bwd, embeddings
     excluded; attention added as 2 T d MACs per token per block application (QK^T and AV, full
-    T x T convention of SPEC 7) in the same split. T defaults to cfg.block_size."""
-    import baselines
-    mu_rec, mu_bwd = baselines.resolve_recurrence(cfg)
+    T x T convention) in the same split. T defaults to cfg.block_size."""
+    import parcae
+    mu_rec, mu_bwd = parcae.resolve_recurrence(cfg)
     mu_bwd = min(mu_bwd, mu_rec)
     T = cfg.block_size if T is None else T
     core, rest = recurrent_param_split(cfg)
@@ -318,7 +320,7 @@ def _check_varies(law, **variables):
 
 
 def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
-    """Test-time depth law L(T) = L_inf + Z exp(-z T) (SPEC 5) from recurrences T and losses L.
+    """Test-time depth law L(T) = L_inf + Z exp(-z T) (Parcae §5.3) from recurrences T and losses L.
     Returns {"L_inf", "Z", "z", "huber"}; UsageError for fewer than 3 distinct T."""
     T, L = _as64(T, L)
     _check_points(len(T), 3, "depth")
@@ -340,7 +342,7 @@ def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
 
 
 def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
-    """Training law L = E + A N^-a + B D^-b (SPEC 5; N: unrolled parameters N(mu_rec), D: tokens).
+    """Training law L = E + A N^-a + B D^-b (Parcae §5.2; N: unrolled parameters N(mu_rec), D: tokens).
     Returns {"E", "A", "a", "B", "b", "huber"}; UsageError for fewer than 3 distinct N or D."""
     N, D, L = _as64(N, D, L)
     _check_points(len(L), 5, "training")
@@ -364,7 +366,7 @@ def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
 
 
 def fit_unified_law(N, D, T, mu_rec, L, restarts=32, max_iter=1500, delta=HUBER_DELTA):
-    """Unified law L = E + X N^-x + Y D^-y + Z exp(-z T / mu_rec) (SPEC 5): N unrolled parameters
+    """Unified law L = E + X N^-x + Y D^-y + Z exp(-z T / mu_rec) (Parcae §5.3): N unrolled parameters
     N(mu_rec), D tokens, T test-time recurrences, mu_rec the training mean recurrence.
     Returns {"E", "X", "x", "Y", "y", "Z", "z", "huber"}; UsageError for fewer than 3 distinct
     N, D or T / mu_rec."""
@@ -396,6 +398,7 @@ def read_run(path):
     "config", "mu_rec", "N" (unrolled non-embedding parameters), "D" (tokens seen at the
     evaluated checkpoint: best_iter x tokens per update), "dev_nll", "sweep_depths",
     "sweep_nll"}; UsageError if the log is missing or has no summary."""
+    import parcae
     import json
     import os
     f = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
@@ -420,13 +423,12 @@ def read_run(path):
                 sweep = rec
     if start is None or summary is None:
         raise UsageError(f"{f}: needs a 'start' and a 'summary' event (run not finished?)")
-    from baselines import resolve_recurrence
     cfg = ModelConfig.from_dict(start["config"])
     args = start.get("args", {})
     per_update = args.get("batch_size", 1) * args.get("gradient_accumulation_steps", 1) * cfg.block_size
     looped = cfg.model in RECURRENT_MODELS
     return {"path": path, "model": cfg.model, "config": cfg,
-            "mu_rec": resolve_recurrence(cfg)[0] if looped else cfg.depth,
+            "mu_rec": parcae.resolve_recurrence(cfg)[0] if looped else cfg.depth,
             "N": unrolled_params(cfg) if looped else start.get("non_embedding_params"),
             "D": float(summary.get("tokens", summary["best_iter"] * per_update)),
             "dev_nll": float(summary["dev_nll"]),
@@ -477,7 +479,7 @@ def fit_runs(runs, law="all", restarts=32):
 def fit_main(argv):
     """python flops.py fit RUN [RUN ...] [--law all|depth|training|unified] [--restarts R] [--out F]"""
     import json
-    p = _Parser(prog="flops.py fit", description="Fit SPEC 5 scaling laws to train.py run logs.")
+    p = _Parser(prog="flops.py fit", description="Fit Parcae's scaling laws to train.py run logs.")
     p.add_argument("runs", nargs="+", help="run directories (or their log.jsonl)")
     p.add_argument("--law", default="all", choices=("all", "depth", "training", "unified"))
     p.add_argument("--restarts", type=int, default=64, help="L-BFGS restarts (best grid points)")

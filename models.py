@@ -1,4 +1,5 @@
-"""Model registry, size tiers and width solving (SPEC.md section 1).
+"""Model registry, size tiers and width solving (MATH.md, "What every model shares"; the 70M and
+160M tiers are the TANGO paper's, "TANGO: Treating Tokens as Operators", §3 "Models and optimization").
 
 REGISTRY maps a --model name to a body constructor taking a ModelConfig; later issues add rows.
 build_model(cfg) wraps the body in the shared LM (embedding, tied head, loss, generation).
@@ -19,7 +20,7 @@ REGISTRY = {
     "gau": baselines.gau,
     "flash": baselines.flash,
     "parcae": parcae.parcae,
-    "rdm": baselines.rdm,
+    "rdm": parcae.rdm,
 }
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"

@@ -1,4 +1,4 @@
-"""TANGO: tokens as operators (SPEC.md section 3; paper: ../shared/seeds/000_*.txt, section 2).
+"""TANGO ("TANGO: Treating Tokens as Operators", §2; our reconstruction: MATH.md, "TANGO").
 
 One gated update replaces attention and the feed-forward network; one block is applied K times:
 
@@ -304,15 +304,15 @@ class Tango(nn.Module):
 
 
 def tango(cfg, impl="fast"):
-    """Full-prefix TANGO (SPEC section 3). Non-embedding parameters: 2d^2 + 3dF + d + 2H + d."""
+    """Full-prefix TANGO (MATH.md, "TANGO"). Non-embedding parameters: 2d^2 + 3dF + d + 2H + d."""
     return Tango(cfg, impl=impl)
 
 
 def tango_windowed(cfg, impl="fast"):
-    """Windowed TANGO, window cfg.window (SPEC section 3). Same parameter count as TANGO."""
+    """Windowed TANGO, window cfg.window (MATH.md, "TANGO"). Same parameter count as TANGO."""
     return Tango(cfg, windowed=True, impl=impl)
 
 
 def tango_3set(cfg, impl="fast"):
-    """TANGO with three gated-projection sets (SPEC section 3). Parameters: 2d^2 + 9dF + d + 2H + d."""
+    """TANGO with three gated-projection sets (TANGO paper §4.2). Parameters: 2d^2 + 9dF + d + 2H + d."""
     return Tango(cfg, n_sets=3, impl=impl)

@@ -55,7 +55,7 @@ def qkgb(B=2, H=3, T=19, fh=5, seed=0):
 
 
 def test_tango_reference_is_the_formula(f64):
-    """The reference equals a per-(i, a) loop over the SPEC section 3 formula, null option included."""
+    """The reference equals a per-(i, a) loop over the formula (MATH.md, "TANGO"), null option included."""
     qs, kh, g, b = qkgb(B=1, H=2, T=6, fh=3)
     G = tango_reference(qs, kh, g, b)
     for a in range(2):

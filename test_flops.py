@@ -1,4 +1,4 @@
-"""Tests for flops.py: SPEC 7 check values, CLI, and agreement with torch's FlopCounterMode.
+"""Tests for flops.py: the TANGO paper's §4.1 MAC figures, CLI, and agreement with torch's FlopCounterMode.
 
 FlopCounterMode counts 2 FLOPs per MAC of every matmul (aten.mm/bmm); elementwise work (norms,
 RoPE, softmax, cumsum, gating) is not counted. SDPA on CPU: when the fused CPU flash kernel is
@@ -6,8 +6,8 @@ chosen (aten._scaled_dot_product_flash_attention_for_cpu; e.g. Transformer++ wit
 q/k/v) torch 2.13's counter has no formula for it and counts 0, while shapes it rejects (TANGO's
 40-dim q/k with F/H-dim values) fall back to the math path and are counted. So every count here
 runs under sdpa_kernel(SDPBackend.MATH): SDPA decomposes into two bmm's, counted as full L x S
-products even when causal (the mask is applied elementwise), which is the SPEC 7 convention. Linear maps and the tied head therefore count exactly params x T and V d T, and the only
-differences from the SPEC 7 convention are the implementations' padding, modelled exactly in
+products even when causal (the mask is applied elementwise), which is the convention of MATH.md, "Cost". Linear maps and the tied head therefore count exactly params x T and V d T, and the only
+differences from that convention are the implementations' padding, modelled exactly in
 flops.counter_expected_macs (not a tolerance):
   tango / tango-3set (fast path): keys are [null key, T keys] and q/k are padded to 40 dims, so
       per application T (T+1) (40 H + F) instead of T^2 (32 H + F);
@@ -77,7 +77,7 @@ def test_untied_gau_same_macs_as_tied():
 def test_limits_reduce_to_full_models():
     T = 40
     assert flops.forward_macs(small("tango-windowed", window=T), T) == flops.forward_macs(small("tango"), T)
-    if "flash" in models.REGISTRY:  # one chunk: FLASH = GAU (SPEC 4), no global part
+    if "flash" in models.REGISTRY:  # one chunk: FLASH = GAU (MATH.md), no global part
         assert flops.forward_macs(small("flash", chunk=T), T) == flops.forward_macs(small("gau"), T)
 
 

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-import baselines
 import models
+import parcae
 from common import ModelConfig
 
 F64 = torch.float64
@@ -24,7 +24,7 @@ CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4,
 DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2}  # three sets: first, middle (twice), last
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def config(name, **kw):
@@ -226,7 +226,7 @@ def gau_body(x, model, pos):
 
 def eval_h0(T, d, std):
     """The seeded evaluation state (a table of random numbers; its std is the documented one)."""
-    return baselines.eval_state(0, T, d, std, "cpu", F64)[0]
+    return parcae.eval_state(0, T, d, std, "cpu", F64)[0]
 
 
 def parcae_body(x, model, pos, depth=None, h0=None):
@@ -271,7 +271,7 @@ HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_b
 
 def hand_logits(model, idx, pos=None, body_fn=None):
     """Embedding -> body (by hand) -> RMSNorm -> tied head, one sequence at a time."""
-    E = model.wte.weight
+    E = model.wte.weight[:model.cfg.vocab_size]  # the V real rows; the rest pad the matmul (never predicted)
     body_fn = body_fn or HAND[model.cfg.model]
     rows = []
     for r in range(idx.shape[0]):

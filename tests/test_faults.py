@@ -31,7 +31,7 @@ from models import REGISTRY, build_model
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def small_cfg(name, **kw):
@@ -414,6 +414,7 @@ def test_helpers_restore_the_mode_they_found(long_questions):
 
 # ============================================================================ 9. weight decay
 
+TPP = ("attn.qkv", "attn.wo", "mlp.w13", "mlp.w2")  # weight matrices of a Transformer++ or sandwich block
 DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3set; one prelude/core/coda block)
     "tango": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight", "body.sets.0.wv.weight",
               "body.sets.0.wo.weight"],
@@ -422,22 +423,13 @@ DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3se
     "tango-3set": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight", "body.sets.0.wv.weight",
                    "body.sets.0.wo.weight", "body.sets.1.wg.weight", "body.sets.1.wv.weight", "body.sets.1.wo.weight",
                    "body.sets.2.wg.weight", "body.sets.2.wv.weight", "body.sets.2.wo.weight"],
-    "loop": ["wte.weight", "body.blocks.0.attn.wq.weight", "body.blocks.0.attn.wk.weight",
-             "body.blocks.0.attn.wv.weight", "body.blocks.0.attn.wo.weight", "body.blocks.0.mlp.w1.weight",
-             "body.blocks.0.mlp.w3.weight", "body.blocks.0.mlp.w2.weight"],
-    "untied": ["wte.weight", "body.blocks.0.attn.wq.weight", "body.blocks.0.attn.wk.weight",
-               "body.blocks.0.attn.wv.weight", "body.blocks.0.attn.wo.weight", "body.blocks.0.mlp.w1.weight",
-               "body.blocks.0.mlp.w3.weight", "body.blocks.0.mlp.w2.weight", "body.blocks.1.attn.wq.weight",
-               "body.blocks.1.attn.wk.weight", "body.blocks.1.attn.wv.weight", "body.blocks.1.attn.wo.weight",
-               "body.blocks.1.mlp.w1.weight", "body.blocks.1.mlp.w3.weight", "body.blocks.1.mlp.w2.weight"],
+    "loop": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
+    "untied": ["wte.weight"] + [f"body.blocks.{k}.{w}.weight" for k in (0, 1) for w in TPP],
     "gau": ["wte.weight", "body.units.0.w_in.weight", "body.units.0.wo.weight"],
     "flash": ["wte.weight", "body.units.0.w_in.weight", "body.units.0.wo.weight"],
-    "parcae": ["wte.weight"] + [f"body.{part}.0.{w}.weight" for part in ("prelude", "core", "coda")
-                                for w in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")],
-    "rdm": ["wte.weight"] + [f"body.prelude.0.{w}.weight" for w in
-                             ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")]
-           + ["body.adapter.weight"] + [f"body.{part}.0.{w}.weight" for part in ("core", "coda") for w in
-                                        ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")],
+    "parcae": ["wte.weight"] + [f"body.{part}.0.{w}.weight" for part in ("prelude", "core", "coda") for w in TPP],
+    "rdm": ["wte.weight"] + [f"body.prelude.0.{w}.weight" for w in TPP] + ["body.adapter.weight"]
+           + [f"body.{part}.0.{w}.weight" for part in ("core", "coda") for w in TPP],
 }
 
 

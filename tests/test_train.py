@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # mdm (a mini DeepMind Mathematics dataset: every 32-token window has scored answer targets) and
-# data_root (it prepared once) are the fixtures of conftest.py
+# data_root (it prepared once) are the fixtures of tests/conftest.py
 
 
 def flags(mdm, data_root, out_dir, *extra):

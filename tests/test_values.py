@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- learning-rate schedule
@@ -49,7 +49,8 @@ def test_lr_schedule_literal_values():
 
 # ----------------------------------------------------------------------------- in-process runs
 
-MDM_SIZE = (200, 30)  # the conftest.py fixtures mdm and data_root: 200 problems per train folder
+MDM_SIZE = (200, 30)  # tests/conftest.py's fixtures mdm and data_root: 200 problems per train folder
+
 
 PARCAE = ["--model", "parcae", "--size", "tiny", "--depth", "2", "--n_prelude", "1", "--n_core", "1",
           "--n_coda", "1", "--block_size", "32", "--batch_size", "2", "--eval_windows", "4",

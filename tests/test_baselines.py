@@ -1,4 +1,4 @@
-"""Tests for GAU and FLASH (baselines.py, SPEC.md section 4): chunked FLASH vs the explicit T x T
+"""Tests for GAU and FLASH (baselines.py; MATH.md, "GAU and FLASH"): chunked FLASH vs the explicit T x T
 reference, FLASH == GAU when one chunk covers the sequence, causality, cached decoding, parameter
 formulas, width solving at the paper tiers, and a short training run."""
 import pytest
@@ -8,16 +8,10 @@ import baselines
 import models
 from common import ModelConfig, UsageError
 
-TIERS = [(512, 16, 44_270_000), (768, 24, 121_400_000)]  # 70M, 160M (SPEC section 1)
+TIERS = [(512, 16, 44_270_000), (768, 24, 121_400_000)]  # 70M, 160M (models.TIERS)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: intra-op threads only add contention on a shared CPU (100x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def small_cfg(model, **kw):
@@ -28,7 +22,7 @@ def small_cfg(model, **kw):
 
 
 def build(cfg, seed=0, dtype=torch.float64, **kw):
-    """Model whose mixing is far from negligible (the SPEC init makes Q, K ~ 0.02 Z, so at init
+    """Model whose mixing is far from negligible (at the default init the relu^2 kernel is small, so
     the attention part barely moves the logits and comparisons would be vacuous)."""
     torch.manual_seed(seed)
     m = models.build_model(cfg, **kw).to(dtype)
@@ -226,7 +220,7 @@ def train(m, x, y, steps=25, lr=1e-2):
 
 @pytest.mark.parametrize("model", ["gau", "flash"])
 def test_training_lowers_loss(model):
-    """A few AdamW steps on one fixed batch lower the loss, at the SPEC init and with an active
+    """A few AdamW steps on one fixed batch lower the loss, at the default init and with an active
     unit (larger scale-offset gains); in the second case the unit's own weights move too."""
     cfg = small_cfg(model, depth=2, width=64)
     x = tokens(cfg, B=4, T=16, seed=5)

@@ -1,4 +1,4 @@
-"""Tests for Parcae (parcae.py), the recurrent-depth model RDM (baselines.py) and the SPEC 5
+"""Tests for parcae.py (Parcae and the recurrent-depth model RDM) and the Parcae paper's
 scaling-law fits (flops.py). Small shapes; the whole file runs in well under a minute on 1 CPU."""
 import json
 import math
@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import baselines
 import flops
 import models
 import parcae
@@ -179,7 +178,7 @@ def test_depth_samplers_means():
     torch.manual_seed(0)
     t = parcae.parcae_sample_depths(10_000, 8)
     assert t.min() >= 1 and abs(t.double().mean().item() / 8 - 1) < 0.02  # E = 8 + e^-8
-    r = baselines.rdm_sample_depths(10_000, 8)
+    r = parcae.rdm_sample_depths(10_000, 8)
     assert r.min() >= 1 and abs(r.double().mean().item() / 9 - 1) < 0.02  # E = mu_rec + 1
 
 
@@ -229,16 +228,16 @@ def test_rdm_kl_exit_stops_early_when_distributions_agree():
     idx = torch.randint(0, 61, (2, 9))
     with torch.no_grad():  # W [h; e] = W_2 e: the core no longer depends on h, so p_t = p_1
         model.body.adapter.weight[:, :64] = 0
-    logits, steps = baselines.rdm_generate_depths(model, idx, max_depth=8, threshold=5e-4)
+    logits, steps = parcae.rdm_generate_depths(model, idx, max_depth=8, threshold=5e-4)
     assert (steps == 2).all()
     model.body.depth = 2
     assert torch.allclose(logits, model(idx)[0], atol=1e-5)
     # never exiting (negative threshold) runs the full depth and equals the fixed-depth forward
     model2 = build("rdm", depth=4)
     model2.eval()
-    logits, steps = baselines.rdm_generate_depths(model2, idx, threshold=-1.0)
+    logits, steps = parcae.rdm_generate_depths(model2, idx, threshold=-1.0)
     assert (steps == 4).all() and torch.allclose(logits, model2(idx)[0], atol=1e-5)
-    _, steps = baselines.rdm_generate_depths(model2, idx, threshold=1e9)
+    _, steps = parcae.rdm_generate_depths(model2, idx, threshold=1e9)
     assert (steps == 2).all()
 
 
