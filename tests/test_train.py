@@ -310,6 +310,41 @@ def test_checkpoint_from_before_chunk_and_gau_s_flags_resumes(runs, mdm, data_ro
     assert load(out / "ckpt_latest.pt")["config"]["chunk"] == 256
 
 
+def test_checkpoint_with_the_removed_kl_fields_resumes(runs, mdm, data_root, tmp_path, capsys):
+    """Checkpoints written while --kl_threshold and ModelConfig.kl_exit/kl_threshold existed (they
+    changed nothing) resume: the dead fields are dropped, and the new checkpoint has none."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    for name in ("ckpt_latest.pt", "ckpt_best.pt"):
+        ck = load(out / name)
+        ck["config"].update(kl_exit=False, kl_threshold=5e-4)
+        ck["args"]["kl_threshold"] = 5e-4
+        torch.save(ck, out / name)
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
+    assert code == 0, err
+    assert "kl_threshold" not in records(out, "start")[-1]["args"]
+    ck = load(out / "ckpt_latest.pt")
+    assert ck["iter"] == 7 and "kl_threshold" not in ck["config"] and "kl_exit" not in ck["config"]
+    old = {**ck["config"], "kl_exit": True, "kl_threshold": 1e-3}
+    assert ModelConfig.from_dict(old) == ModelConfig.from_dict(ck["config"])
+    with pytest.raises(train.UsageError, match=r"unknown fields \['kl_other'\]"):
+        ModelConfig.from_dict({**ck["config"], "kl_other": 1})
+
+
+def test_help_shows_every_tiers_value(capsys):
+    """--help: each flag has help text, tier-dependent flags list the value at every tier, no
+    flag says "(default: None)", and no help states its default twice."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "default: tiny 128 / cpu 256 / 70M 2048 / 160M 2048" in out  # --block_size
+    assert "peak learning rate; default: tiny 0.006 / cpu 0.002 / 70M 0.0006 / 160M 0.0006" in out
+    assert "default: None" not in out and "kl_threshold" not in out
+    for action in train.build_parser()._actions:
+        assert action.help and action.help.count("default") <= 1, action.option_strings
+
+
 # ----------------------------------------------------------------------------- safe checkpoints, failures
 
 def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch):
