@@ -14,6 +14,7 @@ import functools
 import inspect
 import numbers
 from dataclasses import dataclass, asdict, fields
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -54,10 +55,10 @@ class ModelConfig:
     n_prelude: int = 2          # L_P Transformer++ (RDM: sandwich) blocks before the loop
     n_core: int = 2             # L_R blocks in the recurrent core (one recurrence = L_R block applications)
     n_coda: int = 2             # L_C blocks after the loop
-    mu_rec: int = 0             # mean training recurrence; 0 = use depth (depth = eval recurrences)
+    mu_rec: int = 0             # mean training recurrence; 0 = depth (parcae.resolve_recurrence)
     mu_bwd: int = 0             # recurrences backpropagated through; 0 = ceil(mu_rec / 2)
-    kl_exit: bool = False       # RDM: evaluate with the KL early exit (parcae.rdm_generate_depths)
-    kl_threshold: float = 5e-4  # RDM: exit when KL(p_{t-1} || p_t) < kl_threshold
+    # fields of older versions that nothing read; configs that carry them still load (from_dict)
+    DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
 
     def to_dict(self):
         return asdict(self)
@@ -65,6 +66,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d):
         names = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k not in cls.DEAD_FIELDS}
         unknown = set(d) - names
         if unknown:
             raise UsageError(f"checkpoint config has unknown fields {sorted(unknown)}")

@@ -223,9 +223,10 @@ def recurrent_param_split(cfg: ModelConfig):
 
 def unrolled_params(cfg: ModelConfig, mu_rec=None) -> int:
     """N(mu_rec): non-embedding parameters with the core unrolled mu_rec times (default: the
-    config's mu_rec, i.e. cfg.mu_rec or cfg.depth). The N of Parcae's scaling laws."""
+    config's mu_rec, parcae.resolve_recurrence). The N of Parcae's scaling laws."""
+    import parcae
     core, rest = recurrent_param_split(cfg)
-    mu = mu_rec if mu_rec is not None else (cfg.mu_rec or cfg.depth)
+    mu = mu_rec if mu_rec is not None else parcae.resolve_recurrence(cfg)[0]
     return rest + mu * core
 
 
@@ -399,6 +400,7 @@ def read_run(path):
     "config", "mu_rec", "N" (unrolled non-embedding parameters), "D" (tokens seen at the
     evaluated checkpoint: best_iter x tokens per update), "dev_nll", "sweep_depths",
     "sweep_nll"}; UsageError if the log is missing or has no summary."""
+    import parcae
     import json
     import os
     f = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
@@ -428,7 +430,7 @@ def read_run(path):
     per_update = args.get("batch_size", 1) * args.get("gradient_accumulation_steps", 1) * cfg.block_size
     looped = cfg.model in RECURRENT_MODELS
     return {"path": path, "model": cfg.model, "config": cfg,
-            "mu_rec": (cfg.mu_rec or cfg.depth) if looped else cfg.depth,
+            "mu_rec": parcae.resolve_recurrence(cfg)[0] if looped else cfg.depth,
             "N": unrolled_params(cfg) if looped else start.get("non_embedding_params"),
             "D": float(summary.get("tokens", summary["best_iter"] * per_update)),
             "dev_nll": float(summary["dev_nll"]),

@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-import train
+from checkpoint import load_checkpoint
 from common import LM, ModelConfig, UsageError
 from tasks import CharTokenizer, Tokenizer
 
@@ -140,7 +140,7 @@ def load_base(path):
     Hugging Face model folder (needs transformers). UsageError for anything unusable."""
     if path.startswith("hf:"):
         return hf_base.load_hf_base(path[3:])
-    ck = train.load_checkpoint(path, flag="--base")
+    ck = load_checkpoint(path, flag="--base")
     try:
         cfg = ModelConfig.from_dict(ck["config"])
     except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the config is unusable

@@ -10,7 +10,7 @@ the bodies of latent_tokens.py's commands:
         --n_train 1024 --epochs 3 --n_test 256 --ablate_readout
 
 They train through latent_tokens.fit (the one training loop); pretrain writes its checkpoint
-with train.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
+with checkpoint.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
 """
 import json
 import os
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import train
+from checkpoint import clean_state_dict, save_atomic
 from common import ModelConfig, UsageError
 from latent_bases import load_base
 from latent_tokens import (LatentLM, Policy, _base_flags, _parser, _train_flags, choose, cosine_lr,
@@ -168,7 +169,7 @@ def pretrain(args):
             d, tag = dev_nll(), ""
             if d < best:
                 best, tag = d, " (best, saved)"
-                train.save_atomic({"model": train.clean_state_dict(model), "config": cfg.to_dict(),
+                save_atomic({"model": clean_state_dict(model), "config": cfg.to_dict(),
                                    "data": {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos},
                                    "iter": it + 1, "best_dev": best, "dev_nll": d}, path)
             print(f"update {it + 1}: train loss {loss:.4f}  dev NLL {d:.4f}{tag}  ({time.time() - t0:.0f} s)", flush=True)

@@ -352,7 +352,6 @@ class RecurrentDepth(LoopedBody):
         super().__init__(cfg, h0_std=math.sqrt(2 / 5))
         self.sigma = 0.5
         self.emb_scale = math.sqrt(d)
-        self.kl_exit, self.kl_threshold = cfg.kl_exit, cfg.kl_threshold
         self.prelude = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_prelude))
         self.adapter = nn.Linear(2 * d, d, bias=False)  # W [h; e]
         self.core = nn.ModuleList(SandwichBlock(d, H, F_) for _ in range(cfg.n_core))
@@ -428,13 +427,13 @@ def rdm(cfg):
 
 
 @torch.no_grad()
-def rdm_generate_depths(model, idx, max_depth=None, threshold=None):
+def rdm_generate_depths(model, idx, max_depth=None, threshold=5e-4):
     """RDM evaluation with the KL early exit (arXiv 2502.05171, §6), full sequence.
 
     model: an LM with an RDM body (eval mode is set by the caller); idx: (B, T) token ids.
     Recurrence t = 1..max_depth (default body.depth); after each, every position's next-token
     distribution p_t = softmax(head(norm_f(Coda(h_t)))) is read out; a position exits at the first
-    t >= 2 with KL(p_{t-1} || p_t) < threshold (default body.kl_threshold); its state is frozen
+    t >= 2 with KL(p_{t-1} || p_t) < threshold; its state is frozen
     from then on (later recurrences leave it unchanged; later positions still attend to it) and its
     logits are those of step t. Positions that never exit use step max_depth.
 
@@ -442,7 +441,6 @@ def rdm_generate_depths(model, idx, max_depth=None, threshold=None):
     """
     body = model.body
     max_depth = body.depth if max_depth is None else max_depth
-    threshold = body.kl_threshold if threshold is None else threshold
     x = model.wte(idx)
     B, T = idx.shape
     cos, sin = rope_cos_sin(torch.arange(T, device=idx.device), dtype=compute_dtype(x))

@@ -113,12 +113,13 @@ def check_existing_run(out, argv):
     train.py's own defaults are filled in (machine flags such as --out_dir or --device aside):
     skipping or resuming it would mix settings in one grid cell."""
     import train
+    from checkpoint import MACHINE_FLAGS
     start = [r for r in log_records(out) if r.get("event") == "start"]
     if not start:
         return
     saved = start[-1].get("args", {})
     requested = vars(train.resolve_args(train.parse_args(argv)))
-    for k in sorted(set(saved) & set(requested) - set(train.MACHINE_FLAGS)):
+    for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS)):
         if saved[k] != requested[k]:
             raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
                              "use another --root (or delete that run) to change a setting")
@@ -205,13 +206,13 @@ SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params"
 
 def run_settings(run, summary):
     """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
-    import train
+    from checkpoint import MACHINE_FLAGS
     out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
     if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
         out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
     start = [r for r in log_records(run) if r.get("event") == "start"]
     if start:
-        skip = set(train.MACHINE_FLAGS) | {"seed", "data_seed"}
+        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"}
         out.update({f"--{k}": v for k, v in start[-1].get("args", {}).items() if k not in skip})
     return out
 

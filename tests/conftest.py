@@ -2,10 +2,12 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data as data_mod  # noqa: E402
 
 
 @pytest.fixture
@@ -17,3 +19,34 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _write_mdm(root, n_train, n_extrapolate, n_eval=60):
+    """A small dataset in the official DeepMind Mathematics layout under root (a pathlib.Path):
+    "What is a + b?" / answer lines, n_train problems in each train-* folder; returns root."""
+    rng = np.random.default_rng(0)
+    for folder, n in [("train-easy", n_train), ("train-medium", n_train), ("train-hard", n_train), ("dev", n_eval),
+                      ("interpolate", n_eval), ("extrapolate", n_extrapolate)]:
+        (root / folder).mkdir()
+        lines = []
+        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
+            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
+        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def mdm(request, tmp_path_factory):
+    """A small dataset in the official DeepMind Mathematics layout ("What is a + b?" / answer, at
+    most 16 characters a question), written once per test module; its size is the module's
+    MDM_SIZE = (problems per train-* folder, extrapolate problems), default (300, 60)."""
+    n_train, n_extrapolate = getattr(request.module, "MDM_SIZE", (300, 60))
+    return _write_mdm(tmp_path_factory.mktemp("mdm"), n_train, n_extrapolate)
+
+
+@pytest.fixture(scope="module")
+def data_root(mdm, tmp_path_factory):
+    """mdm prepared once (data.prepare("dmmath", ...)); the module's runs share this data_root."""
+    root = tmp_path_factory.mktemp("data")
+    data_mod.prepare("dmmath", str(mdm), str(root))
+    return root

@@ -49,26 +49,7 @@ def test_lr_schedule_literal_values():
 
 # ----------------------------------------------------------------------------- in-process runs
 
-@pytest.fixture(scope="module")
-def mdm(tmp_path_factory):
-    """A small dataset in the DeepMind Mathematics layout: "What is a + b?" / answer."""
-    root = tmp_path_factory.mktemp("mdm")
-    rng = np.random.default_rng(0)
-    for folder, n in [("train-easy", 200), ("train-medium", 200), ("train-hard", 200), ("dev", 60),
-                      ("interpolate", 60), ("extrapolate", 30)]:
-        (root / folder).mkdir()
-        lines = []
-        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
-            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
-        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
-    return root
-
-
-@pytest.fixture(scope="module")
-def data_root(mdm, tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    data_mod.prepare("dmmath", str(mdm), str(root))
-    return root
+MDM_SIZE = (200, 30)  # tests/conftest.py's fixtures mdm and data_root: 200 problems per train folder
 
 
 PARCAE = ["--model", "parcae", "--size", "tiny", "--depth", "2", "--n_prelude", "1", "--n_core", "1",

@@ -1,10 +1,7 @@
-"""Tests for train.py (issue 7): exact resume, safe checkpoints, clear errors, DDP on CPU.
-
-The runs use a tiny DeepMind-Mathematics-shaped dataset written here (character vocabulary of
-~20 symbols), so a training update of the 1M-parameter CPU-tier model takes milliseconds and the
-cost is mostly Python start-up. Only what needs separate processes runs as a subprocess (torchrun,
-and one bad input in a real process); the resume runs and the catalogue of bad inputs call
-train.main in this process.
+"""Tests for train.py and its helpers (checkpoint.py, config.py, datacheck.py, evaluation.py):
+exact resume, safe checkpoints, clear errors, DDP on CPU. The runs use a tiny DeepMind-Mathematics-
+shaped dataset (~20 characters), so an update takes milliseconds; only torchrun and one bad input
+run as subprocesses, the resume runs and the catalogue of bad inputs call train.main in-process.
 """
 import contextlib
 import copy
@@ -23,49 +20,21 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import data as data_mod
 import train
 from common import ModelConfig
 from models import build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 TINY = ["--model", "loop", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--eval_windows", "6",
         "--eval_batch_size", "4", "--sample_tokens", "5", "--em_samples", "3", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process runs use one thread, like the subprocesses (OMP_NUM_THREADS=1): on a shared
-    2-core machine two spinning threads per process make a tiny run 10-30x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def mdm(tmp_path_factory):
-    """A small dataset in the official DeepMind Mathematics layout: "What is a + b?" / answer.
-    Questions are at most 16 characters, so every 32-token window has scored (answer) targets."""
-    root = tmp_path_factory.mktemp("mdm")
-    rng = np.random.default_rng(0)
-    for folder, n in [("train-easy", 300), ("train-medium", 300), ("train-hard", 300), ("dev", 60),
-                      ("interpolate", 60), ("extrapolate", 60)]:
-        (root / folder).mkdir()
-        lines = []
-        for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):
-            lines += [f"What is {a} {'+-'[op]} {b}?", str(a + b if op == 0 else a - b)]
-        (root / folder / "arith.txt").write_text("\n".join(lines) + "\n")
-    return root
-
-
-@pytest.fixture(scope="module")
-def data_root(mdm, tmp_path_factory):
-    """mini dmmath prepared once; runs share this data_root."""
-    root = tmp_path_factory.mktemp("data")
-    data_mod.prepare("dmmath", str(mdm), str(root))
-    return root
+# fixtures of tests/conftest.py: mdm (a mini DeepMind Mathematics dataset; every 32-token window has
+# scored answer targets), data_root (mdm prepared once) and one_thread
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def flags(mdm, data_root, out_dir, *extra):
@@ -79,8 +48,8 @@ def run_train(argv, env_extra=None, torchrun=0, check=True, timeout=300):
     launcher = [sys.executable]
     if torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(torchrun)]
-    p = subprocess.run([*launcher, os.path.join(HERE, "train.py"), *argv], capture_output=True, text=True,
-                       env=env, cwd=HERE, timeout=timeout)
+    p = subprocess.run([*launcher, os.path.join(REPO, "train.py"), *argv], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=timeout)
     if check:
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
@@ -91,10 +60,9 @@ def call_main(argv, capsys):
     capsys.readouterr()
     try:
         train.main(argv)
-        code = 0
     except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
+        return e.code, capsys.readouterr().err
+    return 0, capsys.readouterr().err
 
 
 def records(out_dir, event):
@@ -256,7 +224,7 @@ def test_same_seed_same_log_other_seed_differs(runs):
 def test_checkpoint_contents(runs):
     A = runs["out"]["A"]
     latest, best = load(A / "ckpt_latest.pt"), load(A / "ckpt_best.pt")  # weights_only=True
-    assert set(train.TRAINING_KEYS) <= set(latest) and "optimizer" not in best
+    assert set(checkpoint.TRAINING_KEYS) <= set(latest) and "optimizer" not in best
     evals = records(A, "eval")
     assert latest["best_dev"] == min(r["dev_nll"] for r in evals)
     assert best["dev_nll"] == latest["best_dev"] and best["iter"] == min(evals, key=lambda r: r["dev_nll"])["iter"]
@@ -279,8 +247,8 @@ def test_clean_state_dict_strips_wrappers():
 
     wrapped = Wrapper(torch.compile(model))  # torch.compile wraps lazily: nothing compiles here
     assert all(k.startswith("module._orig_mod.") for k in wrapped.state_dict())
-    assert list(train.clean_state_dict(wrapped)) == list(model.state_dict())
-    assert list(train.strip_prefixes(wrapped.state_dict())) == list(model.state_dict())
+    assert list(checkpoint.clean_state_dict(wrapped)) == list(model.state_dict())
+    assert list(checkpoint.strip_prefixes(wrapped.state_dict())) == list(model.state_dict())
 
 
 def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_path, capsys):
@@ -288,7 +256,7 @@ def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_pa
     shutil.copytree(runs["out"]["A"], out)
     best = load(out / "ckpt_best.pt")
     best["dev_nll"] = 0.01  # a best no later evaluation can beat
-    train.save_atomic(best, str(out / "ckpt_best.pt"))
+    checkpoint.save_atomic(best, str(out / "ckpt_best.pt"))
     before = snapshot(out)["ckpt_best.pt"]
     code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "9"), capsys)
     assert code == 0, err
@@ -336,6 +304,35 @@ def test_checkpoint_from_before_chunk_and_gau_s_flags_resumes(runs, mdm, data_ro
     assert load(out / "ckpt_latest.pt")["config"]["chunk"] == 256
 
 
+def test_checkpoint_with_the_removed_kl_fields_resumes(runs, mdm, data_root, tmp_path, capsys):
+    """Checkpoints from when --kl_threshold and ModelConfig.kl_exit/kl_threshold existed (they
+    changed nothing) resume; the dead fields are dropped, an unknown field is still an error."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    for name in ("ckpt_latest.pt", "ckpt_best.pt"):
+        ck = load(out / name)
+        ck["config"].update(kl_exit=True, kl_threshold=1e-3)
+        torch.save(dict(ck, args={**ck["args"], "kl_threshold": 1e-3}), out / name)
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
+    assert code == 0, err
+    ck = load(out / "ckpt_latest.pt")
+    assert ck["iter"] == 7 and not {"kl_exit", "kl_threshold"} & (set(ck["config"]) | set(ck["args"]))
+    with pytest.raises(train.UsageError, match=r"unknown fields \['kl_other'\]"):
+        ModelConfig.from_dict({**ck["config"], "kl_other": 1})
+
+
+def test_help_shows_every_tiers_value(capsys):
+    """--help: help text on every flag, the value at every tier for tier-dependent ones, no
+    "(default: None)", no default stated twice."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "default: None" not in out and "kl_threshold" not in out
+    assert "training context length T; default: tiny 128 / cpu 256 / 70M 2048 / 160M 2048" in out
+    assert "peak learning rate; default: tiny 0.006 / cpu 0.002 / 70M 0.0006 / 160M 0.0006" in out
+    assert all(a.help and a.help.count("default") <= 1 for a in train.build_parser()._actions)
+
+
 # ----------------------------------------------------------------------------- safe checkpoints, failures
 
 def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch):
@@ -349,13 +346,13 @@ def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch
 
     monkeypatch.setattr(torch, "save", dies_mid_write)
     with pytest.raises(OSError, match="disk full"):
-        train.save_atomic({"model": {}}, str(path))
+        checkpoint.save_atomic({"model": {}}, str(path))
     monkeypatch.undo()
     assert snapshot(tmp_path) == good  # untouched, and no temporary file left behind
     assert load(path)["iter"] == 6
     (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:1000])  # what a non-atomic save could leave
     with pytest.raises(train.UsageError, match="truncated or corrupted"):
-        train.load_checkpoint(str(tmp_path / "cut.pt"))
+        checkpoint.load_checkpoint(str(tmp_path / "cut.pt"))
 
 
 def test_nonfinite_loss_stops_with_the_step_and_keeps_checkpoint(runs, mdm, data_root, tmp_path, capsys):

@@ -1,0 +1,253 @@
+"""Checkpoints and --resume for train.py: writing, reading, validating and restoring.
+
+<out_dir>/ckpt_latest.pt (every evaluation) and <out_dir>/ckpt_best.pt (lowest dev NLL so far) are
+written to a temporary file, flushed to disk and renamed into place (save_atomic), so a crash
+leaves the previous file whole. They hold plain types and CPU tensors only, so
+``torch.load(path, weights_only=True, map_location="cpu")`` reads them on any machine; parameter
+names carry no ``_orig_mod.``/``module.`` prefixes. ckpt_latest.pt also holds the optimizer, the
+update count (the learning-rate schedule's position), the RNG states of python, numpy (the data
+sampler) and torch, the best dev NLL so far, seed and data_seed.
+
+--resume (resume_args, then check_resume and restore) continues ckpt_latest.pt exactly: flags not
+given are taken from the checkpoint; IDENTITY_FLAGS must agree with it; other flags given
+explicitly override it and the change is printed and logged. Every bad file or conflicting flag
+is a one-line UsageError before anything is written.
+"""
+import contextlib
+import json
+import os
+import random
+
+import torch
+
+from common import UsageError
+from datacheck import data_signature
+
+CKPT_FORMAT = 2  # bump when the checkpoint layout changes
+LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
+TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
+                 "seed", "data_seed")
+# --resume: these must agree with the checkpoint (they define the model, its data order or the
+# meaning of "best dev"); MACHINE_FLAGS are never taken from it; every other flag is taken from the
+# checkpoint unless given explicitly, in which case the given value wins and the change is logged.
+IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
+                  "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
+MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
+
+
+# ----------------------------------------------------------------------------- writing
+
+def save_checkpoints(r, dev, improved):
+    """The best checkpoint first (if improved), then the latest (see check_resume for the order)."""
+    args = r.args
+    state = {"format": CKPT_FORMAT, "model": clean_state_dict(r.model), "config": r.cfg.to_dict(),
+             "data": data_signature(r.data), "iter": r.it, "best_dev": r.best_dev, "dev_nll": dev,
+             "seed": args.seed, "data_seed": args.data_seed, "args": vars(args)}
+    if improved:
+        save_atomic(state, os.path.join(args.out_dir, BEST))
+    save_atomic(dict(state, optimizer=to_cpu(r.optimizer.state_dict()), rng=rng_state(r.rng, args.device)),
+                os.path.join(args.out_dir, LATEST))
+    r.saved_at = r.it
+
+
+def save_atomic(obj, path):
+    """torch.save to a temporary file beside path, flushed to disk, then os.replace: a crash or an
+    error at any point leaves the previous file at path whole (and no temporary file behind)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows it
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def strip_prefixes(sd):
+    """Parameter names without torch.compile (_orig_mod.) / DDP (module.) wrapper prefixes."""
+    out = {}
+    for k, v in sd.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in ("_orig_mod.", "module."):
+                if k.startswith(prefix):
+                    k, changed = k[len(prefix):], True
+        out[k] = v
+    return out
+
+
+def clean_state_dict(model):
+    """state_dict on the CPU without wrapper prefixes."""
+    return {k: v.detach().cpu() for k, v in strip_prefixes(model.state_dict()).items()}
+
+
+def to_cpu(obj):
+    """obj with every tensor moved to the CPU (dicts, lists and tuples walked)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def rng_state(rng, device):
+    """The RNG states as plain Python values and CPU tensors (weights_only-loadable)."""
+    state = {"python": _listify(random.getstate()), "numpy": rng.bit_generator.state,
+             "torch": torch.get_rng_state()}
+    if device.startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _listify(x):
+    return [_listify(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+
+def _tuplify(x):
+    """random.setstate needs tuples; checkpoints store them as lists."""
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def remove_stale(out_dir):
+    """A fresh run replaces the checkpoints and summary of an earlier run in its out_dir."""
+    stale = [f for f in (LATEST, BEST, "summary.json") if os.path.exists(os.path.join(out_dir, f))]
+    for f in stale:
+        os.remove(os.path.join(out_dir, f))
+    if stale:
+        print(f"note: fresh run in {out_dir}: removed {', '.join(stale)} of an earlier run "
+              "(use --resume to continue a run)")
+
+
+def trim_log(path, it):
+    """Drop the records of updates after it (and earlier summaries) from a log being resumed:
+    a run that died after its last checkpoint leaves records the resumed run will write again."""
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if rec.get("event") != "summary" and rec.get("iter", 0) <= it:
+                keep.append(json.dumps(rec) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+# ----------------------------------------------------------------------------- reading and resuming
+
+def load_checkpoint(path, keys=("model", "config"), flag="--resume"):
+    """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing (naming
+    flag), unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag}: no checkpoint at {path}")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file
+        raise UsageError(f"{path}: not a readable checkpoint ({type(e).__name__}); "
+                         "it may be truncated or corrupted") from None
+    if not isinstance(ck, dict) or any(k not in ck for k in keys):
+        have = sorted(ck) if isinstance(ck, dict) else type(ck).__name__
+        raise UsageError(f"{path}: not a training checkpoint of this train.py (needs {', '.join(keys)}; has {have})")
+    if "format" in keys and ck["format"] != CKPT_FORMAT:
+        raise UsageError(f"{path}: checkpoint format {ck['format']}, this train.py reads {CKPT_FORMAT}")
+    return ck
+
+
+def resume_args(args, given):
+    """--resume: load <out_dir>/ckpt_latest.pt and fill args from the flags it was trained with.
+    Returns (checkpoint, the explicit overrides as {flag: [checkpoint value, new value]});
+    UsageError for a bad file or a conflicting identity flag."""
+    path = os.path.join(args.out_dir, LATEST)
+    ckpt = load_checkpoint(path, keys=TRAINING_KEYS)
+    if not isinstance(ckpt["args"], dict):
+        raise UsageError(f"{path}: malformed args entry")
+    saved = dict(ckpt["args"])
+    for k in ("chunk", "gau_s"):  # not flags before these became tier defaults: the model config has them
+        if k not in saved and isinstance(ckpt["config"], dict) and k in ckpt["config"]:
+            saved[k] = ckpt["config"][k]
+    return ckpt, merge_resume_args(args, given, saved)
+
+
+def merge_resume_args(args, given, saved):
+    """Fill args from a checkpoint's args for --resume (see IDENTITY_FLAGS). Returns the explicit
+    overrides as {flag: [checkpoint value, new value]}; UsageError for a conflicting identity flag."""
+    changed = {}
+    for k, v in saved.items():
+        if k in MACHINE_FLAGS or not hasattr(args, k):  # (flags since removed are skipped)
+            continue
+        if not isinstance(v, (type(None), bool, int, float, str)):
+            raise UsageError(f"{os.path.join(args.out_dir, LATEST)}: malformed args entry {k}={v!r}")
+        if k not in given:
+            setattr(args, k, v)
+        elif getattr(args, k) != v:
+            if k in IDENTITY_FLAGS:
+                raise UsageError(f"--{k} {getattr(args, k)}: the checkpoint in {args.out_dir} was trained with "
+                                 f"--{k} {v}; drop the flag to resume it, or use a fresh --out_dir")
+            changed[k] = [v, getattr(args, k)]
+    return changed
+
+
+def check_resume(ckpt, cfg, data, args):
+    """Validate a resumed run's checkpoints; returns the best dev NLL so far, the lower of the
+    latest checkpoint's record and the best checkpoint's own (a crash between writing the best and
+    the latest checkpoint leaves the best one newer), so a better best is never overwritten."""
+    latest_path, best_path = os.path.join(args.out_dir, LATEST), os.path.join(args.out_dir, BEST)
+    check_compatible(ckpt, latest_path, cfg, data)
+    if not isinstance(ckpt["iter"], int) or ckpt["iter"] < 0:
+        raise UsageError(f"{latest_path}: bad update count {ckpt['iter']!r}")
+    if not isinstance(ckpt["best_dev"], float) or not isinstance(ckpt["rng"], dict):
+        raise UsageError(f"{latest_path}: malformed best_dev or rng entries")
+    if ckpt["iter"] > args.max_iters:
+        raise UsageError(f"--max_iters {args.max_iters}: below the checkpoint's update {ckpt['iter']}; "
+                         "give a larger --max_iters")
+    best = load_checkpoint(best_path, keys=("format", "model", "config", "data", "iter", "dev_nll"))
+    check_compatible(best, best_path, cfg, data)
+    if not isinstance(best["dev_nll"], float):
+        raise UsageError(f"{best_path}: malformed dev_nll {best['dev_nll']!r}")
+    return min(ckpt["best_dev"], best["dev_nll"])
+
+
+def check_compatible(ck, path, cfg, data):
+    """UsageError unless the checkpoint holds this model config and was trained on this data
+    (ModelConfig.DEAD_FIELDS of older checkpoints are ignored)."""
+    saved = ck["config"] if isinstance(ck["config"], dict) else {}
+    saved = {k: v for k, v in saved.items() if k not in cfg.DEAD_FIELDS}
+    if not isinstance(ck["config"], dict) or saved != cfg.to_dict():
+        diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
+        raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; use a fresh --out_dir")
+    if ck["data"] != data_signature(data):
+        saved = ck["data"] if isinstance(ck["data"], dict) else {}
+        raise UsageError(f"{path}: trained on other data ({saved.get('tokenizer')} tokenizer, vocab "
+                         f"{saved.get('vocab_size')}, splits {saved.get('splits')}); this dataset has "
+                         f"{data.tokenizer}, vocab {data.vocab_size}, splits {data.meta['splits']}")
+
+
+def restore(ck, path, model, optimizer, rng, device):
+    """Load the training state of a checkpoint (weights, optimizer, RNG states); UsageError if its
+    tensors do not fit."""
+    try:
+        model.load_state_dict(strip_prefixes(ck["model"]))
+        optimizer.load_state_dict(ck["optimizer"])  # moves the state to the parameters' device
+        random.setstate(_tuplify(ck["rng"]["python"]))
+        rng.bit_generator.state = ck["rng"]["numpy"]
+        torch.set_rng_state(ck["rng"]["torch"])
+        if "cuda" in ck["rng"] and device.startswith("cuda"):
+            torch.cuda.set_rng_state(ck["rng"]["cuda"], device)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UsageError(f"{path}: does not fit this model ({why})") from None

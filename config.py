@@ -1,0 +1,265 @@
+"""The plumbing of a train.py run: the tiers' defaults, flag validation, the device, the processes
+of a torchrun job, and what the run prints and logs (log.jsonl, the TRAIN_DEBUG_DUMP hook).
+
+train.py declares the flags; resolve_args fills the defaults that depend on the tier or on other
+flags (all of them here, in one place) and rejects bad values with a one-line UsageError (exit 2).
+"""
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from checkpoint import trim_log
+from common import ModelConfig, UsageError
+from models import REGISTRY, TIERS, solve_width
+
+# Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
+# the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
+# window (Windowed TANGO W), chunk (FLASH C) and gau_s (GAU/FLASH s) scale with the context: at
+# W >= T Windowed TANGO is exactly full-prefix TANGO and at C >= T FLASH is one quadratic chunk.
+_GPU_TIER = dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000, eval_interval=250,
+                 learning_rate=6e-4, warmup_iters=200, eval_windows=256, em_samples=1000, window=256, chunk=256,
+                 gau_s=128)
+TIER_DEFAULTS = {
+    "tiny": dict(block_size=128, batch_size=8, gradient_accumulation_steps=1, max_iters=120,
+                 eval_interval=20, learning_rate=6e-3, warmup_iters=10, eval_windows=32, em_samples=100,
+                 window=32, chunk=32, gau_s=32),
+    "cpu": dict(block_size=256, batch_size=8, gradient_accumulation_steps=1, max_iters=150,
+                eval_interval=25, learning_rate=2e-3, warmup_iters=10, eval_windows=48, em_samples=100,
+                window=64, chunk=64, gau_s=128),
+    "70M": _GPU_TIER,
+    "160M": dict(_GPU_TIER),  # the same run settings; the tiers differ in width and parameter target
+}
+# models whose one block (or unit, or recurrent core) can be applied any number of times
+SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
+
+
+def tier_default(flag):
+    """The help text's default of a tier-dependent flag: 'default: tiny 128 / cpu 256 / ...'."""
+    return "default: " + " / ".join(f"{tier} {d[flag]:g}" for tier, d in TIER_DEFAULTS.items())
+
+
+def resolve_args(args, dist=None):
+    """Fill the defaults that depend on the tier, the device or other flags, and validate every
+    flag. Returns args; UsageError on bad input."""
+    dist = dist or Dist()
+    if args.model not in REGISTRY:
+        raise UsageError(f"--model: unknown model '{args.model}'; choose one of {', '.join(REGISTRY)}")
+    resolve_device(args, dist)
+    if args.size is None:
+        args.size = "70M" if args.device.startswith("cuda") else "cpu"
+    if args.size not in TIERS:
+        raise UsageError(f"--size {args.size}: choose one of {', '.join(TIERS)}")
+    for k, v in TIER_DEFAULTS[args.size].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.data_seed is None:
+        args.data_seed = args.seed
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    if args.compile is None:
+        args.compile = args.device.startswith("cuda")
+    if args.dtype == "auto":
+        bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        args.dtype = "bfloat16" if bf16 else "float32"
+    check_values(args, dist)
+    check_paths(args)
+    return args
+
+
+def check_values(args, dist):
+    """UsageError for a flag value outside its range; sets args.depth_list from --eval_depths."""
+    for flag in ("depth", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
+                 "lr_decay_iters", "eval_interval", "eval_windows", "eval_batch_size", "window", "chunk", "gau_s",
+                 "em_samples"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    for flag in ("learning_rate", "grad_clip"):
+        if not 0 < getattr(args, flag) < math.inf:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be a finite number > 0")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UsageError(f"--min_lr_ratio {args.min_lr_ratio}: must be in [0, 1]")
+    if not 0 <= args.weight_decay < math.inf:
+        raise UsageError(f"--weight_decay {args.weight_decay}: must be a finite number >= 0")
+    for flag in ("warmup_iters", "sample_tokens"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 0")
+    if args.gradient_accumulation_steps % dist.world:
+        raise UsageError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: must be divisible "
+                         f"by the number of processes ({dist.world}); it counts micro-batches over all of them")
+    try:
+        args.depth_list = [int(k) for k in args.eval_depths.split(",")] if args.eval_depths else []
+    except ValueError:
+        raise UsageError(f"--eval_depths {args.eval_depths}: give comma-separated depths, e.g. 1,2,4,8") from None
+    if args.depth_list and (args.model not in SHARED_BLOCK or min(args.depth_list) < 1):
+        raise UsageError(f"--eval_depths {args.eval_depths}: needs depths >= 1 and a shared-block model "
+                         f"({', '.join(SHARED_BLOCK)})")
+
+
+def resolve_device(args, dist):
+    """--device auto -> cuda if available, else cpu; under torchrun each rank takes cuda:LOCAL_RANK."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError(f"--device {args.device}: use auto, cpu, cuda or cuda:N")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+        if dist.ddp:
+            args.device = f"cuda:{dist.local_rank}"  # one GPU per process
+        try:
+            index = torch.device(args.device).index or 0
+        except RuntimeError:
+            raise UsageError(f"--device {args.device}: use auto, cpu, cuda or cuda:N") from None
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def check_paths(args):
+    """out_dir and data_root must be (creatable) folders."""
+    for flag in ("out_dir", "data_root"):
+        path = os.path.abspath(getattr(args, flag))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--{flag} {path}: exists and is not a folder")
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--{flag} {path}: {parent} is not writable")
+
+
+def model_config(args, vocab_size):
+    """The ModelConfig of the flags, its width solved to the tier's parameter target; returns
+    (config, target non-embedding parameter count)."""
+    d, H, target = TIERS[args.size]
+    cfg = ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size,
+                      n_embd=d, n_head=H, depth=args.depth, window=args.window, chunk=args.chunk,
+                      gau_s=args.gau_s, mu_rec=args.mu_rec,
+                      mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda)
+    return solve_width(cfg, target, strict=args.size not in ("tiny", "cpu")), target
+
+
+def autocast_ctx(args):
+    """bfloat16 autocast under --dtype bfloat16, else a context that changes nothing."""
+    if args.dtype == "bfloat16":
+        return torch.autocast(device_type=args.device.split(":")[0], dtype=torch.bfloat16)
+    return torch.autocast(device_type="cpu", enabled=False)
+
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun job (rank 0 of 1 without torchrun)."""
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+    @property
+    def ddp(self):
+        return self.world > 1
+
+    @classmethod
+    def from_env(cls):
+        try:
+            d = cls(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+                    int(os.environ.get("WORLD_SIZE", 1)))
+        except ValueError:
+            raise UsageError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (set by torchrun)") from None
+        if d.world < 1 or not 0 <= d.rank < d.world or d.local_rank < 0:
+            raise UsageError(f"RANK {d.rank} / LOCAL_RANK {d.local_rank} / WORLD_SIZE {d.world} are inconsistent")
+        return d
+
+    @classmethod
+    def from_env_quiet(cls):
+        """from_env, or a single process if the environment is malformed (for error printing)."""
+        try:
+            return cls.from_env()
+        except UsageError:
+            return cls()
+
+    def start(self, device):
+        """Join the process group (nccl on CUDA, gloo on CPU) and pin this rank's GPU; no-op alone."""
+        if self.ddp:
+            if device.startswith("cuda"):
+                torch.cuda.set_device(device)
+            tdist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+
+    def all_sum(self, t):
+        """Sum a tensor over ranks, in place (no-op for one process)."""
+        if self.ddp:
+            tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+        return t
+
+    def share(self, items):
+        """This rank's contiguous share of an update's micro-batches."""
+        m = len(items) // self.world
+        return items[self.rank * m:(self.rank + 1) * m]
+
+
+# ----------------------------------------------------------------------------- console, log.jsonl
+
+class Log:
+    """log.jsonl and console output; silent on ranks other than 0."""
+
+    def __init__(self, out_dir, dist, resumed_at=None, quiet=False, total=0, desc=""):
+        self.main = dist.main
+        self.path = os.path.join(out_dir, "log.jsonl")
+        self.f = self.bar = None
+        if not self.main:
+            return
+        if resumed_at is not None:
+            trim_log(self.path, resumed_at)  # drop records after the checkpoint being resumed
+        self.f = open(self.path, "a" if resumed_at is not None else "w")
+        if not quiet:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=resumed_at or 0, desc=desc, dynamic_ncols=True)
+
+    def emit(self, **rec):
+        if self.f:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+
+    def progress(self, **postfix):
+        if self.bar is not None:
+            self.bar.set_postfix(**postfix)
+            self.bar.update(1)
+
+    def close_bar(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def say(self, msg):
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(msg)
+
+    def close(self):
+        self.close_bar()
+        if self.f:
+            self.f.close()
+            self.f = None
+
+
+class DebugDump:
+    """TRAIN_DEBUG_DUMP=PREFIX: per-rank JSON lines of the windows used and a parameter hash."""
+
+    def __init__(self, dist):
+        prefix = os.environ.get("TRAIN_DEBUG_DUMP")
+        self.path = f"{prefix}.rank{dist.rank}.jsonl" if prefix else None
+
+    def write(self, it, starts, model):
+        if self.path:
+            h = hashlib.sha256()
+            for k, v in model.state_dict().items():
+                h.update(k.encode())
+                h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"iter": it, "starts": [s.tolist() for s in starts],
+                                    "param_sha256": h.hexdigest()}) + "\n")

@@ -1,0 +1,137 @@
+"""Evaluation and the final report of train.py: dev/test NLL over fixed windows, dmmath exact
+match, the printed report and a decoded sample.
+
+NLL is in nats/token over the scored targets (``y != -1``); every function puts the model in eval
+mode for its duration (Parcae/RDM: fixed depth, seeded initial state) and restores each module's
+own mode after it.
+"""
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from config import Dist
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """model (every submodule) in eval mode inside the block; each module's own train/eval mode
+    restored after it, also on an error."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@torch.no_grad()
+def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, dist=None):
+    """Mean NLL (nats/token) over the scored targets of fixed windows.
+
+    Each window's NLL sum (float64) and target count are computed separately; with dist the
+    windows are sharded over ranks (window i on rank i % world) and the per-window values summed
+    over ranks, then reduced in window order. So the value depends neither on the batch size nor on
+    the world size, up to the float32 forward pass itself (see tests/test_train.py)."""
+    dist = dist or Dist()
+    sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
+    counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
+    mine = np.arange(dist.rank, len(starts), dist.world)
+    rows_per_batch = min(batch_size, len(mine))  # a short last batch is padded: one shape, no recompile
+    with eval_mode(model):
+        for i in range(0, len(mine), batch_size):
+            idx = mine[i:i + batch_size]
+            x, y = data.window_batch(split, np.asarray(starts)[idx], block_size)
+            x, y = x.to(device), y.to(device)
+            x = torch.cat((x, x[-1:].expand(rows_per_batch - len(idx), -1))).contiguous()
+            with ctx:
+                logits, _ = model(x)
+            logits = logits[:len(idx)]
+            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+            rows = torch.as_tensor(idx, device=device)
+            sums[rows] = nll.view(y.shape).double().sum(1)
+            counts[rows] = (y != -1).sum(1).double()
+    dist.all_sum(sums)
+    dist.all_sum(counts)
+    return float(sums.sum()) / max(float(counts.sum()), 1.0)
+
+
+def greedy_answer(model, data, split, problem, max_new_tokens, ctx, device):
+    """(prompt tokens, decoded greedy continuation) of one (question, answer, end) problem."""
+    q0, a0, _ = problem
+    tok = data.tokens(split)
+    prompt = torch.from_numpy(tok[q0:a0].astype(np.int64))[None].to(device)  # question + "\n"
+    with ctx:
+        out = model.generate(prompt, max_new_tokens=max_new_tokens, temperature=0, stop_token=data.eot)
+    return data.decode(out[0, prompt.shape[1]:].tolist())
+
+
+def depth_sweep(model, depths, nll):
+    """[nll() with model.body.depth = k for k in depths]: a shared-block model's NLL at other
+    recurrence counts than it was trained with; the trained depth is restored after it."""
+    body = model.body
+    trained, curve = body.depth, []
+    try:
+        for k in depths:
+            body.depth = k
+            curve.append(nll())
+    finally:
+        body.depth = trained
+    return curve
+
+
+@torch.no_grad()
+def exact_match(model, data, split, n_samples, device, ctx):
+    """Fraction of problems whose greedily decoded answer equals the reference exactly (dmmath).
+    The n_samples problems are evenly spaced over the split (so every module is represented)."""
+    probs = data.problems(split)
+    tok = data.tokens(split)
+    idx = np.linspace(0, len(probs) - 1, min(n_samples, len(probs))).round().astype(int)
+    correct = 0
+    with eval_mode(model):
+        for q0, a0, a1 in probs[idx]:
+            answer = greedy_answer(model, data, split, (q0, a0, a1), int(a1 - a0) + 2, ctx, device)
+            correct += answer.split("\n")[0] == data.decode(tok[a0:a1])
+    return correct / len(idx)
+
+
+def print_report(s, data, args):
+    print(f"\n== {args.model} depth {args.depth} on {args.dataset} ({args.size} tier) ==")
+    print(f"non-embedding params   {s['non_embedding_params']:,}")
+    print(f"unigram entropy (dev)  {s['unigram_dev']:.4f} nats/token   (baseline)")
+    print(f"dev NLL (best, upd {s['best_iter']}) {s['dev_nll']:.4f} nats/token")
+    print(f"test NLL ({data.test_split})    {s['test_nll']:.4f} nats/token")
+    if s["tok_per_s_median_last100"]:
+        print(f"throughput             {s['tok_per_s_median_last100']:.0f} tokens/s (median, last 100 updates)")
+    for split in data.meta.get("em_splits", []):
+        n = min(args.em_samples, len(data.problems(split)))
+        print(f"exact match {split:12s} {s[f'exact_match_{split}']:.2%}  ({n} problems)")
+    if "depth_sweep" in s:
+        print("dev NLL by test-time depth: " + ", ".join(
+            f"K={k}: {v:.4f}" for k, v in zip(s["depth_sweep"]["depths"], s["depth_sweep"]["dev_nll"])))
+    if s["first_update_s"] is not None:
+        print(f"first update           {s['first_update_s']:.1f} s after start"
+              + (" (compile included)" if args.compile else ""))
+    print(f"wall time              {s['wall_s']:.0f} s")
+
+
+def print_sample(model, data, args, device, ctx):
+    """A short decoded sample from the best checkpoint (dmmath: one problem, answered greedily),
+    in eval mode (Parcae/RDM: fixed depth and seeded initial state); the model's mode is restored."""
+    if args.sample_tokens == 0:
+        return
+    torch.manual_seed(args.seed)
+    with eval_mode(model):
+        if data.problems(data.test_split) is not None:
+            q0, a0, a1 = problem = data.problems(data.test_split)[0]
+            tok = data.tokens(data.test_split)
+            answer = greedy_answer(model, data, data.test_split, problem, args.sample_tokens, ctx, device)
+            print(f"\n--- sample ({data.test_split}, greedy) ---\nQ: {data.decode(tok[q0:a0 - 1])}\n"
+                  f"model: {answer.strip()}\nreference: {data.decode(tok[a0:a1])}")
+            return
+        prompt = torch.tensor([[data.eot]], device=device)
+        with ctx:
+            out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=200)
+    print(f"\n--- sample (temperature 0.8, top-k 200) ---\n{data.decode(out[0, 1:].tolist())}\n---")
