@@ -8,7 +8,7 @@ import pytest
 
 import sweep
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 NOISE = {"untied": 0.3, "flash": 0.05, "gau": 0.02, "tango-windowed": 0.005}  # default 0.01
