@@ -57,6 +57,13 @@ class ModelConfig:
     mu_bwd: int = 0             # recurrences backpropagated through; 0 = ceil(mu_rec / 2)
     kl_exit: bool = False       # RDM: evaluate with the KL early exit (baselines.rdm_generate_depths)
     kl_threshold: float = 5e-4  # RDM: exit when KL(p_{t-1} || p_t) < kl_threshold
+    # Depth-Attention (depth_attention.py): candidate layers C(l) = {j < l: j mod da_stride == 0} U recent window
+    da_stride: int = 0          # 0 = floor(depth / 2) (the paper's default); -1 = no strided candidates
+    da_recent: int = 0          # r: also mix the r layers just below
+    # PonderLM-2 (ponder.py)
+    n_thoughts: int = 1         # thought slots per token (0 = untied Transformer++)
+    jacobi: int = 3             # Jacobi refinements of the thoughts (evaluation, prefill; training without jacobi_random)
+    jacobi_random: bool = True  # training draws the refinements from U{2, 3}
 
     def to_dict(self):
         return asdict(self)
