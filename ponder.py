@@ -24,9 +24,11 @@ Training solves the thoughts by Jacobi iteration (gradients through every pass):
   3. a final pass on the S-slot sequence gives H_{.,n}.
 N = cfg.jacobi (default 3); in training with cfg.jacobi_random, N ~ U{2, 3} per forward (the
 authors' random_jacobi_iterations), drawn from the generator train.py seeds per micro-batch.
-Exactness: dependencies are triangular in t; after the bootstrap and m refinements the thoughts
-of tokens 0..m are exact, so N >= T - 1 equals the sequential computation (`sequential_reference`);
-with fewer iterations training and prefill approximate it.
+Exactness: dependencies are triangular in slot order, so Jacobi fixes at least one more thought per
+refinement: the bootstrap makes token 0's thoughts exact and refinement m those of the m-th next
+thought in slot order. With one thought, tokens 0..m are exact after m refinements and N >= T - 1
+equals the sequential computation (`sequential_reference`); with n thoughts N >= n (T - 1) does.
+With fewer iterations training and prefill approximate it.
 
 Decoding: per new token, S sequential single-slot passes at position t, each appending one KV row
 per block; the next slot's input is Norm_θ of this slot's output. Prefill runs the bootstrap and N

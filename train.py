@@ -98,7 +98,8 @@ LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
 # meaning of "best dev"); MACHINE_FLAGS are never taken from it; every other flag is taken from the
 # checkpoint unless given explicitly, in which case the given value wins and the change is logged.
 IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
-                  "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda")
+                  "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda",
+                  "da_stride", "da_recent", "n_thoughts", "jacobi")
 # models whose one block (or unit, or recurrent core) can be applied any number of times
 SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
 MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
@@ -136,6 +137,12 @@ def build_parser(suppress_defaults=False):
     a("--n_core", type=int, default=2, help="Parcae/RDM: blocks in the recurrent core")
     a("--n_coda", type=int, default=2, help="Parcae/RDM: blocks after the recurrent core")
     a("--kl_threshold", type=float, default=5e-4, help="RDM: KL early-exit threshold (rdm_generate_depths)")
+    a("--da_stride", type=int, default=0, help="Depth-Attention: mix layers j mod stride == 0 (0: depth // 2, -1: none)")
+    a("--da_recent", type=int, default=0, help="Depth-Attention: also mix the r layers just below")
+    a("--n_thoughts", type=int, default=1, help="PonderLM-2: thought slots per token (0: untied Transformer++)")
+    a("--jacobi", type=int, default=3, help="PonderLM-2: Jacobi refinements of the thoughts")
+    a("--jacobi_random", action=argparse.BooleanOptionalAction, default=True,
+      help="PonderLM-2: training draws the Jacobi refinements from {2, 3}")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
       "1,2,4,8,16,32 (shared-block models: the TANGO family, loop, gau, flash, parcae, rdm)")
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
@@ -424,7 +431,8 @@ def model_config(args, data):
                       n_embd=d, n_head=H, depth=args.depth, window=args.window, chunk=args.chunk,
                       gau_s=args.gau_s, mu_rec=args.mu_rec,
                       mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
-                      kl_threshold=args.kl_threshold)
+                      kl_threshold=args.kl_threshold, da_stride=args.da_stride, da_recent=args.da_recent,
+                      n_thoughts=args.n_thoughts, jacobi=args.jacobi, jacobi_random=args.jacobi_random)
     return solve_width(cfg, target, strict=args.size not in ("tiny", "cpu")), target
 
 
