@@ -443,6 +443,12 @@ DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3se
                              ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")]
            + ["body.adapter.weight"] + [f"body.{part}.0.{w}.weight" for part in ("core", "coda") for w in
                                         ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w3", "mlp.w2")],
+    # Depth-Attention and PonderLM-2 (fused q/k/v and W_1/W_3); PonderLM-2's thought norm gain is exempt
+    "depth-attn": ["wte.weight"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1)
+                                    for w in ("attn.qkv", "attn.wo", "mlp.w13", "mlp.w2")],
+    "loop-depth-attn": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in ("attn.qkv", "attn.wo", "mlp.w13", "mlp.w2")],
+    "ponder": ["wte.weight"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1)
+                                for w in ("attn.qkv", "attn.wo", "mlp.w13", "mlp.w2")],
 }
 
 
