@@ -195,7 +195,8 @@ def test_training_draws_depend_only_on_seed_update_and_micro_batch(name):
     a, b = seeded_forward(model, 1, 0), seeded_forward(model, 2, 0)
     assert torch.equal(a, b)
     if any(hasattr(m, "rng_seed") for m in model.modules()):  # the models that draw: another index, other draws
-        assert not torch.equal(a, seeded_forward(model, 1, 1))
+        # (PonderLM-2 draws one of two Jacobi counts, so other indices may draw the same: try eight)
+        assert any(not torch.equal(a, seeded_forward(model, 1, i)) for i in range(1, 9))
 
 
 def drawing_models():
