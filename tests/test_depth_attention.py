@@ -11,7 +11,7 @@ import depth_attention as da
 import flops
 import models
 import train
-from common import ModelConfig, UsageError, rope_cos_sin
+from common import ModelConfig, UsageError
 
 TIED = {"depth-attn": "untied", "loop-depth-attn": "loop"}
 
