@@ -204,7 +204,7 @@ def drawing_models():
 
 
 def test_the_drawing_models_are_parcae_and_rdm():
-    assert drawing_models() == ["parcae", "rdm"]
+    assert drawing_models() == ["parcae", "rdm", "ponder"]  # and PonderLM-2's Jacobi count in training
 
 
 def run_train(argv, torchrun=2):
