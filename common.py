@@ -57,6 +57,13 @@ class ModelConfig:
     n_coda: int = 2             # L_C blocks after the loop
     mu_rec: int = 0             # mean training recurrence; 0 = depth (parcae.resolve_recurrence)
     mu_bwd: int = 0             # recurrences backpropagated through; 0 = ceil(mu_rec / 2)
+    # Depth-Attention (depth_attention.py): candidate layers C(l) = {j < l: j mod da_stride == 0} U recent window
+    da_stride: int = 0          # 0 = floor(depth / 2) (the paper's default); -1 = no strided candidates
+    da_recent: int = 0          # r: also mix the r layers just below
+    # PonderLM-2 (ponder.py)
+    n_thoughts: int = 1         # thought slots per token (0 = untied Transformer++)
+    jacobi: int = 3             # Jacobi refinements of the thoughts (evaluation, prefill; training without jacobi_random)
+    jacobi_random: bool = True  # training draws the refinements from U{2, 3}
     # fields of older versions that nothing read; configs that carry them still load (from_dict)
     DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
 

@@ -139,7 +139,9 @@ def model_config(args, vocab_size):
     cfg = ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size,
                       n_embd=d, n_head=H, depth=args.depth, window=args.window, chunk=args.chunk,
                       gau_s=args.gau_s, mu_rec=args.mu_rec,
-                      mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda)
+                      mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
+                      da_stride=args.da_stride, da_recent=args.da_recent, n_thoughts=args.n_thoughts,
+                      jacobi=args.jacobi, jacobi_random=args.jacobi_random)
     return solve_width(cfg, target, strict=args.size not in ("tiny", "cpu")), target
 
 

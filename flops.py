@@ -11,6 +11,8 @@ every linear map costs (its parameters) x (tokens) at each application, plus the
       tango, tango-3set   scores T^2 d           mix (gate averaging) T^2 F
       tango-windowed      scores T W d           mix T W F
       loop, untied        scores (QK^T) T^2 d    mix (AV) T^2 d
+      (loop-)depth-attn   as loop/untied, plus (|C(l)| + 1) T d each for depth scores and mixing
+      ponder              Transformer++ over every pass's S_p T slot rows (see the section below)
       gau                 scores T^2 s           mix (AV) T^2 e
       flash               scores T C s           mix T C e (local) + 2 T s e (global: K_l^T V
                                                  per chunk, then Q_l times the prefix sum;
@@ -60,7 +62,7 @@ def _per_application(cfg: ModelConfig, T: int):
     if m == "tango-windowed":
         W = min(cfg.window, T)
         return 2 * d * d + 3 * d * F, T * W * d, T * W * F
-    if m in ("loop", "untied"):
+    if m in ("loop", "untied", "depth-attn", "loop-depth-attn"):  # depth mixing: depth_extra_macs
         return 4 * d * d + 3 * d * F, T * T * d, T * T * d
     if m == "gau":
         e, s, _ = _gau_dims(cfg)
@@ -76,9 +78,14 @@ def forward_macs(cfg: ModelConfig, T: int) -> dict:
     """Forward MACs of one sequence of length T by the convention above: {"linear", "scores", "mix", "head", "total"}."""
     if cfg.model in RECURRENT_MODELS:  # Parcae / RDM: prelude + K x core + coda (section below)
         return recurrent_forward_macs(cfg, T)
+    if cfg.model == "ponder":  # PonderLM-2: several passes over thought slots (section below)
+        return ponder_forward_macs(cfg, T)
     params, scores, mix = _per_application(cfg, T)
     K = cfg.depth
     out = {"linear": params * T * K, "scores": scores * K, "mix": mix * K, "head": cfg.vocab_size * cfg.n_embd * T}
+    if cfg.model in ("depth-attn", "loop-depth-attn"):  # depth scores and depth mixing
+        out["scores"] += depth_extra_macs(cfg, T)
+        out["mix"] += depth_extra_macs(cfg, T)
     out["total"] = sum(out.values())
     return out
 
@@ -118,7 +125,7 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
         Tp = math.ceil(T / n) * n
         return base + K * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
-    return full["total"] + vocab_pad  # loop, untied, gau: the convention plus the vocabulary padding
+    return full["total"] + vocab_pad  # loop, untied, gau, depth-attn, ponder: the convention plus the vocabulary padding
 
 
 def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:
@@ -188,6 +195,41 @@ def main(argv=None):
             row += f"{_sci(PAPER_MACS[name]):>10}{macs / PAPER_MACS[name] - 1:>+9.2%}"
         print(row)
     return 0
+
+
+# ============================================================================= Depth-Attention, PonderLM-2
+# Depth-Attention (depth_attention.py): Transformer++ plus, in each layer l with candidates C(l)
+# non-empty, (|C(l)| + 1) d MACs per token for the depth scores <q, k^j> and as many for mixing
+# the values (counted in "scores" and "mix"; both are batched matmuls, so the counter sees them).
+# PonderLM-2 (ponder.py): the training forward / prefill runs the bootstrap passes b = 1..n (b slots
+# per token), N = cfg.jacobi refinements and a final pass (n + 1 slots each); every pass is a
+# Transformer++ forward over S_p T slot rows: linear S_p T K (4d^2 + 3dF), scores and mix
+# (S_p T)^2 d K each. Only the T last slots reach the head. (Training with jacobi_random draws
+# N in {2, 3}: 2.5 on average, against cfg.jacobi = 3 here.)
+
+def depth_extra_macs(cfg: ModelConfig, T: int) -> int:
+    """Depth-Attention's depth-score MACs (= its depth-mix MACs) of one length-T forward:
+    T d sum over layers with C(l) non-empty of (|C(l)| + 1)."""
+    import depth_attention
+    stride = cfg.da_stride if cfg.da_stride != 0 else cfg.depth // 2
+    n = sum(len(c) + 1 for c in (depth_attention.candidates(l, stride, cfg.da_recent) for l in range(cfg.depth)) if c)
+    return T * cfg.n_embd * n
+
+
+def ponder_slots(cfg: ModelConfig) -> list:
+    """Slots per token of each pass of a PonderLM-2 forward (bootstrap, refinements, final)."""
+    n = cfg.n_thoughts
+    return list(range(1, n + 1)) + [n + 1] * (cfg.jacobi + 1) if n > 0 else [1]
+
+
+def ponder_forward_macs(cfg: ModelConfig, T: int) -> dict:
+    """SPEC 7 forward MACs of PonderLM-2 at N = cfg.jacobi (same keys as forward_macs)."""
+    d, F, K = cfg.n_embd, cfg.width, cfg.depth
+    S = ponder_slots(cfg)
+    out = {"linear": sum(S) * T * K * (4 * d * d + 3 * d * F), "scores": sum(s * s for s in S) * T * T * d * K,
+           "mix": sum(s * s for s in S) * T * T * d * K, "head": cfg.vocab_size * d * T}
+    out["total"] = sum(out.values())
+    return out
 
 
 # ============================================================================= Parcae / RDM

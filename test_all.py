@@ -20,7 +20,8 @@ from tango import tango_fast, tango_reference, windowed_fast, windowed_reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
-SMALL = dict(n_embd=64, n_head=2, vocab_size=61, block_size=32, window=5, chunk=8)
+SMALL = dict(n_embd=64, n_head=2, vocab_size=61, block_size=32, window=5, chunk=8,
+             jacobi=32)  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= T - 1
 
 
 def small(model, depth=3, width=16, **kw):

@@ -56,7 +56,8 @@ def test_counter_matches_expected_exactly(name, T):
     assert counted_macs(cfg, T) == flops.counter_expected_macs(cfg, T)
 
 
-@pytest.mark.parametrize("name", [n for n in ("loop", "untied", "gau") if n in models.REGISTRY])
+@pytest.mark.parametrize("name", [n for n in ("loop", "untied", "gau", "depth-attn", "loop-depth-attn", "ponder")
+                                  if n in models.REGISTRY])
 def test_counter_equals_convention_without_padding(name):
     cfg = small(name, vocab_size=128)  # a multiple of 64: no vocabulary padding
     assert counted_macs(cfg, 60) == flops.forward_macs(cfg, 60)["total"]
@@ -66,6 +67,20 @@ def test_counter_equals_convention_without_padding(name):
 def test_reference_tango_counts_the_convention(name):
     cfg = small(name, vocab_size=128)  # a multiple of 64: no vocabulary padding
     assert counted_macs(cfg, 60, impl="reference") == flops.forward_macs(cfg, 60)["total"]
+
+
+@pytest.mark.parametrize("kw", [dict(model="depth-attn", da_recent=2, da_stride=-1),
+                                dict(model="loop-depth-attn", depth=6, da_stride=2, da_recent=1),
+                                dict(model="ponder", n_thoughts=2, jacobi=1), dict(model="ponder", n_thoughts=0)])
+def test_counter_covers_depth_attention_and_ponder_settings(kw):
+    """The depth scores/mixing and every PonderLM-2 pass are matmuls the counter sees: with no
+    vocabulary padding it equals forward_macs exactly, and the method's extra over Transformer++
+    is visible in it."""
+    cfg = small(kw.pop("model"), vocab_size=128, **kw)
+    counted = counted_macs(cfg, 13)
+    assert counted == flops.forward_macs(cfg, 13)["total"]
+    plain = small("untied" if cfg.model != "loop-depth-attn" else "loop", vocab_size=128, depth=cfg.depth)
+    assert (counted > counted_macs(plain, 13)) == (cfg.model != "ponder" or cfg.n_thoughts > 0)
 
 
 def test_untied_gau_same_macs_as_tied():

@@ -105,6 +105,12 @@ def build_parser(suppress_defaults=False):
     a("--n_prelude", type=int, default=2, help="Parcae/RDM: blocks before the recurrent core")
     a("--n_core", type=int, default=2, help="Parcae/RDM: blocks in the recurrent core")
     a("--n_coda", type=int, default=2, help="Parcae/RDM: blocks after the recurrent core")
+    a("--da_stride", type=int, default=0, help="Depth-Attention: mix layers j mod stride == 0 (0: depth // 2, -1: none)")
+    a("--da_recent", type=int, default=0, help="Depth-Attention: also mix the r layers just below")
+    a("--n_thoughts", type=int, default=1, help="PonderLM-2: thought slots per token (0: untied Transformer++)")
+    a("--jacobi", type=int, default=3, help="PonderLM-2: Jacobi refinements of the thoughts")
+    a("--jacobi_random", action=argparse.BooleanOptionalAction, default=True,
+      help="PonderLM-2: training draws the Jacobi refinements from {2, 3}")
     a = group("data")
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, help="training context length T; " + tier_default("block_size"))

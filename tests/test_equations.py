@@ -1,11 +1,11 @@
 """Every registered model against a float64 hand computation written from the equations in its
-docstring (tango.py, baselines.py, parcae.py), with every parameter moved away from its init
+docstring (tango.py, baselines.py, parcae.py, depth_attention.py, ponder.py), with every parameter moved away from its init
 (random tau, null scores, A_log, dt_bias, B, C, scale-offsets, norm gains), so that a one-line
 change in a model's update cannot hide behind an init value.
 
 The hand computations use only plain tensor arithmetic: their own RMSNorm, SiLU, softmax and RoPE
 (pairs (x_i, x_{i+16}) of each 32-dim head rotated by position * 10000^(-2i/32)); nothing from
-common.py, tango.py, baselines.py or parcae.py except the parameters they read and Parcae/RDM's
+common.py, tango.py, baselines.py, parcae.py, depth_attention.py or ponder.py except the parameters they read and Parcae/RDM's
 seeded evaluation state h_0 (a table of random numbers, not an equation).
 """
 import math
@@ -21,7 +21,8 @@ F64 = torch.float64
 V, T_SEQ = 61, 11
 CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4, chunk=4, gau_s=64,
            n_prelude=1, n_core=2, n_coda=1)
-DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2}  # three sets: first, middle (twice), last
+DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2,  # three sets: first, middle (twice), last
+         "depth-attn": 4, "loop-depth-attn": 4}  # Depth-Attention: C(l) = {0}, {0}, {0, 2} (stride 2)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -265,8 +266,69 @@ def rdm_body(x, model, pos):
     return h
 
 
+def depth_attn_body(x, model, pos):
+    """Depth-Attention (depth_attention.py docstring): per head, before sequence attention, layer l's
+    value at t becomes sum_{j in C(l)} w_j v~^j_t + w_self v^l_t, w = softmax of <q^l_t, k^j_t> / sqrt(32)
+    over C(l) and self; C(l) = {j < l: j mod s == 0} U {l-r..l-1}, s = da_stride or floor(K/2)."""
+    cfg, blocks = model.cfg, model.body.blocks
+    K, H, T = cfg.depth, cfg.n_head, x.shape[0]
+    s, r = cfg.da_stride or K // 2, cfg.da_recent
+    keys, vals = [], []  # per layer, per head: (T, 32) rotated keys and mixed values
+    for l in range(K):
+        blk = blocks[l % len(blocks)]
+        C = sorted({j for j in range(l) if s <= 1 or j % s == 0} | set(range(max(0, l - r), l)))
+        wq, wk, wv, wo = attn_weights(blk.attn)
+        u = rms(x, blk.norm1.weight)
+        q, k, v = lin(u, wq), lin(u, wk), lin(u, wv)
+        outs, lk, lv = [], [], []
+        for a in range(H):
+            sl = slice(32 * a, 32 * a + 32)
+            qa, ka, va = rope(q[:, sl], pos), rope(k[:, sl], pos), v[:, sl]
+            if C:
+                mixed = torch.zeros_like(va)
+                for t in range(T):
+                    sc = torch.stack([qa[t] @ keys[j][a][t] for j in C] + [qa[t] @ ka[t]]) / math.sqrt(32)
+                    w = torch.exp(sc - sc.max())
+                    w = w / w.sum()
+                    mixed[t] = sum(w[i] * vals[j][a][t] for i, j in enumerate(C)) + w[-1] * va[t]
+                va = mixed
+            lk.append(ka)
+            lv.append(va)
+            outs.append(causal_softmax_rows(qa @ ka.t() / math.sqrt(32)) @ va)
+        keys.append(lk)
+        vals.append(lv)
+        x = x + lin(torch.cat(outs, -1), wo)
+        x = x + swiglu(rms(x, blk.norm2.weight), blk.mlp)
+    return x
+
+
+def ponder_body(x, model, pos):
+    """PonderLM-2 (ponder.py docstring): slots (t,0) = e(x_t), (t,k) = Norm_θ(H_{t,k-1}), all at
+    position t, in slot order; bootstrap b = 1..n, N = cfg.jacobi refinements, a final pass; the
+    output is H_{t,n}."""
+    cfg, blocks, g = model.cfg, model.body.blocks, model.body.think_norm.weight
+    n, T, d = cfg.n_thoughts, x.shape[0], x.shape[1]
+
+    def run(slots):  # one pass: rows (0,0), (0,1), ..., (1,0), ... -> H (T, S, d)
+        S = len(slots)
+        h = torch.stack(slots, 1).reshape(T * S, d)
+        for blk in blocks:
+            h = tpp_block(h, blk, pos.repeat_interleave(S), cfg.n_head)
+        return h.view(T, S, d)
+
+    zs = []
+    for b in range(1, n + 1):
+        h = run([x] + zs)
+        zs = [rms(h[:, k], g) for k in range(b)]
+    for _ in range(cfg.jacobi):
+        h = run([x] + zs)
+        zs = [rms(h[:, k], g) for k in range(n)]
+    return run([x] + zs)[:, n]
+
+
 HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_body, "loop": tpp_body,
-        "untied": tpp_body, "gau": gau_body, "flash": gau_body, "parcae": parcae_body, "rdm": rdm_body}
+        "untied": tpp_body, "gau": gau_body, "flash": gau_body, "parcae": parcae_body, "rdm": rdm_body,
+        "depth-attn": depth_attn_body, "loop-depth-attn": depth_attn_body, "ponder": ponder_body}
 
 
 def hand_logits(model, idx, pos=None, body_fn=None):
@@ -277,7 +339,7 @@ def hand_logits(model, idx, pos=None, body_fn=None):
     for r in range(idx.shape[0]):
         p = torch.arange(idx.shape[1]) if pos is None else pos
         x = body_fn(E[idx[r]], model, p)
-        rows.append(lin(rms(x, model.norm_f.weight), E))
+        rows.append(lin(rms(x, model.norm_f.weight), E[:model.cfg.vocab_size]))  # padding rows are not logits
     return torch.stack(rows)
 
 
@@ -314,7 +376,7 @@ def test_explicit_positions_reach_every_rope():
     """The hand computation with arbitrary (repeated, non-contiguous) positions: RoPE uses the
     given ids, not the sequence index (latent tokens rely on this)."""
     pos = torch.tensor([0, 1, 1, 2, 7, 7, 7, 8, 30, 31, 100])
-    for name in ("tango-windowed", "loop", "flash", "parcae"):
+    for name in ("tango-windowed", "loop", "flash", "parcae", "depth-attn", "ponder"):
         model = perturbed(name, seed=5)
         idx = tokens(seed=5)
         torch.testing.assert_close(model(idx, positions=pos)[0], hand_logits(model, idx, pos),
