@@ -41,8 +41,9 @@ linear R T K (4d^2 + 3dF), scores and mix sum over passes of (S_p T)^2 d K each,
 import torch
 import torch.nn as nn
 
-from baselines import TransformerBlock, seeded_generators
+from baselines import TransformerBlock
 from common import RMSNorm, UsageError
+from parcae import seeded_generators
 
 
 class Ponder(nn.Module):
@@ -61,7 +62,7 @@ class Ponder(nn.Module):
         if self.n > 0:
             self.think_norm = RMSNorm(cfg.n_embd)  # Norm_θ
             nn.init.constant_(self.think_norm.weight, 0.02)
-            self.rng_seed = None  # seed of the training draw of N (baselines.seeded_generators); None: global RNG
+            self.rng_seed = None  # seed of the training draw of N (parcae.seeded_generators); None: global RNG
 
     def run(self, x, cos, sin, cache=None, eager=False):
         """The K blocks on a slot sequence x: (B, L, d) with its RoPE rows cos, sin (L rows).

@@ -2,11 +2,12 @@
 cached decoding, the mixed values in the cache, gradients through the depth scores, parameter
 counts, causality, candidate sets, MACs and a bf16 training step."""
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+import checkpoint
+import config
 import depth_attention as da
 import flops
 import models
@@ -213,6 +214,6 @@ def test_bad_flags(kw, flag):
 def test_train_flags_reach_the_config():
     args = train.parse_args(["--model", "loop-depth-attn", "--size", "tiny", "--da_stride", "3", "--da_recent", "2",
                              "--block_size", "32", "--window", "8", "--chunk", "8", "--gau_s", "32"])
-    c, _ = train.model_config(args, SimpleNamespace(vocab_size=61))
+    c, _ = config.model_config(args, 61)
     assert (c.da_stride, c.da_recent) == (3, 2)
-    assert "da_stride" in train.IDENTITY_FLAGS and "da_recent" in train.IDENTITY_FLAGS
+    assert "da_stride" in checkpoint.IDENTITY_FLAGS and "da_recent" in checkpoint.IDENTITY_FLAGS

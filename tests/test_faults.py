@@ -372,8 +372,8 @@ def test_sweep_report_refuses_a_cell_of_mixed_settings(tmp_path):
 def test_bpe_tests_skip_with_the_reason_without_the_vocabulary(tmp_path):
     missing = str(tmp_path / "missing.tiktoken")
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        "test_data.py::test_gpt2_encoder_from_file", "test_data.py::test_batches_and_windows",
-                        "test_data.py::test_bin_uint32_round_trip"],
+                        "tests/test_data.py::test_gpt2_encoder_from_file", "tests/test_data.py::test_batches_and_windows",
+                        "tests/test_data.py::test_bin_uint32_round_trip"],
                        capture_output=True, text=True, cwd=REPO, timeout=300,
                        env={**os.environ, "GPT2_BPE_FILE": missing, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-3000:]

@@ -1,11 +1,12 @@
 """PonderLM-2 (ponder.py; arXiv 2509.23184): zero thoughts = untied Transformer++, slot layout,
 Jacobi exactness at N >= T - 1 against the sequential reference and cached decoding, the gap at
 small N, gradients in float64, parameter counts, causality, MACs and a bf16 training step."""
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+import checkpoint
+import config
 import flops
 import models
 import ponder
@@ -211,6 +212,6 @@ def test_train_flags_reach_the_config():
     args = train.parse_args(["--model", "ponder", "--size", "tiny", "--n_thoughts", "2", "--jacobi", "5",
                              "--no-jacobi_random", "--block_size", "32", "--window", "8", "--chunk", "8",
                              "--gau_s", "32"])
-    c, _ = train.model_config(args, SimpleNamespace(vocab_size=61))
+    c, _ = config.model_config(args, 61)
     assert (c.n_thoughts, c.jacobi, c.jacobi_random) == (2, 5, False)
-    assert {"n_thoughts", "jacobi"} <= set(train.IDENTITY_FLAGS) and "jacobi_random" not in train.IDENTITY_FLAGS
+    assert {"n_thoughts", "jacobi"} <= set(checkpoint.IDENTITY_FLAGS) and "jacobi_random" not in checkpoint.IDENTITY_FLAGS
