@@ -139,7 +139,7 @@ def load_base(path):
     """(frozen base, tokenizer) from a checkpoint in train.py's format, or 'hf:FOLDER' for a local
     Hugging Face model folder (needs transformers). UsageError for anything unusable."""
     if path.startswith("hf:"):
-        return hf_base.load_hf_base(path[3:])
+        return load_hf_base(path[3:])
     ck = load_checkpoint(path, flag="--base")
     try:
         cfg = ModelConfig.from_dict(ck["config"])

@@ -402,3 +402,24 @@ def test_committed_table_regenerates_from_its_runs():
     table = latent_experiments.make_table(runs)
     assert table.count("| frozen base alone |") == 3
     assert table in open(os.path.join(root, "README_table.md")).read()
+
+
+def test_load_base_reads_a_local_hugging_face_folder(tmp_path):
+    """load_base('hf:DIR') loads a saved model and tokenizer offline; a folder without a model is a
+    one-line UsageError naming --base."""
+    import latent_bases
+    model = _tiny_hf("llama")
+    tokenizers = pytest.importorskip("tokenizers", exc_type=ImportError)
+    import transformers
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + list("0123456789"))}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    model.save_pretrained(tmp_path / "m")
+    fast.save_pretrained(tmp_path / "m")
+    base, t = latent_bases.load_base(f"hf:{tmp_path / 'm'}")
+    assert t.vocab_size == 13 and t.encode("427") == [7, 5, 10]  # "0" is id 3
+    ids = torch.tensor([t.encode("427")])
+    torch.testing.assert_close(base(ids).logits, model(ids).logits)
+    with pytest.raises(UsageError, match=r"^--base hf:.*nope: cannot load a Hugging Face model"):
+        latent_bases.load_base(f"hf:{tmp_path / 'nope'}")
