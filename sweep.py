@@ -100,6 +100,11 @@ def cmd_run(args, extra):
     return 1 if failed else 0
 
 
+# train.py flags every grid run sets itself (train_argv); given after `--` they would win and, for
+# --out_dir, make every run write into one folder
+SWEEP_SET_FLAGS = ("--model", "--depth", "--dataset", "--seed", "--data_seed", "--out_dir", "--resume")
+
+
 def train_argv(root, ds, m, k, s, lr, extra):
     """The train.py flags of one grid run (without --resume)."""
     argv = ["--model", m, "--depth", str(k), "--dataset", ds, "--seed", str(s), "--data_seed", str(s),
@@ -528,9 +533,23 @@ def check_run_flags(args, extra):
     for flag in ("seeds", "jobs"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    tier = train_flags(extra).size
-    if tier is not None and tier not in TIERS:
-        raise UsageError(f"-- --size {tier}: choose one of {', '.join(TIERS)}")
+    import train
+    known, unknown = train.build_parser().parse_known_args(extra)
+    if unknown:
+        raise UsageError(f"-- {' '.join(unknown)}: not a train.py flag (python train.py --help lists them)")
+    own = [f for f in SWEEP_SET_FLAGS if f in extra or any(e.startswith(f + "=") for e in extra)]
+    if own:
+        raise UsageError(f"-- {', '.join(own)}: the sweep sets this itself per run; use --models/--depths/"
+                         "--seeds/--datasets/--lrs/--root instead")
+    for lr in filter(None, args.lrs.split(",")):
+        try:
+            ok = float(lr) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
+    if known.size is not None and known.size not in TIERS:
+        raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
 
 
 def main(argv=None):

@@ -1,4 +1,5 @@
 """sweep.py: grid runner (resume, parallel jobs), collect, the paper-style report and plots."""
+import argparse
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 import sweep
+from common import UsageError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -216,3 +218,21 @@ def test_grid_report_without_held_out_depths(tmp_path):
     assert "| model | non-emb params K=16 | test NLL K=16 |" in text
     assert "| tango | 1,016 | 3.200 ± 0.010 |" in text
     assert text.endswith("at K = 4 or 8, so none is checked.\n")
+
+
+@pytest.mark.parametrize("extra, lrs, message", [
+    (["--out_dir", "x"], "", "-- --out_dir: the sweep sets this itself per run"),
+    (["--seed=3"], "", "-- --seed: the sweep sets this itself per run"),
+    (["--bogus"], "", "-- --bogus: not a train.py flag"),
+    ([], "1e-3,abc", "--lrs 1e-3,abc: comma-separated learning rates > 0"),
+    ([], "-1", "--lrs -1: comma-separated learning rates > 0"),
+])
+def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
+    """Flags the sweep sets per run would win after `--` (every run into one --out_dir); unknown
+    train.py flags and bad --lrs would fail every run: all are refused before anything starts."""
+    args = argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs=lrs)
+    with pytest.raises(UsageError) as e:
+        sweep.check_run_flags(args, extra)
+    assert str(e.value).startswith(message)
+    sweep.check_run_flags(argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs="1e-3"),
+                          ["--size", "tiny", "--learning_rate", "6e-3"])  # these are fine
