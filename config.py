@@ -85,7 +85,7 @@ def check_values(args, dist):
         raise UsageError(f"--min_lr_ratio {args.min_lr_ratio}: must be in [0, 1]")
     if not 0 <= args.weight_decay < math.inf:
         raise UsageError(f"--weight_decay {args.weight_decay}: must be a finite number >= 0")
-    for flag in ("warmup_iters", "sample_tokens"):
+    for flag in ("warmup_iters", "sample_tokens", "seed", "data_seed"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 0")
     if args.gradient_accumulation_steps % dist.world:

@@ -182,6 +182,8 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         raise UsageError("--data_dir: only used with --dataset dmmath")
     if max_tokens < 0 or (max_tokens and dataset == "dmmath"):
         raise UsageError(f"--max_tokens {max_tokens}: must be >= 0, and is not used with dmmath")
+    if num_proc < 1:
+        raise UsageError(f"--num_proc {num_proc}: must be >= 1")
     if hf_data_files and not dataset.startswith("hf:"):
         raise UsageError("--hf_data_files: only used with --dataset hf:NAME")
     suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")

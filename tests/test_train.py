@@ -506,6 +506,9 @@ CASES = [
     ("eval_batch_size", ["--eval_batch_size", "0"], "--eval_batch_size", [], "fresh"),
     ("lr_decay_iters", ["--lr_decay_iters", "0"], "--lr_decay_iters", [], "fresh"),
     ("sample_tokens", ["--sample_tokens", "-1"], "--sample_tokens", [], "fresh"),
+    ("seed", ["--seed", "-1"], "--seed", [], "fresh"),
+    ("data_seed", ["--data_seed", "-2"], "--data_seed", [], "fresh"),
+    ("num_proc", ["--num_proc", "0"], "--num_proc", [], "fresh"),
     ("device", ["--device", "tpu"], "--device", [], "fresh"),
     ("device_cuda", ["--device", "cuda"], "CUDA", [], "fresh"),  # skipped on a machine with CUDA
     ("dtype", ["--dtype", "float16"], "--dtype", [], "fresh"),
