@@ -203,13 +203,24 @@ def test_flags_for_sends_data_dir_to_dmmath_only():
     (["report", "--grid", "--root", "R"], "error: --root R: no finished runs (<root>/<dataset>/<run>/summary.json)"),
     (["collect", "--root", "R", "--to", "S"], "error: --root R: no finished runs"),
 ])
-def test_bad_flags_are_one_line_errors_before_any_run(tmp_path, argv, message):
+def test_bad_flags_are_one_line_errors_before_any_run(tmp_path, monkeypatch, capsys, argv, message):
+    """In process (sweep.main raises the UsageError that `python sweep.py` prints as one line with
+    exit code 2, tested once in a real process below)."""
+    monkeypatch.chdir(tmp_path)
     argv = [str(tmp_path / a) if a in ("R", "S") else a for a in argv]
-    p = subprocess.run([sys.executable, os.path.join(HERE, "sweep.py"), *argv], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert p.stderr.startswith(message.replace(" R:", f" {tmp_path / 'R'}:").replace(" R ", f" {tmp_path / 'R'} "))
-    assert p.stdout == "" and sorted(os.listdir(tmp_path)) == []  # nothing started, nothing written
+    with pytest.raises(UsageError) as e:
+        sweep.main(argv)
+    text = "error: " + str(e.value)
+    assert len(text.splitlines()) == 1
+    assert text.startswith(message.replace(" R:", f" {tmp_path / 'R'}:").replace(" R ", f" {tmp_path / 'R'} "))
+    assert capsys.readouterr().out == "" and sorted(os.listdir(tmp_path)) == []  # nothing started or written
+
+
+def test_bad_flag_in_a_real_process_exits_2(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(HERE, "sweep.py"), "run", "--root", str(tmp_path / "R"),
+                        "--seeds", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr, p.stdout) == (2, "error: --seeds 0: must be >= 1\n", "")
+    assert os.listdir(tmp_path) == []
 
 
 def test_grid_report_without_held_out_depths(tmp_path):
