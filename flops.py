@@ -223,7 +223,7 @@ def ponder_slots(cfg: ModelConfig) -> list:
 
 
 def ponder_forward_macs(cfg: ModelConfig, T: int) -> dict:
-    """SPEC 7 forward MACs of PonderLM-2 at N = cfg.jacobi (same keys as forward_macs)."""
+    """Forward MACs (MATH.md, Cost) of PonderLM-2 at N = cfg.jacobi (same keys as forward_macs)."""
     d, F, K = cfg.n_embd, cfg.width, cfg.depth
     S = ponder_slots(cfg)
     out = {"linear": sum(S) * T * K * (4 * d * d + 3 * d * F), "scores": sum(s * s for s in S) * T * T * d * K,

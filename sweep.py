@@ -6,30 +6,24 @@
     python sweep.py report --grid --root results/grid               # the paper-style tables
     python sweep.py plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
 
-`run` trains every (dataset, model, depth, seed) combination as its own train.py process in
-`<root>/<dataset>/<model>-K<depth>-s<seed>/`, with the paper's protocol from train.py: matched
-non-embedding parameters (the tier's width solving), the same data order for the same seed
-(`--data_seed` = seed), dev-selected checkpoint, test on that checkpoint. A run whose
-`summary.json` exists is skipped; one with only `ckpt_latest.pt` is resumed, so a sweep can be
-stopped and continued across sessions; an existing run trained with other flags (say another
-`--window`) stops the sweep before anything starts, naming the flag and both values. Extra flags after `--` go to every run (`--data_dir` to the
-dmmath runs only). `--jobs N` runs N train.py processes at once, each with OMP_NUM_THREADS =
-(CPU cores) / N unless that is set; the grid is ordered depth first, so the smaller depths
-finish first.
+`run` trains every (dataset, model, depth, seed) as its own train.py process in
+`<root>/<dataset>/<model>-K<depth>-s<seed>/` with the paper's protocol (matched non-embedding
+parameters, data order = seed, dev-selected checkpoint, test on it). A run with `summary.json` is
+skipped, one with only `ckpt_latest.pt` resumed; an existing run trained with other flags stops
+the sweep before anything starts. Flags after `--` go to every run (`--data_dir` to dmmath only).
+`--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first.
 
-`report` reads every `summary.json` under the root and prints one table per dataset: mean ± std
-over seeds of test NLL (and dev NLL, exact match where present), lowest mean in bold; a cell whose
-runs differ in anything but the seed is an error (exit 2). `report
---grid` prints the paper-style tables instead (section 4.1 of the TANGO paper): test NLL (and
-exact match) at the held-out depths, dev NLL over every depth, and the paper's claims checked
-one by one. `collect` copies each run's summary.json and its curves (dev NLL per evaluation,
-training loss per update) into a folder small enough to commit; `plot` draws those curves.
+`report` prints one table per dataset (mean ± std over seeds of test/dev NLL, exact match; lowest
+in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
+prints the TANGO paper's section 4.1 tables and checks its claims one by one. `collect` copies
+each run's summary and curves into a folder small enough to commit; `plot` draws the curves.
 """
 import argparse
 import concurrent.futures
 import glob
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -541,13 +535,8 @@ def check_run_flags(args, extra):
     if own:
         raise UsageError(f"-- {', '.join(own)}: the sweep sets this itself per run; use --models/--depths/"
                          "--seeds/--datasets/--lrs/--root instead")
-    for lr in filter(None, args.lrs.split(",")):
-        try:
-            ok = float(lr) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
+    if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in filter(None, args.lrs.split(","))):
+        raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
     if known.size is not None and known.size not in TIERS:
         raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
 
