@@ -167,8 +167,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     "hf:NAME[:CONFIG]" (a Hugging Face dataset, see hf_data.py; the ``hf_*`` arguments).
     tokenizer: "gpt2", "char" or "auto" (char for dmmath, gpt2 otherwise).
     data_dir: the dmmath folder (default ../shared/data/dmmath next to this repo).
-    max_tokens: keep only the first N tokens of the source, all splits together (0: all).
-    num_proc: tokenizer worker processes.
+    max_tokens: keep only the first N tokens of the source, all splits together (0: all); num_proc: workers.
     A complete folder whose meta matches the sources (path, sizes, mtimes; for the hub: the
     arguments) is reused as is; otherwise everything is written into a temporary sibling folder
     and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
@@ -546,7 +545,7 @@ def add_arguments(add):
         "(a Hugging Face hub dataset, a save_to_disk folder, or json/csv/parquet/text with --hf_data_files)")
     add("--tokenizer", default="auto", choices=TOKENIZERS,
         help="gpt2 (BPE) or char (the train split's characters + an unknown id); auto: char for dmmath, else gpt2")
-    add("--data_dir", default=None,  # "%(default).0s": the help shows the real default, not None
+    add("--data_dir", default=None,  # %(default).0s: the help names the real default, not None
         help="dmmath: folder in the official layout (default: ../shared/data/dmmath beside this repo)%(default).0s")
     add("--data_root", default="data", help="where prepared token bins are cached")
     add("--max_tokens", type=_count, default=0, help="keep the first N tokens of the source, all splits "
