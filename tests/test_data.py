@@ -355,7 +355,7 @@ def test_char_tokenizer_round_trip(tmp_path):
     assert d.encode("line 1\n") == [d.stoi[c] for c in "line 1\n"] and d.encode("€") == [d.meta["unk_id"]]
 
 
-def test_train_passes_tokenizer_char_through(tmp_path, capsys):
+def test_train_passes_tokenizer_char_through(one_thread, tmp_path, capsys):
     """train.py --tokenizer char trains on character-level text (issue 18), here 3 updates in-process."""
     import torch
     import train
@@ -364,12 +364,7 @@ def test_train_passes_tokenizer_char_through(tmp_path, capsys):
             "--max_iters", "3", "--eval_interval", "3", "--eval_windows", "4", "--sample_tokens", "4", "--quiet",
             "--dataset", str(tmp_path / "corpus"), "--tokenizer", "char", "--num_proc", "1",
             "--data_root", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out")]
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train.main(argv)
-    finally:
-        torch.set_num_threads(n)
+    train.main(argv)
     assert "test NLL" in capsys.readouterr().out
     (name,) = os.listdir(tmp_path / "data")
     d = data.Data(str(tmp_path / "data" / name))

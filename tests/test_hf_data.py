@@ -131,18 +131,13 @@ def test_max_tokens_stops_at_the_budget(saved, tmp_path):
     assert big.meta["splits"] == full.meta["splits"] and big.meta["truncated"] is False
 
 
-def test_trains_a_few_updates(saved, tmp_path, capsys):
+def test_trains_a_few_updates(one_thread, saved, tmp_path, capsys):
     path, _, _ = saved
     argv = ["--model", "tango", "--depth", "2", "--size", "tiny", "--block_size", "32", "--batch_size", "2",
             "--max_iters", "3", "--eval_interval", "3", "--eval_windows", "4", "--eval_batch_size", "4",
             "--sample_tokens", "4", "--quiet", "--dataset", "hf:" + path, "--num_proc", "1",
             "--data_root", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out")]
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train.main(argv)
-    finally:
-        torch.set_num_threads(n)
+    train.main(argv)
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     with open(tmp_path / "out" / "log.jsonl") as f:
