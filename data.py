@@ -546,7 +546,7 @@ def add_arguments(add):
     add("--tokenizer", default="auto", choices=TOKENIZERS,
         help="gpt2 (BPE) or char (the train split's characters + an unknown id); auto: char for dmmath, else gpt2")
     add("--data_dir", default=None,  # %(default).0s: the help names the real default, not None
-        help="dmmath: folder in the official layout (default: ../shared/data/dmmath beside this repo)%(default).0s")
+        help="dmmath: folder in the official layout (when not given: ../shared/data/dmmath beside this repo)%(default).0s")
     add("--data_root", default="data", help="where prepared token bins are cached")
     add("--max_tokens", type=_count, default=0, help="keep the first N tokens of the source, all splits "
         "together (e.g. 1.7e9); 0: all")
