@@ -1,6 +1,6 @@
 """Train any registered model on a prepared dataset, evaluate its best checkpoint on test.
 
-    python train.py --model tango --depth 8                      # CPU tier, stdlib, 407 s on 2 quiet cores
+    python train.py --model tango --depth 8                      # CPU tier, stdlib, minutes on 2 cores
     python train.py --model loop --depth 4 --dataset dmmath
     python train.py --model tango --size 70M --block_size 2048   # one GPU: bf16 + torch.compile
     torchrun --standalone --nproc_per_node 8 train.py --model tango --size 70M   # 8 GPUs, DDP
