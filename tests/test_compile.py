@@ -7,14 +7,12 @@ inductor compile of every model is a manual check (README / the issue report), t
 """
 import functools
 
-import numpy as np
 import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounter
 
 import common
-import data as data_mod
 import models
 import train
 from common import ModelConfig, compile_regions, compiled_region_names
@@ -32,29 +30,14 @@ def fresh_dynamo():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    """A mini DeepMind-Mathematics dataset ("What is a + b?"), prepared once."""
-    src = tmp_path_factory.mktemp("mdm")
-    rng = np.random.default_rng(0)
-    for folder, n in [("train-easy", 100), ("train-medium", 100), ("train-hard", 100), ("dev", 40),
-                      ("interpolate", 40), ("extrapolate", 40)]:
-        (src / folder).mkdir()
-        lines = []
-        for a, b in zip(rng.integers(0, 50, n), rng.integers(0, 50, n)):
-            lines += [f"What is {a} + {b}?", str(a + b)]
-        (src / folder / "arith.txt").write_text("\n".join(lines) + "\n")
-    root = tmp_path_factory.mktemp("data")
-    data_mod.prepare("dmmath", str(src), str(root))
-    return src, root
+MDM_SIZE = (100, 40)  # the shared mini-dmmath of tests/conftest.py (mdm, data_root), smaller
 
 
-def compiled_run(data_root, tmp_path, monkeypatch, depth):
+def compiled_run(mdm, data_root, tmp_path, monkeypatch, depth):
     """train.py --compile on a tiny TANGO: 4 updates, evaluations after 2 and 4 (6 dev windows in
     batches of 4: a short last batch), test evaluation, exact match on 2 x 3 problems and a printed
     sample. Returns the graph count after the first update, after each evaluation and at the end,
     and the compiled variants per region."""
-    src, root = data_root
     cnt = CompileCounter()
     monkeypatch.setattr(train, "compile_regions", functools.partial(compile_regions, backend=cnt))
     seen, regions = [], {}
@@ -70,17 +53,18 @@ def compiled_run(data_root, tmp_path, monkeypatch, depth):
         ["--model", "tango", "--depth", str(depth), "--size", "tiny", "--block_size", "32", "--batch_size", "2",
          "--max_iters", "4", "--eval_interval", "2", "--eval_windows", "6", "--eval_batch_size", "4",
          "--em_samples", "3", "--sample_tokens", "6", "--quiet", "--compile", "--dataset", "dmmath",
-         "--data_dir", str(src), "--data_root", str(root), "--out_dir", str(tmp_path / f"K{depth}")]))
+         "--data_dir", str(mdm), "--data_root", str(data_root), "--out_dir", str(tmp_path / f"K{depth}")]))
     variants = {"Tango.update": len(_debug_get_cache_entry_list(models.tango.Tango.update.region.__code__)),
                 "LM.head": len(_debug_get_cache_entry_list(common.LM.head.region.__code__))}
     return seen, cnt.frame_count, sorted(regions), variants, s
 
 
-def test_tango_compiles_each_region_once_for_training_once_for_evaluation(data_root, tmp_path, monkeypatch, capsys):
+def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, data_root, tmp_path, monkeypatch,
+                                                                          capsys):
     counts = {}
     for K in (4, 8):
         torch._dynamo.reset()
-        seen, end, regions, variants, summary = compiled_run(data_root, tmp_path, monkeypatch, K)
+        seen, end, regions, variants, summary = compiled_run(mdm, data_root, tmp_path, monkeypatch, K)
         assert regions == ["LM.head", "Tango.update"]
         # training: one graph per region; the first evaluation (no grad) one more per region;
         # the second evaluation, test NLL, exact-match decoding and the sample: none
