@@ -353,10 +353,11 @@ def train_update(r, starts):
     args, dist = r.args, r.dist
     mine = dist.share(starts)
     first = dist.share(list(range(len(starts))))[0]  # global index of this rank's first micro-batch
-    batches = [tuple(t.to(args.device) for t in r.data.window_batch("train", s, args.block_size)) for s in mine]
-    n_scored = dist.all_sum(torch.tensor(float(sum(int((y != -1).sum()) for _, y in batches)),
-                                         dtype=torch.float64, device=args.device))
-    scale = dist.world / max(float(n_scored), 1.0)  # DDP averages gradients over ranks: undo that
+    batches = [r.data.window_batch("train", s, args.block_size) for s in mine]
+    n_mine = sum(int((y != -1).sum()) for _, y in batches)  # counted on the CPU: no device sync per micro-batch
+    n_scored = max(float(dist.all_sum(torch.tensor(float(n_mine), dtype=torch.float64, device=args.device))), 1.0)
+    batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
+    scale = dist.world / n_scored  # DDP averages gradients over ranks: undo that
     nll_sum = torch.zeros((), dtype=torch.float64, device=args.device)
     for j, (x, y) in enumerate(batches):
         seed_random_draws(r.model, args.seed, r.it, first + j)
@@ -367,7 +368,7 @@ def train_update(r, starts):
             nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
             (nll * scale).backward()
         nll_sum += nll.detach().double()
-    loss = float(dist.all_sum(nll_sum)) / max(float(n_scored), 1.0)
+    loss = float(dist.all_sum(nll_sum)) / n_scored
     grad_norm = float(torch.nn.utils.clip_grad_norm_(r.model.parameters(), args.grad_clip))
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at update {r.it + 1}; "
