@@ -318,7 +318,7 @@ def test_eval_depths_sweep_and_diagnostics(tmp_path, text_dir, capsys, monkeypat
     assert code == 2 and "--eval_depths" in err and not (tmp_path / "bad" / "out").exists()
 
 
-def test_train_on_the_dmmath_sample_reports_exact_match(tmp_path, capsys):
+def test_train_on_the_dmmath_sample_reports_exact_match(dmmath_sample, tmp_path, capsys):
     """Plumbing smoke test on the real DeepMind Mathematics sample (the default --data_dir): the
     run reports test NLL on interpolate and exact match on both held-out splits. (The scorer's
     values are pinned in tests/test_values.py.)"""
