@@ -8,14 +8,14 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as tdist
 
 from checkpoint import trim_log
 from common import ModelConfig, UsageError
-from models import REGISTRY, TIERS, solve_width
+from models import REGISTRY, TIERS, solve_width, width_multiple
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
 # the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
@@ -133,8 +133,10 @@ def check_paths(args):
 
 
 def model_config(args, vocab_size):
-    """The ModelConfig of the flags, its width solved to the tier's parameter target; returns
-    (config, target non-embedding parameter count)."""
+    """The ModelConfig of the flags, its width solved to the tier's parameter target (or --width,
+    taken as given: equal block shape instead of equal parameters); returns (config, target
+    non-embedding parameter count). UsageError for a --width that is not a positive multiple of
+    the model's width granularity."""
     d, H, target = TIERS[args.size]
     cfg = ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size,
                       n_embd=d, n_head=H, depth=args.depth, window=args.window, chunk=args.chunk,
@@ -142,6 +144,12 @@ def model_config(args, vocab_size):
                       mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
                       da_stride=args.da_stride, da_recent=args.da_recent, n_thoughts=args.n_thoughts,
                       jacobi=args.jacobi, jacobi_random=args.jacobi_random)
+    if args.width:
+        m = width_multiple(cfg)
+        if args.width < 0 or args.width % m:
+            raise UsageError(f"--width {args.width}: must be a positive multiple of {m} for --model {args.model} "
+                             "(0: solve it to the tier's parameter target)")
+        return replace(cfg, width=args.width), target
     return solve_width(cfg, target, strict=args.size not in ("tiny", "cpu")), target
 
 

@@ -97,6 +97,8 @@ def build_parser(suppress_defaults=False):
     a("--depth", type=int, default=8, help="K: block applications (Parcae/RDM: recurrences at evaluation)")
     a("--size", default=None, help=f"tier (width and parameter target): {', '.join(TIERS)}; "
       "default: cpu without a GPU, 70M with one")
+    a("--width", type=int, default=0, help="expansion width F (Transformer++ feed-forward, TANGO gated, GAU/FLASH e), "
+      "for equal-block-shape comparisons; default 0: solved to the tier's parameter target")
     a("--window", type=int, help="Windowed TANGO window W; " + tier_default("window"))
     a("--chunk", type=int, help="FLASH chunk C; " + tier_default("chunk"))
     a("--gau_s", type=int, help="GAU/FLASH shared dimension s; " + tier_default("gau_s"))
@@ -296,7 +298,8 @@ def open_outputs(r, resumed, changed):
     n_params, err = r.model.num_params(), r.model.num_params() / r.target - 1
     log.say(f"model {args.model}  depth {args.depth}  tier {args.size}  d={r.cfg.n_embd} heads={r.cfg.n_head} "
             f"width={r.cfg.width}  non-embedding params {n_params:,} (target {r.target:,}, {err:+.3%})"
-            + ("" if abs(err) <= 0.002 else "  [outside 0.20 %: this tier is too small to match exactly]"))
+            + ("  [--width given: not matched]" if args.width else
+               "" if abs(err) <= 0.002 else "  [outside 0.20 %: this tier is too small to match exactly]"))
     log.say(f"data {r.data.folder}: {r.data.tokenizer} vocab {r.data.vocab_size}, "
             + ", ".join(f"{k} {v:,}" for k, v in r.data.meta["splits"].items()) + " tokens"
             + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))

@@ -242,6 +242,24 @@ def test_strict_width_solver_rejects_more_than_0_2_percent():
     assert models.count_params(models._with(cfg, width=1128)) == 998016
 
 
+
+def test_width_flag_sets_the_block_shape_without_solving():
+    """--width F skips the solver (equal block shape): untied, d = 64, K = 2, F = 952 gives the
+    literal count 33,088 + 384 * 952 = 398,656 of the docstring above; a width that is not a
+    multiple of the model's granularity (8; TANGO: its n_head) is a UsageError naming --width."""
+    import checkpoint
+    import config
+    args = train.parse_args(["--model", "untied", "--depth", "2", "--size", "tiny", "--width", "952"])
+    cfg, target = config.model_config(args, 61)
+    assert (cfg.width, target) == (952, 400_000)
+    assert models.build_model(cfg).num_params() == 398656
+    for model, bad in (("untied", 950), ("tango", 63), ("untied", -8)):
+        args = train.parse_args(["--model", model, "--size", "tiny", "--width", str(bad)])
+        with pytest.raises(UsageError, match=f"--width {bad}: must be a positive multiple"):
+            config.model_config(args, 61)
+    assert config.model_config(train.parse_args(["--model", "tango", "--size", "tiny", "--width", "64"]), 61)[0].width == 64
+    assert "width" in checkpoint.IDENTITY_FLAGS
+
 # ----------------------------------------------------------------------------- document split
 
 # sha256(path)[:8] as an integer % 100: < 90 train, < 95 dev, else test (values in the comments)
