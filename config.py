@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, replace
 
 import torch
@@ -120,7 +121,7 @@ def resolve_device(args, dist):
 
 
 def check_paths(args):
-    """out_dir and data_root must be (creatable) folders."""
+    """out_dir and data_root must be folders, or creatable ones: UsageError otherwise."""
     for flag in ("out_dir", "data_root"):
         path = os.path.abspath(getattr(args, flag))
         if os.path.exists(path) and not os.path.isdir(path):
@@ -128,8 +129,10 @@ def check_paths(args):
         parent = path
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise UsageError(f"--{flag} {path}: {parent} is not writable")
+        try:  # a folder made and removed at once (os.access says yes to root even where nothing can be made)
+            os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".write-check-"))
+        except OSError as e:
+            raise UsageError(f"--{flag} {path}: cannot create folders in {parent} ({e.strerror})") from None
 
 
 def model_config(args, vocab_size):

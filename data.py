@@ -183,8 +183,11 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         raise UsageError(f"--max_tokens {max_tokens}: must be >= 0, and is not used with dmmath")
     if num_proc < 1:
         raise UsageError(f"--num_proc {num_proc}: must be >= 1")
-    if hf_data_files and not dataset.startswith("hf:"):
-        raise UsageError("--hf_data_files: only used with --dataset hf:NAME")
+    if not dataset.startswith("hf:"):  # the hub options would be silently ignored
+        given = dict(hf_split=hf_split != "train", hf_text_field=hf_text_field != "text",
+                     hf_split_key=hf_split_key != "auto", hf_data_files=bool(hf_data_files))
+        for flag in (f for f, on in given.items() if on):
+            raise UsageError(f"--{flag}: only used with --dataset hf:NAME")
     suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")
     text = dict(tokenizer=tokenizer, max_tokens=max_tokens, num_proc=num_proc)
     if dataset == "stdlib":

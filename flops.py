@@ -149,7 +149,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parse(argv):
-    p = _Parser(description="Analytical forward MACs per sequence (MATH.md, \"Cost\").")
+    p = _Parser(description="Analytical forward MACs per sequence (MATH.md, \"Cost\"). "
+                "`python flops.py fit RUN [RUN ...]` fits Parcae's scaling laws to run logs instead "
+                "(see python flops.py fit --help).")
     p.add_argument("--size", default="70M", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K (>= 1)")
     p.add_argument("--block_size", type=int, default=8192, help="sequence length T (>= 1)")

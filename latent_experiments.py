@@ -111,10 +111,12 @@ def pretrain(args):
     Rows are single samples (beginning token, query, response, ending token where the task has
     one), loss on every token; train.make_optimizer (AdamW, train.py's decay groups), cosine_lr
     from --lr to 10 % after 2 % warmup, weight decay 0.1, clipping 1.0, through `fit`."""
-    from models import build_model
+    from models import REGISTRY, build_model
     if args.d % 32 or args.d < 32:
         raise UsageError(f"--d {args.d}: must be a multiple of 32")
     choose("vocab", args.vocab, ("task", "char"))
+    if args.model not in REGISTRY:
+        raise UsageError(f"--model {args.model}: choose one of {', '.join(REGISTRY)}")
     torch.manual_seed(args.seed)
     names = list(TASKS) if args.task == "all" else [get_task(t).name for t in args.task.split(",")]
     mix = args.mix or ("1,2,1" if args.task == "all" else ",".join("1" * len(names)))
@@ -129,6 +131,12 @@ def pretrain(args):
     rng = np.random.default_rng(args.seed)
     rows = task_rows(cycle, args.n_samples, tok, rng)
     dev = task_rows(cycle, args.n_dev, tok, np.random.default_rng(args.seed + 1))
+    block = max(len(r) for r in rows + dev)
+    width = args.width or 4 * args.d
+    cfg = ModelConfig(model=args.model, vocab_size=tok.vocab_size, block_size=block, n_embd=args.d,
+                      n_head=args.d // 32, depth=args.depth, width=width, window=block,
+                      gau_s=max(32, args.d), chunk=64)
+    model = build_model(cfg)  # (bad --width / --depth raise here, before anything is written)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "train.txt"), "w") as f:
         f.write("".join(tok.decode(r) for r in rows))
@@ -136,12 +144,6 @@ def pretrain(args):
         json.dump({"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
                    "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
                    "command": getattr(args, "command", None)}, f, indent=1)
-    block = max(len(r) for r in rows + dev)
-    width = args.width or 4 * args.d
-    cfg = ModelConfig(model=args.model, vocab_size=tok.vocab_size, block_size=block, n_embd=args.d,
-                      n_head=args.d // 32, depth=args.depth, width=width, window=block,
-                      gau_s=max(32, args.d), chunk=64)
-    model = build_model(cfg)
     print(f"pretrain {args.model} d={args.d} depth={args.depth} width={width}: "
           f"{model.num_params():,} non-embedding params, vocab {tok.vocab_size}, rows <= {block} tokens, "
           f"{len(rows):,} samples of {', '.join(names)}")

@@ -136,10 +136,10 @@ def resolve_recurrence(cfg):
     mu_rec = cfg.mu_rec or cfg.depth
     mu_bwd = cfg.mu_bwd or math.ceil(mu_rec / 2)
     if cfg.mu_rec < 0 or cfg.mu_bwd < 0 or mu_rec < 1 or mu_bwd < 1:
-        raise UsageError(f"mu_rec {cfg.mu_rec} / mu_bwd {cfg.mu_bwd}: must be >= 1 (0 = default)")
+        raise UsageError(f"--mu_rec {cfg.mu_rec} / --mu_bwd {cfg.mu_bwd}: must be >= 1 (0 = default)")
     if cfg.n_prelude < 0 or cfg.n_coda < 0 or cfg.n_core < 1:
-        raise UsageError(f"layers (prelude {cfg.n_prelude}, core {cfg.n_core}, coda {cfg.n_coda}): "
-                         "need n_core >= 1 and n_prelude, n_coda >= 0")
+        raise UsageError(f"--n_prelude {cfg.n_prelude} / --n_core {cfg.n_core} / --n_coda {cfg.n_coda}: "
+                         "need --n_core >= 1 and --n_prelude, --n_coda >= 0")
     return mu_rec, mu_bwd
 
 

@@ -217,6 +217,9 @@ def test_local_sources_work_offline(monkeypatch, saved, jsonl, tmp_path):
     (dict(dataset="hf:json", hf_data_files="TMP/none*.jsonl"), "--hf_data_files .*: no such file"),
     (dict(dataset="hf:DICT", hf_split="validation"), "--hf_split validation: .* has splits train, test"),
     (dict(dataset="stdlib", hf_data_files="x.jsonl"), "--hf_data_files: only used with --dataset hf:NAME"),
+    (dict(dataset="stdlib", hf_split_key="url"), "--hf_split_key: only used with --dataset hf:NAME"),
+    (dict(dataset="dmmath", hf_split="validation"), "--hf_split: only used with --dataset hf:NAME"),
+    (dict(dataset="stdlib", hf_text_field="body"), "--hf_text_field: only used with --dataset hf:NAME"),
     (dict(dataset="hf:"), "give hf:NAME"),
 ])
 def test_bad_input_nothing_written(kwargs, needle, saved, tmp_path):

@@ -343,6 +343,12 @@ def test_cli_errors(tmp_path, capsys):
     assert code == 2 and "unknown part" in err and "\n" not in err
     code, err = run_cli(["pretrain", "--task", "sorting"], capsys)
     assert code == 2 and "unknown task" in err
+    out = tmp_path / "base"  # a bad --model or --width fails before anything is written
+    code, err = run_cli(["pretrain", "--model", "nope", "--out_dir", str(out)], capsys)
+    assert code == 2 and err.startswith("error: --model nope: choose one of tango") and not out.exists()
+    code, err = run_cli(["pretrain", "--model", "tango", "--width", "63", "--n_samples", "8", "--n_dev", "2",
+                         "--out_dir", str(out)], capsys)
+    assert code == 2 and "width 63" in err and not out.exists()
 
 
 def test_cli_end_to_end(tmp_path, capsys):

@@ -361,3 +361,15 @@ def test_fit_cli_reads_train_logs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         flops.main(["fit", str(tmp_path / "missing")])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("kw, needle", [(dict(mu_rec=-1), "--mu_rec -1 / --mu_bwd 0: must be >= 1"),
+                                        (dict(mu_bwd=-2), "--mu_rec 0 / --mu_bwd -2"),
+                                        (dict(n_core=0), "--n_prelude 1 / --n_core 0 / --n_coda 1: need --n_core >= 1"),
+                                        (dict(n_coda=-1), "--n_coda -1")])
+def test_bad_recurrence_settings_name_their_flags(kw, needle):
+    from common import UsageError
+    cfg = ModelConfig(**{**dict(model="parcae", n_embd=64, n_head=2, depth=2, width=64, n_prelude=1, n_core=1,
+                                n_coda=1), **kw})
+    with pytest.raises(UsageError, match=needle):
+        parcae.resolve_recurrence(cfg)

@@ -516,6 +516,8 @@ CASES = [
     ("world_env", ["ENV:WORLD_SIZE=two"], "WORLD_SIZE", [], "fresh"),
     ("out_dir_file", ["--out_dir", "TMP/afile"], "--out_dir", [_write("tmp/afile", lambda p: p.write_text("x"))],
      "fresh"),
+    ("out_dir_uncreatable", ["--out_dir", "/proc/tango-lab-test/out"], "--out_dir /proc/tango-lab-test/out: cannot "
+     "create folders in /proc", [], "fresh"),  # (as root too: os.access would say yes)
     ("data_root_file", ["--data_root", "TMP/afile"], "--data_root",
      [_write("tmp/afile", lambda p: p.write_text("x"))], "fresh"),
     ("block_size", ["--block_size", "100000"], "--block_size", [], "fresh"),
