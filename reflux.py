@@ -593,11 +593,11 @@ def train_router(base, router, data, T, max_iters=200, batch_size=8, lr=1e-3, la
             opt.zero_grad(set_to_none=True)
             total.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if not math.isfinite(losses[-1]):
                 raise RuntimeError(f"router training: non-finite loss at update {it}")
             if log and (it % 50 == 0 or it == max_iters - 1):
-                log(f"  router update {it}: NLL {losses[-1]:.4f}, mean gate {float(view.body.mean_gate):.3f}")
+                log(f"  router update {it}: NLL {losses[-1]:.4f}, mean gate {float(view.body.mean_gate.detach()):.3f}")
     finally:
         router.eval()
     return losses
@@ -826,8 +826,14 @@ def main(argv=None):
     return res
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """main() for the command line: bad input prints one line "error: ..." on stderr and exits 2."""
     try:
-        main()
+        main(argv)
     except UsageError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()
