@@ -262,12 +262,12 @@ class Router(nn.Module):
 
 # =============================================================================== the body
 
-def run_blocks(body, x, cos, sin, cache=None, write_at=None, keep=()):
-    """One traversal of the Transformer++ body: a_0 = x, a_l <- write_at(l, a_l), z_l = block_l(a_l).
-    x: (B, L, d); cache: a dict of per-application KV caches or None. Returns z_{K-1} and
-    {l: z_l for l in keep}."""
+def run_blocks(body, x, cos, sin, cache=None, write_at=None, keep=(), start=0, stop=None):
+    """Blocks start..stop-1 (default all K) of the Transformer++ body: a_start = x,
+    a_l <- write_at(l, a_l), z_l = block_l(a_l). x: (B, L, d); cache: a dict of per-application KV
+    caches or None. Returns z_{stop-1} and {l: z_l for l in keep}."""
     zs = {}
-    for l in range(body.depth):
+    for l in range(start, body.depth if stop is None else stop):
         if write_at is not None:
             x = write_at(l, x)
         block = body.blocks[l % len(body.blocks)]
@@ -290,7 +290,11 @@ class ReFluxBody(nn.Module):
         self.body, self.s, self.router = body, settings.check(body.depth), router
         self.edges = list(router.edges) if router is not None else list(dict.fromkeys(settings.edges))
         self.off = router is None and (not self.edges or settings.alpha <= 0)  # nothing can write
+        # blocks below the lowest target see no write: the injected traversal starts there, from the
+        # record traversal's stream (sync, stream2), or they run once over all rows (stream)
+        self.low = 0 if router is not None or self.off else min(d for _, d in self.edges)
         self.keep = {l for e in self.edges for l in e} | ({router.m} if router is not None else set())
+        self.keep |= {self.low - 1} if self.low > 0 else set()
         self.mean_gate = None  # mean soft gate of the last training forward (the router's penalty)
         # the write's α and β: the settings' floats, or (rows, 1, 1) tensors when the rows of one
         # batch carry different values (grid_nll: one batch for a whole α x β grid)
@@ -347,8 +351,9 @@ class ReFluxBody(nn.Module):
         if self.router is not None:
             g = self.router.row_gates(c.setdefault("router", {}), zs[self.router.m], start)
             self.mean_gate = g.mean() if self.router.training else None
-        out, _ = run_blocks(self.body, x, cos, sin, None if cache is None else c.setdefault("inj", {}),
-                            write_at=self.writer(p, self.weights(g)))
+        a = zs[self.low - 1] if self.low > 0 else x  # a_low: no write below the lowest target
+        out, _ = run_blocks(self.body, a, cos, sin, None if cache is None else c.setdefault("inj", {}),
+                            write_at=self.writer(p, self.weights(g)), start=self.low)
         return out
 
     def stream(self, x, cos, sin, cache):
@@ -364,11 +369,13 @@ class ReFluxBody(nn.Module):
                 self.router.update(rstate, zs[self.router.m], start)
             return out
         prev = c.get("prev") or {e: x.new_zeros(x.shape[0], 1, x.shape[2]) for e in self.edges}
+        if self.low > 0:  # blocks below the lowest target: no write reaches them, all rows at once
+            x, _ = run_blocks(self.body, x, cos, sin, kv, stop=self.low)
         outs = []
         for i in range(L):
             g = self.router.current(rstate, x)[:, None, :] if self.router is not None else None
             out, zs = run_blocks(self.body, x[:, i:i + 1], cos[:, :, i:i + 1], sin[:, :, i:i + 1], kv,
-                                 write_at=self.writer(prev, self.weights(g)), keep=self.keep)
+                                 write_at=self.writer(prev, self.weights(g)), keep=self.keep, start=self.low)
             prev = self.payload(zs)
             if self.router is not None:
                 self.router.update(rstate, zs[self.router.m], start + i)

@@ -321,8 +321,9 @@ def test_reflux_macs():
 
 
 def test_counted_matmul_macs_of_the_two_pass_schedules():
-    """torch.utils.flop_counter on the view: sync and stream2 count the base's body matmuls twice
-    and its head once (the write has no matmul). SDPA on the math backend (flops.py)."""
+    """torch.utils.flop_counter on the view: sync and stream2 count the base's body matmuls once for
+    the record traversal and from the lowest target block up for the injected one, the head once
+    (the write has no matmul). SDPA on the math backend (flops.py)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     lm, idx = build(dtype=torch.float32), tokens(B=1, T=16)
@@ -334,8 +335,14 @@ def test_counted_matmul_macs_of_the_two_pass_schedules():
 
     head = 64 * 64 * 16  # V padded to 64 rows, d = 64, T = 16
     base = counted(lm)
-    for sched in ("sync", "stream2"):
-        assert counted(rf.reflux_lm(lm, rf.Settings(sched, ((3, 1),)))) == 2 * (base - head) + head
+    block = (base - head) // 4  # K = 4 equal blocks
+    assert base == 4 * block + head
+    for sched in ("sync", "stream2"):  # the injected traversal runs blocks 1..3 (the lowest target is 1)
+        assert counted(rf.reflux_lm(lm, rf.Settings(sched, ((3, 1),)))) == 4 * block + 3 * block + head
+        assert counted(rf.reflux_lm(lm, rf.Settings(sched, ((3, 1), (2, 0))))) == 8 * block + head
+    c = cfg(block_size=16)
+    m = flops.reflux_forward_macs(c, 16, "sync", low=1)
+    assert m["body"] == 7 * (flops.forward_macs(c, 16)["total"] - flops.forward_macs(c, 16)["head"]) // 4
 
 
 def test_bench_reflux_rows():
