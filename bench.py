@@ -56,6 +56,10 @@ sequence grows as T^p with p <= 1.1 (least-squares slope of log(peak / B) on log
 TANGO's time per token at T=4096 within 1.25x of T=512, the three-set model >= 3x TANGO's
 tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the same T.
 
+--reflux (on with --quick): inference ms/token of the ReFlux schedules of reflux.py (base, sync,
+stream2, stream) on a random untied Transformer++ at the smallest block size (reflux_rows): the
+full-sequence protocol and cached decoding, with flops.reflux_forward_macs's MACs ratio beside them.
+
 Outputs: a markdown table (printed, and --md, default results/bench/bench_<device>.md) and JSON
 (--json, default results/bench/bench_<device>.json) with the settings, definitions, load
 average, rows and targets.
