@@ -427,7 +427,8 @@ def reflux_rows(size, depth, T, vocab_size, reps=3):
                 dec.append(time.perf_counter() - t0)
         rows.append({"schedule": sched, "edge": f"{edge[0]}:{edge[1]}", "T": T, "width": cfg.width,
                      "forward_ms_per_token": 1e3 * min(fwd) / T, "decode_ms_per_token": 1e3 * min(dec) / n_dec,
-                     "decode_tokens": n_dec, "macs_ratio": flops.reflux_forward_macs(cfg, T, sched)["ratio"]})
+                     "decode_tokens": n_dec,
+                     "macs_ratio": flops.reflux_forward_macs(cfg, T, sched, low=edge[1])["ratio"]})
     for r in rows:
         for k in ("forward", "decode"):
             r[f"{k}_vs_base"] = r[f"{k}_ms_per_token"] / rows[0][f"{k}_ms_per_token"]
