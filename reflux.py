@@ -1,10 +1,11 @@
 """ReFlux: the depth increment of a frozen decoder written back into the input of an earlier block.
 
-Source: *ReFlux* (Song, Zeng, Hao et al.; the paper's arXiv id was not published with the copy we
-used, cited by title), abstract, Fig. 4 and Fig. 10 (execution schedules), Table 4 (cost), Table 9
-(prefill), Tables 10-11 (block length w, threshold ξ), Table 13 (router); the authors' code
-gooogleshanghai/reflux (`reflux/write.py`, `streaming.py`, `sync.py`, `recirculation_v1.py`). The
-recirculation baseline is "Recirculation-v1" (Mozer et al. 2026) as that code reproduces it.
+Source: *ReFlux* (cited by name: we had the paper's abstract, figure captions and tables, not its
+full text, title page or arXiv id): abstract, Fig. 4 and Fig. 10 (execution schedules), Table 4
+(cost), Table 9 (prefill), Tables 10-11 (block length w, threshold ξ), Table 13 (router); the
+authors' code gooogleshanghai/reflux (`reflux/write.py`, `streaming.py`, `sync.py`,
+`recirculation_v1.py`). The recirculation baseline is "Recirculation-v1" (Mozer et al. 2026) as
+that code reproduces it.
 MATH.md ("ReFlux") collects the equations and our reconstruction choices.
 
 Backbone: a trained Transformer++ of this project (`untied` or `loop`; baselines.py), frozen. Blocks
@@ -59,6 +60,8 @@ recurrence over the prompt token by token. Without a cache (evaluation) stream i
 
 Cost (flops.reflux_forward_macs): sync, stream2 and recirc 2x the base forward MACs, stream 1x, plus
 O(d) per open edge and position for the write and (d r + r |E|) per block of w tokens for the router.
+No write reaches the blocks below the lowest target, so the injected traversal starts there (from
+the record traversal's stream), and stream runs those blocks once over all rows, not per token.
 
     python reflux.py --base out/ckpt_best.pt --schedule stream --edge 4:2 --alpha 0.2 --beta 0.9
     python reflux.py --base CKPT --schedule sync --recirc --alpha 0.15            # the baseline
