@@ -263,7 +263,6 @@ def test_router_forced_gate_equals_single_edge(schedule):
 def test_router_parameters_and_blocks():
     """Parameters d r + r |E| + 2 |E| with |E| = K(K-1)/2; block 0 uses the constant part
     sigmoid(c); block b+1 the mean of RMSNorm(z_m) over block b only."""
-    lm = build()
     r = rf.Router(64, 4, rank=8, block=3).double()
     E = 4 * 3 // 2
     assert r.edges == [(1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]
