@@ -683,6 +683,9 @@ def parse(argv):
     else:
         if a.recirc and a.payload != "delta":
             raise UsageError("--recirc: sets --payload state itself; drop --payload")
+        if a.router and (a.edge or a.recirc):
+            flag = "--edge" if a.edge else "--recirc"
+            raise UsageError(f"{flag}: not used with --router, which gates every pair (s, d) itself; drop {flag}")
         Settings(schedule=a.schedule, payload=a.payload, prefill=a.prefill).check(1)
     return a
 

@@ -419,6 +419,7 @@ def test_cli_router_and_sweep(ckpt, tmp_path, capsys):
     (["--payload", "full"], "--payload full: choose one of delta, state"),
     (["--xi", "1.5"], "--xi 1.5: must lie in (0, 1)"),
     (["--split", "train"], "--split train: dev or test"),
+    (["--router", "--edge", "2:1"], "--edge: not used with --router"),
 ])
 def test_cli_errors(ckpt, argv, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
