@@ -235,8 +235,9 @@ def ponder_forward_macs(cfg: ModelConfig, T: int) -> dict:
 # ============================================================================= ReFlux (reflux.py)
 # ReFlux is a tool over a frozen Transformer++ checkpoint, not a registry row. sync, stream2 and the
 # recirculation baseline run the body twice (a record traversal, then the injected one, which
-# reflux.py starts at the lowest target block: the blocks below it see no write) and the head once; stream runs it once (its full-sequence protocol is the per-token recurrence, counted with
-# the same full T x T score convention). The write costs, per position, 3 d per open edge (||p||,
+# reflux.py starts at the lowest target block: the blocks below it see no write) and the head once;
+# stream runs it once (its full-sequence protocol is the per-token recurrence, counted with the
+# same full T x T score convention). The write costs, per position, 3 d per open edge (||p||,
 # the rescale to ||h||, the accumulation) and 4 d per written target (||h||, beta h, ||h'||, the
 # norm restore); the router d r + r |E| per block of w tokens plus d per token (its RMSNorm summary).
 
