@@ -56,6 +56,10 @@ sequence grows as T^p with p <= 1.1 (least-squares slope of log(peak / B) on log
 TANGO's time per token at T=4096 within 1.25x of T=512, the three-set model >= 3x TANGO's
 tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the same T.
 
+--reflux (on with --quick): inference ms/token of the ReFlux schedules of reflux.py (base, sync,
+stream2, stream) on a random untied Transformer++ at the smallest block size (reflux_rows): the
+full-sequence protocol and cached decoding, with flops.reflux_forward_macs's MACs ratio beside them.
+
 Outputs: a markdown table (printed, and --md, default results/bench/bench_<device>.md) and JSON
 (--json, default results/bench/bench_<device>.json) with the settings, definitions, load
 average, rows and targets.
@@ -387,6 +391,58 @@ def targets_text(tg):
     return "\n".join(lines)
 
 
+# ============================================================================= ReFlux schedules (reflux.py)
+REFLUX_SCHEDULES = ("base", "sync", "stream2", "stream")
+
+
+def reflux_rows(size, depth, T, vocab_size, reps=3):
+    """Inference ms/token of each ReFlux schedule (reflux.py) on a random untied Transformer++ of
+    tier `size`, K = depth, edge reflux.default_edge(K), eager, no gradients. "forward": the
+    full-sequence protocol over one length-T sequence (stream: the per-token recurrence);
+    "decode": cached steps after a T/2-token prompt (stream: parallel prefill), min(T/2, 16) of
+    them. One untimed warm-up forward, then the best of reps timings; ratios against the base; MACs ratio from flops.reflux_forward_macs."""
+    import reflux
+    torch.manual_seed(0)
+    d, H, target = models.TIERS[size]
+    cfg = models.solve_width(ModelConfig(model="untied", vocab_size=vocab_size, block_size=T, n_embd=d, n_head=H,
+                                         depth=depth), target, strict=False)
+    base = models.build_model(cfg).eval()
+    idx = torch.randint(vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    edge, P, n_dec = reflux.default_edge(depth), T // 2, max(1, min(T // 2, 16))
+    rows = []
+    for sched in REFLUX_SCHEDULES:
+        lm = base if sched == "base" else reflux.reflux_lm(base, reflux.Settings(sched, (edge,)))
+        fwd, dec = [], []
+        with torch.no_grad():
+            lm(idx)  # warm-up (first-call allocations), untimed
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                lm(idx)
+                fwd.append(time.perf_counter() - t0)
+                cache = {}
+                lm(idx[:, :P], cache=cache)
+                t0 = time.perf_counter()
+                for i in range(n_dec):
+                    lm(idx[:, P + i:P + i + 1], cache=cache)
+                dec.append(time.perf_counter() - t0)
+        rows.append({"schedule": sched, "edge": f"{edge[0]}:{edge[1]}", "T": T, "width": cfg.width,
+                     "forward_ms_per_token": 1e3 * min(fwd) / T, "decode_ms_per_token": 1e3 * min(dec) / n_dec,
+                     "decode_tokens": n_dec,
+                     "macs_ratio": flops.reflux_forward_macs(cfg, T, sched, low=edge[1])["ratio"]})
+    for r in rows:
+        for k in ("forward", "decode"):
+            r[f"{k}_vs_base"] = r[f"{k}_ms_per_token"] / rows[0][f"{k}_ms_per_token"]
+    return rows
+
+
+def reflux_table(rows):
+    head = ("| ReFlux schedule | T | forward ms/token | x base | decode ms/token | x base | MACs x base |\n"
+            "|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(f"| {r['schedule']} | {r['T']} | {r['forward_ms_per_token']:.3f} | {r['forward_vs_base']:.2f} | "
+                             f"{r['decode_ms_per_token']:.3f} | {r['decode_vs_base']:.2f} | {r['macs_ratio']:.2f} |"
+                             for r in rows)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"bench.py: error: {message}\n")
@@ -452,6 +508,8 @@ def parse(argv):
     p.add_argument("--json", default=None, help="output JSON (default results/bench/bench_<device>.json; --quick: out/bench_<device>.json)")
     p.add_argument("--md", default=None, help="output markdown (default: next to --json, .md)")
     p.add_argument("--note", action="append", default=[], help="free-text note stored in the outputs (repeatable)")
+    p.add_argument("--reflux", action="store_true",
+                   help="also time the ReFlux schedules (reflux.py) at the smallest block size (on with --quick)")
     a = p.parse_args(argv)
     cuda = a.device.startswith("cuda")
     a.size = a.size or ("70M" if cuda else "cpu")
@@ -465,6 +523,7 @@ def parse(argv):
     a.block_sizes = a.block_sizes or ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES)
     a.steps = a.steps or 2
     a.vocab_size = a.vocab_size or 50257
+    a.reflux = a.reflux or a.quick
     a.models = [m for m in a.models.split(",") if m]
     for m in a.models:
         if m not in models.REGISTRY:
@@ -528,6 +587,7 @@ def main(argv=None):
         print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} {msg}", flush=True)
     add_ratios(rows, peak)
     tg = targets(rows)
+    rf_rows = reflux_rows(a.size, a.depth, min(a.block_sizes), a.vocab_size) if a.reflux else None
     meta = {
         "command": "python bench.py " + " ".join(argv), "device": a.device, "dtype": a.dtype, "threads": threads,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
@@ -544,6 +604,8 @@ def main(argv=None):
         "wall_s": time.time() - t_start, "notes": a.note,
     }
     out = {"meta": meta, "rows": rows, "targets": tg}
+    if rf_rows is not None:
+        out["reflux"] = rf_rows
     md = (f"`{meta['command']}`\n\n{a.device}, {a.dtype}, {threads} threads, tier {a.size} (d={meta['tier']['d']}, "
           f"~{meta['tier']['target']:,} non-embedding parameters), K={a.depth}, V={a.vocab_size}, "
           f"batch max(1, {a.batch_tokens} // T), median of up to {a.steps} timed steps (fewer past {a.step_budget:g} s) "
@@ -552,6 +614,8 @@ def main(argv=None):
           f"max {meta['load_average_max_during']} during.\n\n"
           f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
           + table(rows) + "\n\nTargets (issue 6):\n\n" + targets_text(tg) + "\n"
+          + ("\nReFlux schedules (inference, one sequence, no gradients; bench.reflux_rows):\n\n"
+             + reflux_table(rf_rows) + "\n" if rf_rows is not None else "")
           + "".join(f"\nNote: {n}\n" for n in a.note))
     print("\n" + md)
     for path, text in ((a.json, json.dumps(out, indent=1)), (a.md, md)):

@@ -234,6 +234,43 @@ def ponder_forward_macs(cfg: ModelConfig, T: int) -> dict:
     return out
 
 
+# ============================================================================= ReFlux (reflux.py)
+# ReFlux is a tool over a frozen Transformer++ checkpoint, not a registry row. sync, stream2 and the
+# recirculation baseline run the body twice (a record traversal, then the injected one, which
+# reflux.py starts at the lowest target block: the blocks below it see no write) and the head once;
+# stream runs it once (its full-sequence protocol is the per-token recurrence, counted with the
+# same full T x T score convention). The write costs, per position, 3 d per open edge (||p||,
+# the rescale to ||h||, the accumulation) and 4 d per written target (||h||, beta h, ||h'||, the
+# norm restore); the router d r + r |E| per block of w tokens plus d per token (its RMSNorm summary).
+
+REFLUX_TRAVERSALS = {"base": 1, "sync": 2, "stream2": 2, "stream": 1, "recirc": 2}
+
+
+def reflux_forward_macs(cfg: ModelConfig, T: int, schedule: str, edges: int = 1, targets: int = 1,
+                        router=None, low: int = 0) -> dict:
+    """Forward MACs of one length-T sequence under a ReFlux schedule (MATH.md, "ReFlux"):
+    {"traversals", "body", "head", "write", "router", "total", "ratio"} with ratio = total / the
+    base forward. edges, targets: open edges and written target blocks per position; router: None
+    or (r, n_candidates, w); low: the lowest target block (reflux.py's injected traversal of the
+    two-pass schedules starts there, the K - low blocks above it; 0 = the full 2x). Raises
+    UsageError for an unknown schedule."""
+    if schedule not in REFLUX_TRAVERSALS:
+        raise UsageError(f"flops: unknown ReFlux schedule '{schedule}'; choose one of {', '.join(REFLUX_TRAVERSALS)}")
+    base = forward_macs(cfg, T)
+    n = REFLUX_TRAVERSALS[schedule]
+    d, K = cfg.n_embd, cfg.depth
+    body = base["total"] - base["head"]
+    body = body if n == 1 else body + body * (K - low) // K
+    out = {"traversals": n, "body": body, "head": base["head"],
+           "write": 0 if schedule == "base" else T * d * (3 * edges + 4 * targets), "router": 0}
+    if router is not None and schedule != "base":
+        r, n_cand, w = router
+        out["router"] = math.ceil(T / w) * (d * r + r * n_cand) + T * d
+    out["total"] = out["body"] + out["head"] + out["write"] + out["router"]
+    out["ratio"] = out["total"] / base["total"]
+    return out
+
+
 # ============================================================================= Parcae / RDM
 # Looped models (MATH.md, "Parcae and RDM"): prelude (L_P blocks) -> core (L_R blocks) applied K = cfg.depth times
 # (the evaluation recurrence) -> coda (L_C blocks), all Transformer++ / sandwich blocks with
