@@ -95,7 +95,8 @@ class LRTBlock(nn.Module):
             scale = 1 / math.sqrt(HEAD_DIM)
             s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))   # (B, H, n, S)
             s_m = (q.unsqueeze(-2) @ km.unsqueeze(-1)).squeeze(-1) * scale             # (B, H, n, 1)
-            p = torch.softmax(torch.cat((s, s_m), -1).float(), -1).to(v.dtype)
+            s = torch.cat((s, s_m), -1)
+            p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), -1).to(v.dtype)  # >= float32
             y = p[..., :S] @ v + (p[..., S:].unsqueeze(-1) @ vm.unsqueeze(-2)).squeeze(-2)
         x = x + self.attn.wo(y.transpose(1, 2).reshape(B, n, H * HEAD_DIM))
         return x + self.mlp(self.norm2(x))
