@@ -130,7 +130,7 @@ class LatentRecurrence(nn.Module):
             self.w_km, self.w_vm = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
         if self.n > 0:
             self.thought = nn.Parameter(torch.randn(self.n, d) * 0.02)  # e_θ,k, initialized like a token row
-        self.decode_passes = self.n + 1  # sequential single-slot passes per token at decoding (bench.py)
+        self.sequential_passes = self.n + 1  # sequential single-slot passes per decoded token (bench.py decode)
 
     # ------------------------------------------------------------------ slots
     def slots(self, x, cos, sin):

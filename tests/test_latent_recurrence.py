@@ -232,7 +232,7 @@ def test_decode_macs_match_the_flop_counter(name, kv):
     L = 5 * (2 if name == "lrt-think" else 1)
     pad = (-61 % VOCAB_MULTIPLE) * 64
     assert fc.get_total_flops() // 2 == flops.lrt_decode_macs(c, L) + pad
-    assert m.body.decode_passes == (2 if name == "lrt-think" else 1)
+    assert m.body.sequential_passes == (2 if name == "lrt-think" else 1)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -255,3 +255,12 @@ def test_train_flags_reach_the_config():
     c, _ = config.model_config(args, 61)
     assert (c.lrt_src, c.lrt_tgt, c.lrt_kv, c.lrt_subsets, c.lrt_detach_init, c.n_thoughts) == (1, 1, True, 3, True, 2)
     assert {"lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_init"} <= set(checkpoint.IDENTITY_FLAGS)
+
+
+def test_bench_decode_rows_report_sequential_passes():
+    """bench.py decode's rows for the section 9.4 models: one pass per token for lrt, n + 1 for
+    lrt-think and PonderLM-2, and a positive median ms/token (the speed itself is benchmark output)."""
+    import bench
+    rows = [bench.decode_row(m, "tiny", 2, 0, 4, 2, 1, vocab_size=61) for m in ("lrt", "lrt-think", "ponder")]
+    assert [r["passes"] for r in rows] == [1, 2, 2]
+    assert all(r["ms_per_token"] > 0 for r in rows)
