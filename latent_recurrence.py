@@ -11,7 +11,6 @@ A slot sequence i = 0..S-1 (lrt: one slot per token, S = T; lrt-think: slots (t,
 (t,k) = e_θ,k for k = 1..n, n = cfg.n_thoughts, all at RoPE position t, S = (n + 1) T):
 
     m_i        = RMSNorm_m(z_src(i-1)),  m_0 = 0            memory: the previous slot's source state
-                                                            (RMSNorm_m's gain starts at 0.02, the embedding's std)
     a_tgt(i)  += W_m m_i                                    residual injection (W_m: d x d, zero init)
     lrt_kv:    every block's softmax for query i also holds one private slot
                k_m = W_km m_i, v_m = W_vm m_i (per head; W_km, W_vm: d x d, shared by all blocks;
@@ -124,8 +123,7 @@ class LatentRecurrence(nn.Module):
         self.subsets, self.detach_init = cfg.lrt_subsets, cfg.lrt_detach_init
         self.n = cfg.n_thoughts if think else 0
         self.blocks = nn.ModuleList(LRTBlock(d, cfg.n_head, cfg.width) for _ in range(K))
-        self.mem_norm = RMSNorm(d)                    # RMSNorm_m, gain initialized at the token rows' scale:
-        nn.init.constant_(self.mem_norm.weight, 0.02)  # W_m m then starts comparable to e(x), not 50x above it
+        self.mem_norm = RMSNorm(d)                    # RMSNorm_m
         self.w_m = nn.Parameter(torch.zeros(d, d))    # W_m (a Parameter, so LM's Linear init leaves it at 0)
         self.w_km = self.w_vm = None
         if cfg.lrt_kv:

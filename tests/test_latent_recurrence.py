@@ -26,14 +26,12 @@ def cfg(name="lrt", **kw):
 
 
 def build(c, seed=0, dtype=F64, w_m=0.3):
-    """A model of c whose memory map W_m is drawn with std w_m (0 keeps its zero init), RMSNorm_m's
-    gain at 1 (memories at the scale of the residual stream: a visible effect)."""
+    """A model of c whose memory map W_m is drawn with std w_m (0 keeps its zero init)."""
     torch.manual_seed(seed)
     m = models.build_model(c).to(dtype).eval()
     if w_m:
         with torch.no_grad():
             m.body.w_m.normal_(0, w_m)
-            m.body.mem_norm.weight.fill_(1.0)
     return m
 
 
@@ -245,11 +243,6 @@ def test_decode_macs_match_the_flop_counter(name, kv):
 def test_bad_flags(kw, flag):
     with pytest.raises(UsageError, match=flag):
         models.build_model(cfg(**kw))
-
-
-def test_memory_norm_gain_starts_at_the_embedding_scale():
-    m = models.build_model(cfg())
-    assert torch.equal(m.body.mem_norm.weight, torch.full((64,), 0.02)) and torch.equal(m.body.w_m, torch.zeros(64, 64))
 
 
 def test_default_source_block_is_upper_middle():
