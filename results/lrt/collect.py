@@ -2,12 +2,12 @@
 training FLOPs matched; results/lrt/run_tokens.sh: training tokens matched). Prints markdown tables,
 the fraction of doubling LRT depth recovered by one thought, (NLL_lrt4 - NLL_lrt-think4) /
 (NLL_lrt4 - NLL_lrt8) on dev NLL, and writes results/lrt/summaries.json (the runs' summaries).
-python results/lrt/collect.py [ROOT]"""
+python results/lrt/collect.py [ROOT ...]   (a run is taken from the first ROOT that has it)"""
 import json
 import os
 import sys
 
-ROOT = sys.argv[1] if len(sys.argv) > 1 else "runs/lrt-exp"
+ROOTS = sys.argv[1:] or ["runs/lrt-exp"]
 TABLES = {
     "training FLOPs matched (run.sh)": ["untied-4", "untied-8", "loopstack-2x4", "ponder-4", "lrt-4", "lrt-8", "lrt-think-4"],
     "training tokens matched (run_tokens.sh; untied-8, loopstack-2x4, lrt-4 from run.sh)":
@@ -19,8 +19,9 @@ for title, runs in TABLES.items():
     print("| run | model | updates | training tokens | non-emb params | dev NLL | test NLL |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in runs:
-        path = os.path.join(ROOT, r, "summary.json")
-        if not os.path.exists(path):
+        path = next((os.path.join(root, r, "summary.json") for root in ROOTS
+                     if os.path.exists(os.path.join(root, r, "summary.json"))), None)
+        if path is None:
             print(f"| {r} | not run | | | | | |")
             continue
         s = out[r] = json.load(open(path))
