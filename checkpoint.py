@@ -33,6 +33,7 @@ TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optim
 IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
                   "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda",
                   "da_stride", "da_recent", "n_thoughts", "jacobi", "width")
+IDENTITY_FLAGS += ("lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_init")  # LRT (latent_recurrence.py)
 MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
 
 

@@ -64,6 +64,12 @@ class ModelConfig:
     n_thoughts: int = 1         # thought slots per token (0 = untied Transformer++)
     jacobi: int = 3             # Jacobi refinements of the thoughts (evaluation, prefill; training without jacobi_random)
     jacobi_random: bool = True  # training draws the refinements from U{2, 3}
+    # LRT / LRT with thought tokens (latent_recurrence.py); n_thoughts above is lrt-think's thought slots
+    lrt_src: int = -1           # source block whose output feeds the next slot (-1: floor(2K/3))
+    lrt_tgt: int = 0            # target block whose input receives W_m m
+    lrt_kv: bool = False        # also a private memory key/value slot in every block's softmax
+    lrt_subsets: int = 2        # k: interleaved position subsets of the parallel refinement
+    lrt_detach_init: bool = False  # the init pass without gradients
     # fields of older versions that nothing read; configs that carry them still load (from_dict)
     DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
 

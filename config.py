@@ -146,7 +146,9 @@ def model_config(args, vocab_size):
                       gau_s=args.gau_s, mu_rec=args.mu_rec,
                       mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
                       da_stride=args.da_stride, da_recent=args.da_recent, n_thoughts=args.n_thoughts,
-                      jacobi=args.jacobi, jacobi_random=args.jacobi_random)
+                      jacobi=args.jacobi, jacobi_random=args.jacobi_random,
+                      lrt_src=args.lrt_src, lrt_tgt=args.lrt_tgt, lrt_kv=args.lrt_kv, lrt_subsets=args.lrt_subsets,
+                      lrt_detach_init=args.lrt_detach_init)
     if args.width:
         m = width_multiple(cfg)
         if args.width < 0 or args.width % m:

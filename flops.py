@@ -13,6 +13,7 @@ every linear map costs (its parameters) x (tokens) at each application, plus the
       loop, untied        scores (QK^T) T^2 d    mix (AV) T^2 d
       (loop-)depth-attn   as loop/untied, plus (|C(l)| + 1) T d each for depth scores and mixing
       ponder              Transformer++ over every pass's S_p T slot rows (see the section below)
+      lrt, lrt-think      two Transformer++ passes over the S slot rows plus the memory maps (section below)
       gau                 scores T^2 s           mix (AV) T^2 e
       flash               scores T C s           mix T C e (local) + 2 T s e (global: K_l^T V
                                                  per chunk, then Q_l times the prefix sum;
@@ -80,6 +81,8 @@ def forward_macs(cfg: ModelConfig, T: int) -> dict:
         return recurrent_forward_macs(cfg, T)
     if cfg.model == "ponder":  # PonderLM-2: several passes over thought slots (section below)
         return ponder_forward_macs(cfg, T)
+    if cfg.model in LRT_MODELS:  # LRT: an init pass and the refinement of every slot (section below)
+        return lrt_forward_macs(cfg, T)
     params, scores, mix = _per_application(cfg, T)
     K = cfg.depth
     out = {"linear": params * T * K, "scores": scores * K, "mix": mix * K, "head": cfg.vocab_size * cfg.n_embd * T}
@@ -125,7 +128,7 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
         Tp = math.ceil(T / n) * n
         return base + K * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
-    return full["total"] + vocab_pad  # loop, untied, gau, depth-attn, ponder: the convention plus the vocabulary padding
+    return full["total"] + vocab_pad  # loop, untied, gau, depth-attn, ponder, lrt: the convention plus the vocabulary padding
 
 
 def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:
@@ -269,6 +272,41 @@ def reflux_forward_macs(cfg: ModelConfig, T: int, schedule: str, edges: int = 1,
     out["total"] = out["body"] + out["head"] + out["write"] + out["router"]
     out["ratio"] = out["total"] / base["total"]
     return out
+
+
+# ============================================================================= LRT, LRT with thought tokens
+# LRT (latent_recurrence.py): S = (n + 1) T slot rows (n = cfg.n_thoughts for lrt-think, 0 for
+# lrt). The init pass runs Transformer++ over all S rows; the k refinement passes together run it
+# once more over every row, each subset's n_j queries scoring all S buffered keys (a full n_j x S
+# product: sum_j n_j S = S^2). The memory map W_m (d^2) is applied once per refined row; with
+# lrt_kv, W_km and W_vm (2 d^2) too, and every row's private key/value costs d more score and d more
+# mix MACs per block in both passes. Only the T scored rows reach the head.
+
+LRT_MODELS = ("lrt", "lrt-think")
+
+
+def lrt_forward_macs(cfg: ModelConfig, T: int) -> dict:
+    """Forward MACs (MATH.md, Cost) of LRT / LRT with thought tokens (same keys as forward_macs):
+    linear 2 S K (4d^2 + 3dF) + S d^2 (+ 2 S d^2), scores = mix = 2 S^2 d K (+ 2 S d K), head V d T."""
+    d, F, K = cfg.n_embd, cfg.width, cfg.depth
+    S = (cfg.n_thoughts + 1 if cfg.model == "lrt-think" else 1) * T
+    kv = 1 if cfg.lrt_kv else 0
+    out = {"linear": 2 * S * K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * S * d * d,
+           "scores": 2 * S * S * d * K + kv * 2 * S * d * K, "mix": 2 * S * S * d * K + kv * 2 * S * d * K,
+           "head": cfg.vocab_size * d * T}
+    out["total"] = sum(out.values())
+    return out
+
+
+def lrt_decode_macs(cfg: ModelConfig, L: int) -> int:
+    """Forward MACs of decoding one token of LRT / LRT with thought tokens after L cached slots:
+    n + 1 single-slot passes (n = 0 for lrt), each K (4d^2 + 3dF) + d^2 (+ 2 d^2) linear and
+    2 (L' + 1) d K attention over its L' earlier slots (+ 2 d K with lrt_kv), plus the head V d."""
+    d, F, K = cfg.n_embd, cfg.width, cfg.depth
+    slots = cfg.n_thoughts + 1 if cfg.model == "lrt-think" else 1
+    kv = 1 if cfg.lrt_kv else 0
+    per = K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * d * d + 2 * kv * d * K
+    return sum(per + 2 * (L + s + 1) * d * K for s in range(slots)) + cfg.vocab_size * d
 
 
 # ============================================================================= Parcae / RDM

@@ -58,6 +58,7 @@ class Ponder(nn.Module):
         if cfg.jacobi < 0:
             raise UsageError(f"--jacobi {cfg.jacobi}: must be >= 0")
         self.n, self.jacobi, self.jacobi_random = cfg.n_thoughts, cfg.jacobi, cfg.jacobi_random
+        self.sequential_passes = self.n + 1  # single-slot passes per decoded token (bench.py decode)
         self.blocks = nn.ModuleList(TransformerBlock(cfg.n_embd, cfg.n_head, cfg.width) for _ in range(cfg.depth))
         if self.n > 0:
             self.think_norm = RMSNorm(cfg.n_embd)  # Norm_θ

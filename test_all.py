@@ -21,7 +21,8 @@ from tango import tango_fast, tango_reference, windowed_fast, windowed_reference
 HERE = os.path.dirname(os.path.abspath(__file__))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
 SMALL = dict(n_embd=64, n_head=2, vocab_size=61, block_size=32, window=5, chunk=8,
-             jacobi=32)  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= T - 1
+             jacobi=32,  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= T - 1
+             lrt_subsets=64)  # LRT's parallel prefill is exact at one slot per subset (lrt-think: 2 T slots)
 
 
 def small(model, depth=3, width=16, **kw):

@@ -109,10 +109,17 @@ def build_parser(suppress_defaults=False):
     a("--n_coda", type=int, default=2, help="Parcae/RDM: blocks after the recurrent core")
     a("--da_stride", type=int, default=0, help="Depth-Attention: mix layers j mod stride == 0 (0: depth // 2, -1: none)")
     a("--da_recent", type=int, default=0, help="Depth-Attention: also mix the r layers just below")
-    a("--n_thoughts", type=int, default=1, help="PonderLM-2: thought slots per token (0: untied Transformer++)")
+    a("--n_thoughts", type=int, default=1, help="PonderLM-2, lrt-think: thought slots per token (0: untied Transformer++, lrt)")
     a("--jacobi", type=int, default=3, help="PonderLM-2: Jacobi refinements of the thoughts")
     a("--jacobi_random", action=argparse.BooleanOptionalAction, default=True,
       help="PonderLM-2: training draws the Jacobi refinements from {2, 3}")
+    a("--lrt_src", type=int, default=-1, help="LRT: block whose output is the next slot's memory (-1: floor(2K/3))")
+    a("--lrt_tgt", type=int, default=0, help="LRT: block whose input receives the memory")
+    a("--lrt_kv", action=argparse.BooleanOptionalAction, default=False,
+      help="LRT: also a private memory key/value slot in every block's attention")
+    a("--lrt_subsets", type=int, default=2, help="LRT: interleaved position subsets k of parallel training (>= 1)")
+    a("--lrt_detach_init", action=argparse.BooleanOptionalAction, default=False,
+      help="LRT: run the init pass of parallel training without gradients")
     a = group("data")
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, help="training context length T; " + tier_default("block_size"))

@@ -326,9 +326,66 @@ def ponder_body(x, model, pos):
     return run([x] + zs)[:, n]
 
 
+def lrt_body(x, model, pos):
+    """LRT / LRT with thought tokens (latent_recurrence.py docstring), row by row: slots (t,0) = e(x_t),
+    (t,k) = e_θ,k, all at position t; an init pass with m = 0; then for j = 0..k-1 the rows
+    i = j mod k again, with m_i = RMSNorm_m(z_src(i-1)) (m_0 = 0) added as W_m m_i to block tgt's
+    input, each query over the kept keys/values of rows <= i with this subset's rows fresh, and with
+    lrt_kv one more key W_km m_i / value W_vm m_i (no RoPE) in its softmax; output z_{K-1} of (t, n)."""
+    cfg, body = model.cfg, model.body
+    n = cfg.n_thoughts if cfg.model == "lrt-think" else 0
+    K, H, d = cfg.depth, cfg.n_head, x.shape[1]
+    src = cfg.lrt_src if cfg.lrt_src >= 0 else (2 * K) // 3
+    X = torch.stack([row for t in range(x.shape[0]) for row in [x[t]] + [body.thought[k] for k in range(n)]])
+    P = pos.repeat_interleave(n + 1)
+    S = X.shape[0]
+    keys, vals = [[None] * S for _ in range(K)], [[None] * S for _ in range(K)]
+    zsrc, out = [None] * S, [None] * S
+
+    def run(rows, mem):  # the K blocks on these rows; mem: (len(rows), d)
+        h = X[rows]
+        for l, blk in enumerate(body.blocks):
+            if l == cfg.lrt_tgt:
+                h = h + lin(mem, body.w_m)
+            wq, wk, wv, wo = attn_weights(blk.attn)
+            u = rms(h, blk.norm1.weight)
+            q, k, v = rope(lin(u, wq), P[rows]), rope(lin(u, wk), P[rows]), lin(u, wv)
+            for a, r in enumerate(rows):
+                keys[l][r], vals[l][r] = k[a], v[a]
+            y = torch.zeros_like(h)
+            for a, r in enumerate(rows):
+                for hh in range(H):
+                    sl = slice(32 * hh, 32 * hh + 32)
+                    ks = [keys[l][j][sl] for j in range(r + 1)]
+                    vs = [vals[l][j][sl] for j in range(r + 1)]
+                    if cfg.lrt_kv:
+                        ks.append(lin(mem[a], body.w_km.weight)[sl])
+                        vs.append(lin(mem[a], body.w_vm.weight)[sl])
+                    sc = torch.stack(ks) @ q[a, sl] / math.sqrt(32)
+                    w = torch.exp(sc - sc.max())
+                    y[a, sl] = (w / w.sum()) @ torch.stack(vs)
+            h = h + lin(y, wo)
+            h = h + swiglu(rms(h, blk.norm2.weight), blk.mlp)
+            if l == src:
+                for a, r in enumerate(rows):
+                    zsrc[r] = h[a]
+        return h
+
+    run(list(range(S)), torch.zeros(S, d, dtype=x.dtype))  # init pass
+    k = min(cfg.lrt_subsets, S)
+    for j in range(k):
+        rows = list(range(j, S, k))
+        mem = torch.stack([rms(zsrc[r - 1], body.mem_norm.weight) if r > 0 else torch.zeros(d, dtype=x.dtype)
+                           for r in rows])
+        for a, h in enumerate(run(rows, mem)):
+            out[rows[a]] = h
+    return torch.stack(out[n::n + 1])
+
+
 HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_body, "loop": tpp_body,
         "untied": tpp_body, "gau": gau_body, "flash": gau_body, "parcae": parcae_body, "rdm": rdm_body,
-        "depth-attn": depth_attn_body, "loop-depth-attn": depth_attn_body, "ponder": ponder_body}
+        "depth-attn": depth_attn_body, "loop-depth-attn": depth_attn_body, "ponder": ponder_body,
+        "lrt": lrt_body, "lrt-think": lrt_body}
 
 
 def hand_logits(model, idx, pos=None, body_fn=None):
@@ -416,3 +473,15 @@ def test_parcae_per_sequence_depths_equal_hand_computation():
     for r in range(3):
         y = parcae_body(E[idx[r]], model, pos, depth=int(depths[r]), h0=h0[r])
         torch.testing.assert_close(got[r], lin(rms(y, model.norm_f.weight), E), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name,kw", [("lrt", dict(lrt_kv=True, lrt_subsets=3)), ("lrt", dict(lrt_src=0, lrt_tgt=1)),
+                                     ("lrt-think", dict(n_thoughts=2, lrt_kv=True)),
+                                     ("lrt-think", dict(lrt_subsets=1, lrt_detach_init=True))])
+@torch.no_grad()
+def test_lrt_settings_equal_hand_computation(name, kw):
+    """LRT's options (private memory slot, subsets, source/target blocks, thoughts) at explicit repeated positions."""
+    model = perturbed(name, seed=4, **kw)
+    idx = tokens(seed=4)
+    pos = torch.tensor([0, 1, 1, 2, 7, 7, 7, 8, 30, 31, 100])
+    torch.testing.assert_close(model(idx, positions=pos)[0], hand_logits(model, idx, pos), rtol=1e-9, atol=1e-9)

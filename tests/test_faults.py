@@ -435,6 +435,9 @@ DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3se
     "depth-attn": ["wte.weight"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
     "loop-depth-attn": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
     "ponder": ["wte.weight"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
+    # LRT: the memory map W_m decays, RMSNorm_m's gain is exempt; lrt-think's thought inputs decay like token rows
+    "lrt": ["wte.weight", "body.w_m"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
+    "lrt-think": ["wte.weight", "body.w_m", "body.thought"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
 }
 
 

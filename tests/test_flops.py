@@ -138,3 +138,12 @@ def test_cli_bad_flags(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("flops.py: error:")
+
+
+@pytest.mark.parametrize("kw", [dict(model="lrt"), dict(model="lrt", lrt_kv=True, lrt_subsets=3),
+                                dict(model="lrt-think"), dict(model="lrt-think", n_thoughts=2, lrt_kv=True)])
+def test_counter_covers_lrt_settings(kw):
+    """LRT's init pass, every refinement (n_j x S masked products), W_m and the private memory slot
+    are matmuls the counter sees: without vocabulary padding it equals forward_macs exactly."""
+    cfg = small(kw.pop("model"), vocab_size=128, **kw)
+    assert counted_macs(cfg, 13) == flops.forward_macs(cfg, 13)["total"]

@@ -142,7 +142,8 @@ def test_policy_parsing():
 def small_cfg(model, **kw):
     base = dict(model=model, vocab_size=13, block_size=16, n_embd=64, n_head=2, depth=3,
                 width=48, gau_s=64, chunk=4, window=6,
-                jacobi=64)  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= T - 1
+                jacobi=64,  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= T - 1
+                lrt_subsets=128)  # LRT's parallel prefill is exact at one slot per subset (lrt-think: 2 T slots)
     base.update(kw)
     return ModelConfig(**base)
 
