@@ -4,6 +4,7 @@
     python sweep.py report --root runs/readme [--out table.md]
     python sweep.py collect --root runs/grid --to results/grid      # small JSON copies to commit
     python sweep.py report --grid --root results/grid               # the paper-style tables
+    python sweep.py report --grid --root results/chargrid --into results/README.md   # ... written in place
     python sweep.py plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
 
 `run` trains every (dataset, model, depth, seed) as its own train.py process in
@@ -388,7 +389,30 @@ def grid_report(root):
         out.append(f"**{ds}**: dev NLL at every depth (the checkpoint-selection split).\n")
         out += _table(rows, ds, models, [(f"dev NLL K={k}", k, "dev_nll", "{:.3f}") for k in depths]) + [""]
     out += claims(rows, datasets)
+    out += wall_time(root, rows)
     return "\n".join(out) + "\n"
+
+
+def wall_time(root, rows):
+    """Lines on the grid's cost when root has the output of its `sweep.py run` (sweep-output.txt):
+    the wall time of each finished command as printed on its last line, the sum of the runs' own
+    wall_s (seconds), or that the sweep had not finished. [] without that file."""
+    path = os.path.join(root, "sweep-output.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    done = re.findall(r"^sweep: (\d+) runs, (\d+) failed, wall time (\d+) s$", text, re.M)
+    runs = [r for v in rows.values() for r in v]
+    own = sum(r.get("wall_s", 0.0) for r in runs)
+    if done:
+        line = "; ".join(f"{int(t):,} s for {n} runs ({f} failed)" for n, f, t in done)
+        return ["", f"**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): {line}. The {len(runs)} "
+                    f"runs' own `wall_s` add up to {own:,.0f} s."]
+    started = re.findall(r"^\[\d+/(\d+)\] ", text, re.M)
+    return ["", f"**Not finished**: `sweep.py run` had not printed its wall time when these summaries were "
+                f"collected (`sweep-output.txt` here); {len(runs)} of its {started[-1] if started else '?'} runs "
+                f"are here, their own `wall_s` add up to {own:,.0f} s."]
 
 
 def claims(rows, datasets):
@@ -509,11 +533,35 @@ def plot(root, out):
         fig.tight_layout()
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"{ds}.png")
-        fig.savefig(path, dpi=80)
+        fig.savefig(path, dpi=80, metadata={"Software": None})  # no version stamp: the same bytes every time
         plt.close(fig)
         written.append(path)
     print("wrote " + ", ".join(written))
     return written
+
+
+def report_markers(root, grid):
+    """(begin, end): the lines around a report block of --root root in a markdown file."""
+    if grid:
+        return f"<!-- sweep report --grid --root {root} -->\n", "<!-- end of grid report -->"
+    return f"<!-- sweep report --root {root} -->\n", "<!-- end of sweep report -->"
+
+
+def replace_between_markers(path, markers, text):
+    """Write text between markers (begin, end) in the file at path, in place (the first begin and the
+    first end after it). UsageError naming the file and the missing marker; nothing is written then."""
+    begin, end = markers
+    if not os.path.isfile(path):
+        raise UsageError(f"--into {path}: no such file")
+    with open(path) as f:
+        doc = f.read()
+    i = doc.find(begin)
+    j = doc.find(end, i + len(begin)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        missing = begin.strip() if i < 0 else f"{end} after {begin.strip()}"
+        raise UsageError(f"--into {path}: no line {missing}; put the two marker lines where the report goes")
+    with open(path, "w") as f:
+        f.write(doc[:i + len(begin)] + text + doc[j:])
 
 
 def check_run_flags(args, extra):
@@ -568,10 +616,14 @@ def main(argv=None):
     q.add_argument("--out", default=None)
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
+    q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
+                   "its markers, see report_markers) is replaced by the report")
     args = p.parse_args(argv)
     if args.cmd == "run":
         check_run_flags(args, extra)
         return cmd_run(args, extra)
+    if args.cmd == "report" and args.into and args.lr:
+        raise UsageError("--into: report and report --grid only (the learning-rate table has no markers)")
     if not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
@@ -581,6 +633,8 @@ def main(argv=None):
         return 0
     else:
         text = lr_report(args.root) if args.lr else grid_report(args.root) if args.grid else report(args.root)
+        if args.into:
+            replace_between_markers(args.into, report_markers(args.root, args.grid), text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
