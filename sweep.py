@@ -12,12 +12,16 @@
 parameters, data order = seed, dev-selected checkpoint, test on it). A run with `summary.json` is
 skipped, one with only `ckpt_latest.pt` resumed; an existing run trained with other flags stops
 the sweep before anything starts. Flags after `--` go to every run (`--data_dir` to dmmath only).
-`--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first.
+`--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first. What
+`run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`.
 
 `report` prints one table per dataset (mean ± std over seeds of test/dev NLL, exact match; lowest
 in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
-prints the TANGO paper's section 4.1 tables and checks its claims one by one. `collect` copies
-each run's summary and curves into a folder small enough to commit; `plot` draws the curves.
+prints the TANGO paper's section 4.1 tables and checks its claims one by one (and the grid's wall
+time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
+`--into FILE` also writes the report into FILE between its marker lines (report_markers).
+`collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
+the curves (the same PNG bytes from the same curves with one matplotlib version: no version stamp).
 """
 import argparse
 import concurrent.futures
@@ -38,10 +42,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 _print_lock = threading.Lock()
 
 
-def say(msg):
-    """print from several job threads without interleaving their lines."""
+def say(msg, log=None):
+    """print from several job threads without interleaving their lines (and append to log, a path)."""
     with _print_lock:
         print(msg, flush=True)
+        if log:
+            with open(log, "a") as f:
+                f.write(msg + "\n")
 
 
 def run_dir(root, dataset, model, depth, seed, lr=None):
@@ -61,21 +68,23 @@ def cmd_run(args, extra):
 
     for g in grid:  # before anything starts: an existing run must have been trained as requested
         check_existing_run(run_dir(args.root, *g), train_argv(args.root, *g, extra))
+    os.makedirs(args.root, exist_ok=True)
+    log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
 
     def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
         if os.path.exists(os.path.join(out, "summary.json")):
-            say(f"[{i}/{len(grid)}] {out}: done, skipped")
+            say(f"[{i}/{len(grid)}] {out}: done, skipped", log)
             return 0
         cmd = [sys.executable, os.path.join(HERE, "train.py"), *train_argv(args.root, ds, m, k, s, lr, extra)]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
-        say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]))
+        say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), log)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stdout.txt"), "a") as f:  # a resumed run keeps the earlier output
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt")
+            say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt", log)
         return rc
 
     prepare_data(args.datasets.split(","), extra)  # once, here: parallel runs never prepare the same folder
@@ -91,7 +100,7 @@ def cmd_run(args, extra):
     else:
         rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
     failed = sum(rc != 0 for rc in rcs)
-    print(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", flush=True)
+    say(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", log)
     return 1 if failed else 0
 
 
@@ -179,8 +188,11 @@ def curves_of(run):
 
 def cmd_collect(root, to):
     """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
-    (curves_of), small enough to commit."""
+    (curves_of), small enough to commit, and <root>/sweep-output.txt (the run commands' output)."""
     n = 0
+    if os.path.exists(os.path.join(root, "sweep-output.txt")):
+        os.makedirs(to, exist_ok=True)
+        shutil.copyfile(os.path.join(root, "sweep-output.txt"), os.path.join(to, "sweep-output.txt"))
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         run = os.path.dirname(path)
         dest = os.path.join(to, os.path.relpath(run, root))
@@ -368,7 +380,8 @@ def _table(rows, ds, models, cols):
 def grid_report(root):
     """Markdown: per dataset, held-out test NLL (and exact match) at K in HELD_OUT, dev NLL at every
     depth, then the TANGO paper's section 4.1 claims recomputed on these runs (over PAPER_MODELS;
-    extra rows such as Parcae are shown but not part of the claims)."""
+    extra rows such as Parcae are shown but not part of the claims), then the wall time when root
+    holds the sweep's printed output (wall_time)."""
     rows = load_runs(root)
     out = []
     datasets = sorted({k[0] for k in rows})

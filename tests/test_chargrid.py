@@ -181,3 +181,6 @@ def test_gpu_recipe_runs_on_cpu_at_a_reduced_size(mdm, data_root, tmp_path, monk
     text = capsys.readouterr().out
     assert text == sweep.grid_report(res)
     assert "| tango | " in text and "| parcae | " in text and "dev NLL K=4" in text
+    # run appended what it printed to <root>/sweep-output.txt, collect copied it, report printed the wall time
+    assert re.search(r"\n\*\*Wall time\*\* as `sweep.py run` printed it \(`sweep-output.txt` here\): \d+ s for 2 "
+                     r"runs \(0 failed\)\. The 2 runs' own `wall_s` add up to \d+ s\.\n$", text), text[-300:]
