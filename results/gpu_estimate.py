@@ -10,8 +10,8 @@ update (forward, loss, backward) and of one cached decoding step (exact match on
 TorchDispatchMode. On a GPU each such operator is about one kernel. Runs this small leave the GPU
 almost idle inside each kernel, so the time is set by how many kernels are issued: processes without
 MPS take turns on the GPU, so the grid's kernels run one after another. The estimate multiplies the
-grid's kernel count by an assumed cost per kernel (--us_per_kernel) and divides the kernels of the
-compiled training steps by an assumed fusion factor (--fusion); both are assumptions, printed as such.
+grid's kernel count by an assumed cost per kernel and divides the kernels of the compiled training
+steps by an assumed fusion factor (--assume); both are assumptions, printed as such.
 """
 import argparse
 import collections
@@ -74,10 +74,12 @@ def main():
     p.add_argument("--updates", type=int, default=2000)
     p.add_argument("--eval_interval", type=int, default=100)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--decode_steps", type=float, default=11.5,
-                   help="forward passes per exact-match problem (dmmath: 6.3-8.8 answer characters + stop + prompt)")
-    p.add_argument("--us_per_kernel", type=float, default=1.5, help="assumed GPU time per small kernel (µs)")
-    p.add_argument("--fusion", type=float, default=4.0, help="assumed kernels eager / compiled in a training step")
+    p.add_argument("--decode_steps", type=float, default=10.5,
+                   help="forward passes per exact-match problem: the prompt + up to answer length + 2 (dmmath's "
+                        "answers: 6.3 characters on average in interpolate, 8.8 in extrapolate)")
+    p.add_argument("--assume", default="1.5x4,2x3,1x5",
+                   help="comma-separated pairs AxF: A µs of GPU time per small kernel, F times fewer kernels "
+                        "in a compiled training step than in an eager one (assumptions, not measured)")
     a = p.parse_args()
     torch.set_num_threads(1)
     train_k = eval_k = em_k = 0.0
@@ -93,13 +95,13 @@ def main():
             # each, the forward's share), test NLL once
             eval_k += runs * (a.updates // a.eval_interval + 2) * 4 * 0.35 * upd
             em_k += a.seeds * 200 * a.decode_steps * step  # dmmath only: 100 problems of each of 2 splits
-    gpu_s = lambda n: n * a.us_per_kernel / 1e6
-    print(f"\ntraining updates: {train_k / 1e6:,.0f}M kernels eager, {train_k / a.fusion / 1e6:,.0f}M compiled "
-          f"(assumed fusion {a.fusion:g}x); evaluation: {eval_k / 1e6:,.0f}M eager, {eval_k / a.fusion / 1e6:,.0f}M "
-          f"compiled; exact-match decoding (eager either way): {em_k / 1e6:,.0f}M")
-    for name, n in (("eager", train_k + eval_k + em_k), ("compiled", (train_k + eval_k) / a.fusion + em_k)):
-        print(f"{name}: {n / 1e6:,.0f}M kernels x {a.us_per_kernel:g} µs (assumed) = {gpu_s(n):,.0f} s of GPU time "
-              "issued one after another")
+    print(f"\neager kernels: training updates {train_k / 1e6:,.0f}M, evaluations {eval_k / 1e6:,.0f}M, exact-match "
+          f"decoding {em_k / 1e6:,.0f}M (eager in either mode)")
+    for pair in a.assume.split(","):
+        us, fusion = map(float, pair.split("x"))
+        for name, n in (("eager", train_k + eval_k + em_k), ("compiled", (train_k + eval_k) / fusion + em_k)):
+            print(f"assuming {us:g} µs per kernel, {fusion:g}x fewer compiled: {name} {n / 1e6:,.0f}M kernels, "
+                  f"{n * us / 1e6:,.0f} s of GPU time issued one after another")
 
 
 if __name__ == "__main__":

@@ -89,18 +89,22 @@ def test_a_changed_summary_number_changes_the_report(tmp_path):
     assert sweep.grid_report(str(tmp_path / "g")).splitlines() == committed
 
 
-def pinned_matplotlib():
+def pinned(package):
+    """The version .ci/run installs of package (matplotlib draws the plots, pillow writes the PNG)."""
     with open(os.path.join(HERE, ".ci", "run")) as f:
-        return re.search(r"\bmatplotlib==([0-9][\w.]*)", f.read()).group(1)
+        return re.search(rf"\b{package}==([0-9][\w.]*)", f.read()).group(1)
 
 
 def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypatch):
-    """sweep.py plot writes no version stamp (PNG metadata Software: None), so one matplotlib version
-    draws the same bytes from the same curves; the PNGs were drawn with the version .ci/run installs."""
+    """sweep.py plot writes no version stamp (PNG metadata Software: None), so one matplotlib and
+    pillow version make the same bytes from the same curves; the PNGs were made with the versions
+    .ci/run installs (elsewhere the test skips, naming them)."""
     mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
-    if mpl.__version__ != pinned_matplotlib():
-        pytest.skip(f"the committed PNGs were drawn with matplotlib {pinned_matplotlib()} (pinned in .ci/run); "
-                    f"this is {mpl.__version__}, whose pixels may differ")
+    import PIL
+    have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
+    if have != {p: pinned(p) for p in have}:
+        pytest.skip(f"the committed PNGs were made with matplotlib {pinned('matplotlib')} and pillow "
+                    f"{pinned('pillow')} (pinned in .ci/run); this has {have}, whose bytes may differ")
     monkeypatch.chdir(HERE)  # the plot's title names --root as given: results/chargrid
     written = sweep.plot(ROOT, str(tmp_path / "new"))
     committed = sorted(f for f in os.listdir(ROOT) if f.endswith(".png"))
