@@ -21,7 +21,8 @@ prints the TANGO paper's section 4.1 tables and checks its claims one by one (an
 time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
 `--into FILE` also writes the report into FILE between its marker lines (report_markers).
 `collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
-the curves (the same PNG bytes from the same curves with one matplotlib version: no version stamp).
+the curves (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
+same curves).
 """
 import argparse
 import concurrent.futures
