@@ -408,25 +408,30 @@ def grid_report(root):
 
 
 def wall_time(root, rows):
-    """Lines on the grid's cost when root has the output of its `sweep.py run` (sweep-output.txt):
-    the wall time of each finished command as printed on its last line, the sum of the runs' own
-    wall_s (seconds), or that the sweep had not finished. [] without that file."""
+    """Lines on the grid's cost when root has the printed output of its `sweep.py run` commands
+    (sweep-output.txt, one after another): each finished command's wall time as printed on its last
+    line and their sum (seconds; a command stopped before that line is counted as stopped, not
+    timed), the sum of the runs' own wall_s, or that the last command had not finished. [] without
+    that file."""
     path = os.path.join(root, "sweep-output.txt")
     if not os.path.exists(path):
         return []
     with open(path) as f:
         text = f.read()
-    done = re.findall(r"^sweep: (\d+) runs, (\d+) failed, wall time (\d+) s$", text, re.M)
+    done = list(re.finditer(r"^sweep: (\d+) runs, (\d+) failed, wall time (\d+) s$", text, re.M))
+    starts = list(re.finditer(r"^\[1/\d+\] ", text, re.M))  # one per command (its first run, started or skipped)
     runs = [r for v in rows.values() for r in v]
-    own = sum(r.get("wall_s", 0.0) for r in runs)
-    if done:
-        line = "; ".join(f"{int(t):,} s for {n} runs ({f} failed)" for n, f, t in done)
-        return ["", f"**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): {line}. The {len(runs)} "
-                    f"runs' own `wall_s` add up to {own:,.0f} s."]
-    started = re.findall(r"^\[\d+/(\d+)\] ", text, re.M)
-    return ["", f"**Not finished**: `sweep.py run` had not printed its wall time when these summaries were "
-                f"collected (`sweep-output.txt` here); {len(runs)} of its {started[-1] if started else '?'} runs "
-                f"are here, their own `wall_s` add up to {own:,.0f} s."]
+    own = f"the {len(runs)} runs' own `wall_s` add up to {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
+    if not done or (starts and starts[-1].start() > done[-1].start()):
+        return ["", f"**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its "
+                    f"wall time when these summaries were collected; {own}."]
+    times = [int(m.group(3)) for m in done]
+    line = "; ".join(f"{int(m.group(3)):,} s for {m.group(1)} runs ({m.group(2)} failed)" for m in done)
+    stopped = len(starts) - len(done)
+    return ["", f"**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): {line}"
+                + (f"; {sum(times):,} s in all" if len(done) > 1 else "")
+                + (f" ({stopped} start{'s' if stopped > 1 else ''} stopped before printing its wall time not "
+                   "counted)" if stopped > 0 else "") + f". The {own[4:]}."]
 
 
 def claims(rows, datasets):

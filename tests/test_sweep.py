@@ -255,15 +255,22 @@ def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
         p.write_text(json.dumps({**json.loads(p.read_text()), "wall_s": 10.5 + i}))
     assert "Wall time" not in sweep.grid_report(str(tmp_path))  # no sweep-output.txt: no line
     out = tmp_path / "sweep-output.txt"
+    last = lambda: sweep.grid_report(str(tmp_path)).split("\n\n")[-1]
+    running = ("**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its wall "
+               "time when these summaries were collected; the 14 runs' own `wall_s` add up to 238 s.\n")
     out.write_text("# a comment\n[1/20] train.py --model tango\n[2/20] train.py --model loop\n")
-    assert sweep.grid_report(str(tmp_path)).endswith(
-        "\n\n**Not finished**: `sweep.py run` had not printed its wall time when these summaries were collected "
-        "(`sweep-output.txt` here); 14 of its 20 runs are here, their own `wall_s` add up to 238 s.\n")
-    out.write_text(out.read_text() + "sweep: 20 runs, 1 failed, wall time 4214 s\n[1/2] x\nsweep: 2 runs, 0 failed, "
-                   "wall time 95 s\n")
-    assert sweep.grid_report(str(tmp_path)).endswith(
-        "\n\n**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 4,214 s for 20 runs (1 failed); "
-        "95 s for 2 runs (0 failed). The 14 runs' own `wall_s` add up to 238 s.\n")
+    assert last() == running
+    out.write_text(out.read_text() + "sweep: 20 runs, 1 failed, wall time 4214 s\n[1/2] x\n[2/2] y: done, skipped\n"
+                   "sweep: 2 runs, 0 failed, wall time 95 s\n")
+    assert last() == ("**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 4,214 s for 20 runs "
+                      "(1 failed); 95 s for 2 runs (0 failed); 4,309 s in all. The 14 runs' own `wall_s` add up "
+                      "to 238 s.\n")
+    out.write_text("[1/20] a first start, stopped\n" + out.read_text())
+    assert last() == ("**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 4,214 s for 20 runs "
+                      "(1 failed); 95 s for 2 runs (0 failed); 4,309 s in all (1 start stopped before printing its "
+                      "wall time not counted). The 14 runs' own `wall_s` add up to 238 s.\n")
+    out.write_text(out.read_text() + "[1/7] a command still running\n")
+    assert last() == running
 
 
 def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
