@@ -118,7 +118,7 @@ def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypat
     c["eval"][-1][1] -= 0.05
     curves.write_text(json.dumps(c))
     monkeypatch.chdir(copy)
-    png = os.path.join(curves.parent.parent.name + ".png")
+    png = curves.parent.parent.name + ".png"  # the dataset of the changed run
     sweep.plot(ROOT, str(tmp_path / "changed"))
     with open(tmp_path / "changed" / png, "rb") as a, open(os.path.join(HERE, ROOT, png), "rb") as b:
         assert a.read() != b.read()
