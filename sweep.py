@@ -4,6 +4,7 @@
     python sweep.py report --root runs/readme [--out table.md]
     python sweep.py collect --root runs/grid --to results/grid      # small JSON copies to commit
     python sweep.py report --grid --root results/grid               # the paper-style tables
+    python sweep.py report --grid --root results/chargrid --into results/README.md   # ... written in place
     python sweep.py plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
 
 `run` trains every (dataset, model, depth, seed) as its own train.py process in
@@ -11,12 +12,17 @@
 parameters, data order = seed, dev-selected checkpoint, test on it). A run with `summary.json` is
 skipped, one with only `ckpt_latest.pt` resumed; an existing run trained with other flags stops
 the sweep before anything starts. Flags after `--` go to every run (`--data_dir` to dmmath only).
-`--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first.
+`--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first. What
+`run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`.
 
 `report` prints one table per dataset (mean ± std over seeds of test/dev NLL, exact match; lowest
 in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
-prints the TANGO paper's section 4.1 tables and checks its claims one by one. `collect` copies
-each run's summary and curves into a folder small enough to commit; `plot` draws the curves.
+prints the TANGO paper's section 4.1 tables and checks its claims one by one (and the grid's wall
+time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
+`--into FILE` also writes the report into FILE between its marker lines (report_markers).
+`collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
+the curves (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
+same curves).
 """
 import argparse
 import concurrent.futures
@@ -37,10 +43,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 _print_lock = threading.Lock()
 
 
-def say(msg):
-    """print from several job threads without interleaving their lines."""
+def say(msg, log=None):
+    """print from several job threads without interleaving their lines (and append to log, a path)."""
     with _print_lock:
         print(msg, flush=True)
+        if log:
+            with open(log, "a") as f:
+                f.write(msg + "\n")
 
 
 def run_dir(root, dataset, model, depth, seed, lr=None):
@@ -60,21 +69,23 @@ def cmd_run(args, extra):
 
     for g in grid:  # before anything starts: an existing run must have been trained as requested
         check_existing_run(run_dir(args.root, *g), train_argv(args.root, *g, extra))
+    os.makedirs(args.root, exist_ok=True)
+    log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
 
     def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
         if os.path.exists(os.path.join(out, "summary.json")):
-            say(f"[{i}/{len(grid)}] {out}: done, skipped")
+            say(f"[{i}/{len(grid)}] {out}: done, skipped", log)
             return 0
         cmd = [sys.executable, os.path.join(HERE, "train.py"), *train_argv(args.root, ds, m, k, s, lr, extra)]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
-        say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]))
+        say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), log)
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stdout.txt"), "a") as f:  # a resumed run keeps the earlier output
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc != 0:
-            say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt")
+            say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt", log)
         return rc
 
     prepare_data(args.datasets.split(","), extra)  # once, here: parallel runs never prepare the same folder
@@ -90,7 +101,7 @@ def cmd_run(args, extra):
     else:
         rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
     failed = sum(rc != 0 for rc in rcs)
-    print(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", flush=True)
+    say(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", log)
     return 1 if failed else 0
 
 
@@ -178,8 +189,11 @@ def curves_of(run):
 
 def cmd_collect(root, to):
     """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
-    (curves_of), small enough to commit."""
+    (curves_of), small enough to commit, and <root>/sweep-output.txt (the run commands' output)."""
     n = 0
+    if os.path.exists(os.path.join(root, "sweep-output.txt")):
+        os.makedirs(to, exist_ok=True)
+        shutil.copyfile(os.path.join(root, "sweep-output.txt"), os.path.join(to, "sweep-output.txt"))
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         run = os.path.dirname(path)
         dest = os.path.join(to, os.path.relpath(run, root))
@@ -367,7 +381,8 @@ def _table(rows, ds, models, cols):
 def grid_report(root):
     """Markdown: per dataset, held-out test NLL (and exact match) at K in HELD_OUT, dev NLL at every
     depth, then the TANGO paper's section 4.1 claims recomputed on these runs (over PAPER_MODELS;
-    extra rows such as Parcae are shown but not part of the claims)."""
+    extra rows such as Parcae are shown but not part of the claims), then the wall time when root
+    holds the sweep's printed output (wall_time)."""
     rows = load_runs(root)
     out = []
     datasets = sorted({k[0] for k in rows})
@@ -388,7 +403,35 @@ def grid_report(root):
         out.append(f"**{ds}**: dev NLL at every depth (the checkpoint-selection split).\n")
         out += _table(rows, ds, models, [(f"dev NLL K={k}", k, "dev_nll", "{:.3f}") for k in depths]) + [""]
     out += claims(rows, datasets)
+    out += wall_time(root, rows)
     return "\n".join(out) + "\n"
+
+
+def wall_time(root, rows):
+    """Lines on the grid's cost when root has the printed output of its `sweep.py run` commands
+    (sweep-output.txt, one after another): each finished command's wall time as printed on its last
+    line and their sum (seconds; a command stopped before that line is counted as stopped, not
+    timed), the sum of the runs' own wall_s, or that the last command had not finished. [] without
+    that file."""
+    path = os.path.join(root, "sweep-output.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    done = list(re.finditer(r"^sweep: (\d+) runs, (\d+) failed, wall time (\d+) s$", text, re.M))
+    starts = list(re.finditer(r"^\[1/\d+\] ", text, re.M))  # one per command (its first run, started or skipped)
+    runs = [r for v in rows.values() for r in v]
+    own = f"the {len(runs)} runs' own `wall_s` add up to {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
+    if not done or (starts and starts[-1].start() > done[-1].start()):
+        return ["", f"**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its "
+                    f"wall time when these summaries were collected; {own}."]
+    times = [int(m.group(3)) for m in done]
+    line = "; ".join(f"{int(m.group(3)):,} s for {m.group(1)} runs ({m.group(2)} failed)" for m in done)
+    stopped = len(starts) - len(done)
+    return ["", f"**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): {line}"
+                + (f"; {sum(times):,} s in all" if len(done) > 1 else "")
+                + (f" ({stopped} start{'s' if stopped > 1 else ''} stopped before printing its wall time not "
+                   "counted)" if stopped > 0 else "") + f". The {own[4:]}."]
 
 
 def claims(rows, datasets):
@@ -509,11 +552,35 @@ def plot(root, out):
         fig.tight_layout()
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"{ds}.png")
-        fig.savefig(path, dpi=80)
+        fig.savefig(path, dpi=80, metadata={"Software": None})  # no version stamp: the same bytes every time
         plt.close(fig)
         written.append(path)
     print("wrote " + ", ".join(written))
     return written
+
+
+def report_markers(root, grid):
+    """(begin, end): the lines around a report block of --root root in a markdown file."""
+    if grid:
+        return f"<!-- sweep report --grid --root {root} -->\n", "<!-- end of grid report -->"
+    return f"<!-- sweep report --root {root} -->\n", "<!-- end of sweep report -->"
+
+
+def replace_between_markers(path, markers, text):
+    """Write text between markers (begin, end) in the file at path, in place (the first begin and the
+    first end after it). UsageError naming the file and the missing marker; nothing is written then."""
+    begin, end = markers
+    if not os.path.isfile(path):
+        raise UsageError(f"--into {path}: no such file")
+    with open(path) as f:
+        doc = f.read()
+    i = doc.find(begin)
+    j = doc.find(end, i + len(begin)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        missing = begin.strip() if i < 0 else f"{end} after {begin.strip()}"
+        raise UsageError(f"--into {path}: no line {missing}; put the two marker lines where the report goes")
+    with open(path, "w") as f:
+        f.write(doc[:i + len(begin)] + text + doc[j:])
 
 
 def check_run_flags(args, extra):
@@ -568,10 +635,14 @@ def main(argv=None):
     q.add_argument("--out", default=None)
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
+    q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
+                   "its markers, see report_markers) is replaced by the report")
     args = p.parse_args(argv)
     if args.cmd == "run":
         check_run_flags(args, extra)
         return cmd_run(args, extra)
+    if args.cmd == "report" and args.into and args.lr:
+        raise UsageError("--into: report and report --grid only (the learning-rate table has no markers)")
     if not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
@@ -581,6 +652,8 @@ def main(argv=None):
         return 0
     else:
         text = lr_report(args.root) if args.lr else grid_report(args.root) if args.grid else report(args.root)
+        if args.into:
+            replace_between_markers(args.into, report_markers(args.root, args.grid), text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

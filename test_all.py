@@ -339,7 +339,7 @@ def test_readme_results_table_regenerates_from_committed_summaries():
     import sweep
     readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --root results/readme -->\n", "<!-- end of sweep report -->"
-    table = readme[readme.index(begin) + len(begin):readme.index(end)]
+    table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
     assert table == sweep.report(os.path.join(HERE, "results", "readme"))
     assert table.count("| tango |") == 2  # stdlib and dmmath rows are there
 
@@ -351,7 +351,7 @@ def test_readme_reproduction_grid_regenerates_from_committed_results():
     import sweep
     readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --grid --root results/grid -->\n", "<!-- end of grid report -->"
-    table = readme[readme.index(begin) + len(begin):readme.index(end)]
+    table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
     root = os.path.join(HERE, "results", "grid")
     assert table == sweep.grid_report(root)
     runs = sweep.load_runs(root)  # K = 16 has one seed (README: the two-hour budget)

@@ -247,3 +247,56 @@ def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
     assert str(e.value).startswith(message)
     sweep.check_run_flags(argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs="1e-3"),
                           ["--size", "tiny", "--learning_rate", "6e-3"])  # these are fine
+
+
+def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
+    fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1, 2))
+    for i, p in enumerate(sorted(tmp_path.glob("stdlib/*/summary.json"))):  # 14 runs, 10.5 s to 23.5 s
+        p.write_text(json.dumps({**json.loads(p.read_text()), "wall_s": 10.5 + i}))
+    assert "Wall time" not in sweep.grid_report(str(tmp_path))  # no sweep-output.txt: no line
+    out = tmp_path / "sweep-output.txt"
+    last = lambda: sweep.grid_report(str(tmp_path)).split("\n\n")[-1]
+    running = ("**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its wall "
+               "time when these summaries were collected; the 14 runs' own `wall_s` add up to 238 s.\n")
+    out.write_text("# a comment\n[1/20] train.py --model tango\n[2/20] train.py --model loop\n")
+    assert last() == running
+    out.write_text(out.read_text() + "sweep: 20 runs, 1 failed, wall time 4214 s\n[1/2] x\n[2/2] y: done, skipped\n"
+                   "sweep: 2 runs, 0 failed, wall time 95 s\n")
+    assert last() == ("**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 4,214 s for 20 runs "
+                      "(1 failed); 95 s for 2 runs (0 failed); 4,309 s in all. The 14 runs' own `wall_s` add up "
+                      "to 238 s.\n")
+    out.write_text("[1/20] a first start, stopped\n" + out.read_text())
+    assert last() == ("**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 4,214 s for 20 runs "
+                      "(1 failed); 95 s for 2 runs (0 failed); 4,309 s in all (1 start stopped before printing its "
+                      "wall time not counted). The 14 runs' own `wall_s` add up to 238 s.\n")
+    out.write_text(out.read_text() + "[1/7] a command still running\n")
+    assert last() == running
+
+
+def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
+    fake_grid(str(tmp_path / "g"), {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1, 2), curves=False)
+    monkeypatch.chdir(tmp_path)
+    doc = tmp_path / "doc.md"
+    other = "<!-- sweep report --grid --root elsewhere -->\nkeep me\n<!-- end of grid report -->\n"
+    doc.write_text("intro\n" + other + "<!-- sweep report --grid --root g -->\nstale\n<!-- end of grid report -->\nend\n")
+    sweep.main(["report", "--grid", "--root", "g", "--into", "doc.md"])
+    report = sweep.grid_report("g")
+    assert capsys.readouterr().out == report
+    want = "intro\n" + other + "<!-- sweep report --grid --root g -->\n" + report + "<!-- end of grid report -->\nend\n"
+    assert doc.read_text() == want
+    sweep.main(["report", "--grid", "--root", "g", "--into", "doc.md"])  # again: the same file
+    assert doc.read_text() == want
+    for argv, message in [
+        (["report", "--root", "g", "--into", "doc.md"], "--into doc.md: no line <!-- sweep report --root g -->; "
+                                                        "put the two marker lines where the report goes"),
+        (["report", "--grid", "--root", "g", "--into", "nope.md"], "--into nope.md: no such file"),
+        (["report", "--lr", "--root", "g", "--into", "doc.md"], "--into: report and report --grid only"),
+    ]:
+        with pytest.raises(UsageError) as e:
+            sweep.main(argv)
+        assert str(e.value).startswith(message)
+    assert doc.read_text() == want and not os.path.exists("nope.md")
+    doc.write_text("<!-- sweep report --grid --root g -->\nno end marker\n")
+    with pytest.raises(UsageError, match="no line <!-- end of grid report --> after <!-- sweep report --grid --root g"):
+        sweep.main(["report", "--grid", "--root", "g", "--into", "doc.md"])
+    assert doc.read_text() == "<!-- sweep report --grid --root g -->\nno end marker\n"
