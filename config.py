@@ -35,7 +35,7 @@ TIER_DEFAULTS = {
     "160M": dict(_GPU_TIER),  # the same run settings; the tiers differ in width and parameter target
 }
 # models whose one block (or unit, or recurrent core) can be applied any number of times
-SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
+SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm", "loopstack")
 
 
 def tier_default(flag):
@@ -143,7 +143,9 @@ def model_config(args, vocab_size):
                       gau_s=args.gau_s, mu_rec=args.mu_rec,
                       mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
                       da_stride=args.da_stride, da_recent=args.da_recent, n_thoughts=args.n_thoughts,
-                      jacobi=args.jacobi, jacobi_random=args.jacobi_random)
+                      jacobi=args.jacobi, jacobi_random=args.jacobi_random,
+                      plt_window=args.plt_window, plt_shift=args.plt_shift, fold=args.fold,
+                      fold_rank=args.fold_rank, fold_layout=args.fold_layout)
     if args.width:
         m = width_multiple(cfg)
         if args.width < 0 or args.width % m:
