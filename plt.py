@@ -2,10 +2,10 @@
 and LoopFold (predictor / corrector over folded loops). MATH.md, "Parallel loops".
 
 Sources:
-- PLT: "Scaling Latent Reasoning via Looped Language Models"-style parallel loops as in
-  "Parallel Loop Transformer for Efficient Test-Time Computation Scaling" (arXiv 2510.24824),
-  abstract and §3 (cross-loop parallelism, gated sliding-window attention); the loop input scales
-  and the window of the LoopCoder-v2 release (arXiv 2606.18023, model config).
+- PLT: "Parallel Loop Transformer for Efficient Test-Time Computation Scaling" (arXiv 2510.24824),
+  abstract and §3 (cross-loop parallelism, gated sliding-window attention), known to us from the
+  abstract and third-party summaries; the window W = 64, the loop input scales and Norm_loop from
+  the model configuration of the LoopCoder-v2 release (arXiv 2606.18023).
 - LoopFold: "LoopFold" (Song, Zeng, Hao et al.; no arXiv id located), **abstract only**. The
   equations below are our reconstruction of the abstract's sentences ("a lightweight predictor
   estimates inputs to later loops ... a corrector refines the outputs of these later loops using
