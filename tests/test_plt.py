@@ -360,3 +360,21 @@ def test_train_flags_reach_the_config():
     assert (c.plt_window, c.plt_shift, c.fold, c.fold_rank, c.fold_layout, c.n_core) == (16, False, 3, 8, "last", 3)
     assert {"plt_window", "plt_shift", "fold", "fold_rank", "fold_layout"} <= set(checkpoint.IDENTITY_FLAGS)
     assert train.parse_args(["--model", "plt"]).plt_shift is True
+
+
+def test_bench_decode_rows(tmp_path):
+    """bench.py decode (not a timed test): one row per model with its sequential passes per token
+    (loopstack N, PLT 1, LoopFold S) and N rows; the table and JSON are written."""
+    import json
+    import bench
+    out = tmp_path / "d.json"
+    assert bench.main(["decode", "--size", "tiny", "--depth", "5", "--width", "64", "--prompt", "4", "--tokens", "2",
+                       "--warmup", "0", "--vocab_size", "64", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["passes"], r["rows"], r["width"]) for r in rows] == [
+        ("loopstack", 5, 5, 64), ("plt", 1, 5, 64), ("loopfold", 3, 5, 64)]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    assert "| plt | 5 | 2 | 64 | 1 | 5 |" in (tmp_path / "d.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        bench.main(["decode", "--models", "nope"])
+    assert e.value.code == 2
