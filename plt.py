@@ -130,13 +130,13 @@ class LoopStack(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         _check_core(cfg)
-        self.loops = cfg.depth
+        self.depth = cfg.depth  # N loops (evaluation.depth_sweep sets it: --eval_depths)
         self.blocks = nn.ModuleList(TransformerBlock(cfg.n_embd, cfg.n_head, cfg.width) for _ in range(cfg.n_core))
 
     @property
     def sequential_passes(self):
         """Sequential stack passes per decoded token: N."""
-        return self.loops
+        return self.depth
 
     def run(self, x, cos, sin, cache=None):
         """R: the n_core blocks once. cache: this loop's dict (block index -> KV dict) or None."""
@@ -145,7 +145,7 @@ class LoopStack(nn.Module):
         return x
 
     def forward(self, x, cos, sin, cache=None):
-        for l in range(self.loops):
+        for l in range(self.depth):
             x = self.run(x, cos, sin, None if cache is None else cache.setdefault(l, {}))
         return x
 

@@ -317,6 +317,25 @@ def test_sequential_passes():
     assert body(model="loopfold", depth=9, fold=3).sequential_passes == 4
 
 
+def test_loopstack_depth_sweep_and_other_loop_counts_refused():
+    """--eval_depths: loopstack's loop count can change at evaluation (one R: N = 1 is R once);
+    train.py refuses it for plt and loopfold, whose loop count is fixed at training."""
+    import evaluation
+    m = build(cfg("loopstack"))
+    idx = tokens()
+    with torch.no_grad():
+        x, cos, sin = embed(m, idx)
+        once = m.logits(m.norm_f(m.body.run(x, cos, sin)))
+        curve = evaluation.depth_sweep(m, [1, 4], lambda: m(idx)[0])
+        torch.testing.assert_close(curve[0], once)
+        torch.testing.assert_close(curve[1], m(idx)[0])
+    assert m.body.depth == 4
+    for name in ("plt", "loopfold"):
+        args = train.parse_args(["--model", name, "--size", "tiny", "--eval_depths", "1,2", "--device", "cpu"])
+        with pytest.raises(UsageError, match="--eval_depths"):
+            config.resolve_args(args)
+
+
 def test_macs_literal():
     d, F, V, T, N, n = 64, 48, 61, 10, 4, 2
     blk = 4 * d * d + 3 * d * F
