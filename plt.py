@@ -63,6 +63,12 @@ Parameters (non-embedding, with LM's final norm d):
     plt:       loopstack + n_core (d + H) + d + 2         (gates, Norm_loop, a and b)
     loopfold:  loopstack + 2 d r_p + d + 2 d r_c          (predictor with its norm, corrector)
 
+Forward MACs per sequence of length T (flops.parallel_loops_forward_macs): N n_core (4d^2 + 3dF) T
+linear, N n_core T^2 d scores and as many mix, V d T head; PLT adds per block of loops >= 2 the gate
+(d T) and the window attention (T min(W, T) d scores and mix); LoopFold adds 4 d r T per predicted
+row (N - S of them). Sequential stack passes per decoded token (`sequential_passes`): N, 1 (PLT
+with the shift; N without), S.
+
 Fast path `window_attention` (SDPA with a band mask) beside `window_attention_reference`
 (per query, explicit softmax); the tests compare them in float64.
 """
