@@ -32,7 +32,8 @@ TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optim
 # checkpoint unless given explicitly, in which case the given value wins and the change is logged.
 IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
                   "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda",
-                  "da_stride", "da_recent", "n_thoughts", "jacobi", "width")
+                  "da_stride", "da_recent", "n_thoughts", "jacobi", "width",
+                  "plt_window", "plt_shift", "fold", "fold_rank", "fold_layout")
 IDENTITY_FLAGS += ("lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_init")  # LRT (latent_recurrence.py)
 MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
 

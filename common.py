@@ -70,6 +70,12 @@ class ModelConfig:
     lrt_kv: bool = False        # also a private memory key/value slot in every block's softmax
     lrt_subsets: int = 2        # k: interleaved position subsets of the parallel refinement
     lrt_detach_init: bool = False  # the init pass without gradients
+    # Parallel loops (plt.py): loopstack / plt / loopfold run n_core blocks as depth = N loops
+    plt_window: int = 64        # PLT: G-SWA window W (keys t-W < j <= t of the loop's own cache)
+    plt_shift: bool = True      # PLT: cross-loop shift (loop l at t reads loop l-1 at t-1); False: the release's unshifted loops
+    fold: int = 2               # LoopFold: fold width f (loops per stage)
+    fold_rank: int = 0          # LoopFold: predictor/corrector rank r (0 = d/4)
+    fold_layout: str = "first"  # LoopFold: "first" (loop 1 alone, then groups of f) or "last" (groups, then loop N alone)
     # fields of older versions that nothing read; configs that carry them still load (from_dict)
     DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
 

@@ -36,7 +36,7 @@ TIER_DEFAULTS = {
     "160M": dict(_GPU_TIER),  # the same run settings; the tiers differ in width and parameter target
 }
 # models whose one block (or unit, or recurrent core) can be applied any number of times
-SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm")
+SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm", "loopstack")
 
 
 def tier_default(flag):
@@ -148,7 +148,9 @@ def model_config(args, vocab_size):
                       da_stride=args.da_stride, da_recent=args.da_recent, n_thoughts=args.n_thoughts,
                       jacobi=args.jacobi, jacobi_random=args.jacobi_random,
                       lrt_src=args.lrt_src, lrt_tgt=args.lrt_tgt, lrt_kv=args.lrt_kv, lrt_subsets=args.lrt_subsets,
-                      lrt_detach_init=args.lrt_detach_init)
+                      lrt_detach_init=args.lrt_detach_init,
+                      plt_window=args.plt_window, plt_shift=args.plt_shift, fold=args.fold,
+                      fold_rank=args.fold_rank, fold_layout=args.fold_layout)
     if args.width:
         m = width_multiple(cfg)
         if args.width < 0 or args.width % m:

@@ -83,6 +83,8 @@ def forward_macs(cfg: ModelConfig, T: int) -> dict:
         return ponder_forward_macs(cfg, T)
     if cfg.model in LRT_MODELS:  # LRT: an init pass and the refinement of every slot (section below)
         return lrt_forward_macs(cfg, T)
+    if cfg.model in PARALLEL_LOOPS:  # loopstack, PLT, LoopFold (section below)
+        return parallel_loops_forward_macs(cfg, T)
     params, scores, mix = _per_application(cfg, T)
     K = cfg.depth
     out = {"linear": params * T * K, "scores": scores * K, "mix": mix * K, "head": cfg.vocab_size * cfg.n_embd * T}
@@ -111,6 +113,8 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         per application (window, old sources in the slice, and the masked future of the chunk).
       flash (T > C): T padded to Tp = ceil(T/C) C; local Tp C (s + e), global 2 Tp s e
         (K_l^T V per chunk, Q_l times the prefix state). T <= C: one unpadded chunk, T^2 (s + e).
+      plt: the G-SWA window attention is SDPA over all T keys under a band mask: T^2 d scores and
+        T^2 d mix instead of T min(W, T) d each, per block of every loop >= 2.
     """
     full = forward_macs(cfg, T)
     vocab_pad = (-cfg.vocab_size % VOCAB_MULTIPLE) * cfg.n_embd * T
@@ -128,7 +132,10 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
         Tp = math.ceil(T / n) * n
         return base + K * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
-    return full["total"] + vocab_pad  # loop, untied, gau, depth-attn, ponder, lrt: the convention plus the vocabulary padding
+    if m == "plt":  # the window attention is a full T x T product under a band mask
+        W = min(cfg.plt_window, T)
+        return full["total"] + vocab_pad + 2 * (cfg.depth - 1) * cfg.n_core * T * (T - W) * d
+    return full["total"] + vocab_pad  # loop, untied, gau, depth-attn, ponder, lrt, loopstack, loopfold: the convention plus the vocabulary padding
 
 
 def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:
@@ -294,6 +301,32 @@ def lrt_forward_macs(cfg: ModelConfig, T: int) -> dict:
     out = {"linear": 2 * S * K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * S * d * d,
            "scores": 2 * S * S * d * K + kv * 2 * S * d * K, "mix": 2 * S * S * d * K + kv * 2 * S * d * K,
            "head": cfg.vocab_size * d * T}
+# ============================================================================= parallel loops
+# loopstack / PLT / LoopFold (plt.py; MATH.md, "Parallel loops"): N = cfg.depth loops of the n_core
+# Transformer++ blocks, N n_core block applications (4d^2 + 3dF per row, T^2 d scores and mix).
+# PLT, in every block of loops >= 2: the gate w . q (d MACs per row), global attention over loop 1's
+# keys (T^2 d scores and mix) and window attention over the loop's own (T min(W, T) d each).
+# LoopFold: each of the N - S predicted rows costs the predictor 2 d r and its correction 2 d r.
+
+PARALLEL_LOOPS = ("loopstack", "plt", "loopfold")
+
+
+def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
+    """Forward MACs (the convention above) of loopstack, PLT or LoopFold (same keys as forward_macs)."""
+    import plt
+    d, F, N, n = cfg.n_embd, cfg.width, cfg.depth, cfg.n_core
+    apps = N * n
+    out = {"linear": apps * (4 * d * d + 3 * d * F) * T, "scores": apps * T * T * d, "mix": apps * T * T * d,
+           "head": cfg.vocab_size * d * T}
+    if cfg.model == "plt":
+        extra = (N - 1) * n * T * min(cfg.plt_window, T) * d  # window attention of loops >= 2
+        out["linear"] += (N - 1) * n * d * T                  # the gates
+        out["scores"] += extra
+        out["mix"] += extra
+    if cfg.model == "loopfold":
+        r = cfg.fold_rank or d // 4
+        predicted = N - len(plt.fold_stages(N, cfg.fold, cfg.fold_layout))
+        out["linear"] += predicted * 4 * d * r * T
     out["total"] = sum(out.values())
     return out
 

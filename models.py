@@ -10,6 +10,7 @@ import baselines
 import depth_attention
 import latent_recurrence
 import parcae
+import plt
 import ponder
 import tango
 from common import LM, ModelConfig, UsageError
@@ -29,6 +30,9 @@ REGISTRY = {
     "ponder": ponder.ponder,
     "lrt": latent_recurrence.lrt,
     "lrt-think": latent_recurrence.lrt_think,
+    "loopstack": plt.loopstack,
+    "plt": plt.plt,
+    "loopfold": plt.loopfold,
 }
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
@@ -46,7 +50,8 @@ TIERS = {
 # there we use multiples of 8, because multiples of H cannot meet the paper's 0.20 % for every
 # depth (untied Transformer++ at 70M, K = 8: the nearest multiples of 16 give -0.203 % / +0.24 %).
 WIDTH_MULTIPLE = {"loop": 8, "untied": 8, "gau": 8, "flash": 8, "depth-attn": 8, "loop-depth-attn": 8, "ponder": 8,
-                  "lrt": 8, "lrt-think": 8}
+                  "lrt": 8, "lrt-think": 8,
+                  "loopstack": 8, "plt": 8, "loopfold": 8}
 
 TOLERANCE = 0.002  # realized count within 0.20 % of the target (paper)
 

@@ -105,7 +105,7 @@ def build_parser(suppress_defaults=False):
     a("--mu_rec", type=int, default=0, help="Parcae/RDM: mean training recurrence; default 0: --depth")
     a("--mu_bwd", type=int, default=0, help="Parcae/RDM: recurrences backpropagated; default 0: ceil(mu_rec/2)")
     a("--n_prelude", type=int, default=2, help="Parcae/RDM: blocks before the recurrent core")
-    a("--n_core", type=int, default=2, help="Parcae/RDM: blocks in the recurrent core")
+    a("--n_core", type=int, default=2, help="Parcae/RDM: blocks in the recurrent core; loopstack/plt/loopfold: blocks per loop")
     a("--n_coda", type=int, default=2, help="Parcae/RDM: blocks after the recurrent core")
     a("--da_stride", type=int, default=0, help="Depth-Attention: mix layers j mod stride == 0 (0: depth // 2, -1: none)")
     a("--da_recent", type=int, default=0, help="Depth-Attention: also mix the r layers just below")
@@ -120,6 +120,13 @@ def build_parser(suppress_defaults=False):
     a("--lrt_subsets", type=int, default=2, help="LRT: interleaved position subsets k of parallel training (>= 1)")
     a("--lrt_detach_init", action=argparse.BooleanOptionalAction, default=False,
       help="LRT: run the init pass of parallel training without gradients")
+    a("--plt_window", type=int, default=64, help="PLT: G-SWA window W over the loop's own keys")
+    a("--plt_shift", action=argparse.BooleanOptionalAction, default=True,
+      help="PLT: cross-loop shift (one batched pass per decoded token); --no-plt_shift: unshifted loops")
+    a("--fold", type=int, default=2, help="LoopFold: fold width f (loops per stage)")
+    a("--fold_rank", type=int, default=0, help="LoopFold: predictor/corrector rank (0: d/4)")
+    a("--fold_layout", default="first", choices=["first", "last"],
+      help="LoopFold: loop 1 alone then groups of f (first), or groups then loop N alone (last)")
     a = group("data")
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, help="training context length T; " + tier_default("block_size"))

@@ -23,6 +23,8 @@ CFG = dict(vocab_size=V, block_size=32, n_embd=64, n_head=2, width=32, window=4,
            n_prelude=1, n_core=2, n_coda=1)
 DEPTH = {"tango-3set": 4, "parcae": 2, "rdm": 2,  # three sets: first, middle (twice), last
          "depth-attn": 4, "loop-depth-attn": 4}  # Depth-Attention: C(l) = {0}, {0}, {0, 2} (stride 2)
+DEPTH.update({"loopstack": 3, "plt": 3, "loopfold": 4})  # parallel loops: N loops of n_core = 2 blocks
+CFG["plt_window"] = 4  # PLT: a G-SWA window shorter than T_SEQ
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -388,6 +390,89 @@ HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_b
         "lrt": lrt_body, "lrt-think": lrt_body}
 
 
+def loopstack_body(x, model, pos):
+    """Loop stack (plt.py docstring): h^l = R(h^{l-1}), R = the n_core blocks, N = depth loops."""
+    for _ in range(model.cfg.depth):
+        for blk in model.body.blocks:
+            x = tpp_block(x, blk, pos, model.cfg.n_head)
+    return x
+
+
+def plt_body(x, model, pos):
+    """PLT (plt.py docstring): loop 1 plain; x^l_t = a e_t + b Norm_loop(h^{l-1}_{t-1}) (0 at t = 0);
+    loops >= 2: per head o_t = g Attn(q_t; loop-1 keys j <= t) + (1 - g) Attn(q_t; own keys t-W < j <= t),
+    g = sigmoid(w_h . q_t + c_h) with the rotated query."""
+    cfg, body = model.cfg, model.body
+    H, W, T = cfg.n_head, cfg.plt_window, x.shape[0]
+    a, b = body.clp_a[0], body.clp_b[0]
+
+    def heads(h, blk):
+        wq, wk, wv, _ = attn_weights(blk.attn)
+        u = rms(h, blk.norm1.weight)
+        q, k, v = lin(u, wq), lin(u, wk), lin(u, wv)
+        return [(rope(q[:, 32 * i:32 * i + 32], pos), rope(k[:, 32 * i:32 * i + 32], pos), v[:, 32 * i:32 * i + 32])
+                for i in range(H)]
+
+    e, h, loop1 = x, x, []
+    for blk in body.blocks:
+        loop1.append(heads(h, blk))
+        h = tpp_block(h, blk, pos, H)
+    for _ in range(2, cfg.depth + 1):
+        z = rms(h, body.norm_loop.weight)
+        prev = torch.zeros_like(z)
+        prev[1:] = z[:-1] if cfg.plt_shift else z[1:]
+        h = a * e + b * prev
+        for i, blk in enumerate(body.blocks):
+            outs = []
+            for hd, (q, k, v) in enumerate(heads(h, blk)):
+                _, k1, v1 = loop1[i][hd]
+                o = torch.zeros(T, 32, dtype=F64)
+                for t in range(T):
+                    g = 1 / (1 + torch.exp(-(q[t] @ blk.gate_w[hd] + blk.gate_b[hd])))
+                    s1 = q[t] @ k1[:t + 1].t() / math.sqrt(32)
+                    w1 = torch.exp(s1 - s1.max())
+                    lo = max(0, t - W + 1)
+                    s2 = q[t] @ k[lo:t + 1].t() / math.sqrt(32)
+                    w2 = torch.exp(s2 - s2.max())
+                    o[t] = g * (w1 / w1.sum()) @ v1[:t + 1] + (1 - g) * (w2 / w2.sum()) @ v[lo:t + 1]
+                outs.append(o)
+            h = h + lin(torch.cat(outs, -1), attn_weights(blk.attn)[3])
+            h = h + swiglu(rms(h, blk.norm2.weight), blk.mlp)
+    return h
+
+
+def loopfold_body(x, model, pos):
+    """LoopFold (plt.py docstring): stages [loop 1], then groups of f; in a stage r_1 = u,
+    r_{i+1} = P(r_i), o_i = R(r_i), y_1 = o_1, y_{i+1} = o_{i+1} + C(y_i - r_{i+1});
+    P(u) = u + W_p2 SiLU(W_p1 RMSNorm(u)), C(e) = e + U_c V_c^T e."""
+    cfg, body = model.cfg, model.body
+    assert cfg.fold_layout == "first"
+    N, f = cfg.depth, cfg.fold
+
+    def R(r):
+        for blk in body.blocks:
+            r = tpp_block(r, blk, pos, cfg.n_head)
+        return r
+
+    P = lambda u: u + lin(silu(lin(rms(u, body.pred_norm.weight), body.pred_w1)), body.pred_w2)
+    C = lambda e: e + lin(lin(e, body.corr_v), body.corr_u)
+    sizes = [1] + [min(f, N - s) for s in range(1, N, f)]
+    u = x
+    for n in sizes:
+        r = [u]
+        for _ in range(n - 1):
+            r.append(P(r[-1]))
+        o = [R(ri) for ri in r]
+        y = o[0]
+        for i in range(1, n):
+            y = o[i] + C(y - r[i])
+        u = y
+    return u
+
+
+HAND.update({"loopstack": loopstack_body, "plt": plt_body, "loopfold": loopfold_body})
+
+
 def hand_logits(model, idx, pos=None, body_fn=None):
     """Embedding -> body (by hand) -> RMSNorm -> tied head, one sequence at a time."""
     E = model.wte.weight[:model.cfg.vocab_size]  # the V real rows; the rest pad the matmul (never predicted)
@@ -446,6 +531,9 @@ def test_shift_invariance(name):
     """RoPE makes scores depend on positions only through i - j: positions + 37 give the same
     logits; reversed positions do not (so the check is not vacuous)."""
     model = perturbed(name, seed=1)
+    if name == "plt":  # PLT's G-SWA gate reads the post-RoPE query, an absolute position (tests/test_plt.py)
+        for blk in model.body.blocks:
+            blk.gate_w.zero_()
     idx = tokens(seed=1)
     T = idx.shape[1]
     base, _ = model(idx)

@@ -439,6 +439,14 @@ DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3se
     "lrt": ["wte.weight", "body.w_m"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
     "lrt-think": ["wte.weight", "body.w_m", "body.thought"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
 }
+# parallel loops (n_core = 1 block; a module's own parameters come before its submodules'): PLT's gate weights decay (its gate bias, Norm_loop and a, b do not);
+# LoopFold's predictor and corrector matrices decay (its predictor norm gain does not)
+DECAYED.update({
+    "loopstack": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
+    "plt": ["wte.weight", "body.blocks.0.gate_w"] + [f"body.blocks.0.{w}.weight" for w in TPP],
+    "loopfold": ["wte.weight", "body.pred_w1", "body.pred_w2", "body.corr_v", "body.corr_u"]
+                + [f"body.blocks.0.{w}.weight" for w in TPP],
+})
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))
