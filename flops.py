@@ -301,6 +301,21 @@ def lrt_forward_macs(cfg: ModelConfig, T: int) -> dict:
     out = {"linear": 2 * S * K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * S * d * d,
            "scores": 2 * S * S * d * K + kv * 2 * S * d * K, "mix": 2 * S * S * d * K + kv * 2 * S * d * K,
            "head": cfg.vocab_size * d * T}
+    out["total"] = sum(out.values())
+    return out
+
+
+def lrt_decode_macs(cfg: ModelConfig, L: int) -> int:
+    """Forward MACs of decoding one token of LRT / LRT with thought tokens after L cached slots:
+    n + 1 single-slot passes (n = 0 for lrt), each K (4d^2 + 3dF) + d^2 (+ 2 d^2) linear and
+    2 (L' + 1) d K attention over its L' earlier slots (+ 2 d K with lrt_kv), plus the head V d."""
+    d, F, K = cfg.n_embd, cfg.width, cfg.depth
+    slots = cfg.n_thoughts + 1 if cfg.model == "lrt-think" else 1
+    kv = 1 if cfg.lrt_kv else 0
+    per = K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * d * d + 2 * kv * d * K
+    return sum(per + 2 * (L + s + 1) * d * K for s in range(slots)) + cfg.vocab_size * d
+
+
 # ============================================================================= parallel loops
 # loopstack / PLT / LoopFold (plt.py; MATH.md, "Parallel loops"): N = cfg.depth loops of the n_core
 # Transformer++ blocks, N n_core block applications (4d^2 + 3dF per row, T^2 d scores and mix).
@@ -329,17 +344,6 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
         out["linear"] += predicted * 4 * d * r * T
     out["total"] = sum(out.values())
     return out
-
-
-def lrt_decode_macs(cfg: ModelConfig, L: int) -> int:
-    """Forward MACs of decoding one token of LRT / LRT with thought tokens after L cached slots:
-    n + 1 single-slot passes (n = 0 for lrt), each K (4d^2 + 3dF) + d^2 (+ 2 d^2) linear and
-    2 (L' + 1) d K attention over its L' earlier slots (+ 2 d K with lrt_kv), plus the head V d."""
-    d, F, K = cfg.n_embd, cfg.width, cfg.depth
-    slots = cfg.n_thoughts + 1 if cfg.model == "lrt-think" else 1
-    kv = 1 if cfg.lrt_kv else 0
-    per = K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * d * d + 2 * kv * d * K
-    return sum(per + 2 * (L + s + 1) * d * K for s in range(slots)) + cfg.vocab_size * d
 
 
 # ============================================================================= Parcae / RDM
