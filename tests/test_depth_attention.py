@@ -13,6 +13,7 @@ import flops
 import models
 import train
 from common import ModelConfig, UsageError
+from checks import assert_causal
 
 TIED = {"depth-attn": "untied", "loop-depth-attn": "loop"}
 
@@ -167,13 +168,7 @@ def test_parameter_count_literal(name):
 
 @pytest.mark.parametrize("name", list(TIED))
 def test_causality(name):
-    m = build(cfg(name))
-    idx = tokens()
-    other = idx.clone()
-    other[:, 7:] = (other[:, 7:] + 1) % 61
-    with torch.no_grad():
-        a, b = m(idx)[0], m(other)[0]
-    assert torch.equal(a[:, :7], b[:, :7]) and (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4
+    assert_causal(build(cfg(name)), tokens(), 7)
 
 
 def test_depth_macs_literal():

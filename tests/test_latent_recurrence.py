@@ -15,6 +15,7 @@ import latent_recurrence as lr
 import models
 import train
 from common import VOCAB_MULTIPLE, ModelConfig, UsageError, rope_cos_sin
+from checks import assert_causal
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 F64 = torch.float64
@@ -155,13 +156,7 @@ def test_sequential_reference_memory_by_hand():
 
 @pytest.mark.parametrize("name", ["lrt", "lrt-think"])
 def test_causality(name):
-    m = build(cfg(name, lrt_kv=True))
-    idx = tokens(T=9)
-    other = idx.clone()
-    other[:, 5:] = (other[:, 5:] + 1) % 61
-    with torch.no_grad():
-        a, b = m(idx)[0], m(other)[0]
-    assert torch.equal(a[:, :5], b[:, :5]) and (a[:, 5:] - b[:, 5:]).abs().max() > 1e-4
+    assert_causal(build(cfg(name, lrt_kv=True)), tokens(T=9), 5)
 
 
 def test_gradients_float64_against_finite_differences():

@@ -15,6 +15,7 @@ import models
 import plt
 import train
 from common import ModelConfig, UsageError, causal_attention, rope_cos_sin
+from checks import assert_causal
 
 NAMES = ("loopstack", "plt", "loopfold")
 
@@ -300,13 +301,7 @@ def test_parameter_count_formulas(name, kw):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_causality(name):
-    m = build(cfg(name))
-    idx = tokens()
-    other = idx.clone()
-    other[:, 7:] = (other[:, 7:] + 1) % 61
-    with torch.no_grad():
-        a, b = m(idx)[0], m(other)[0]
-    assert torch.equal(a[:, :7], b[:, :7]) and (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4
+    assert_causal(build(cfg(name)), tokens(), 7)
 
 
 def test_sequential_passes():

@@ -12,6 +12,7 @@ import models
 import ponder
 import train
 from common import ModelConfig, UsageError, rope_cos_sin
+from checks import assert_causal
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -166,13 +167,7 @@ def test_parameter_count_literal(n):
 
 
 def test_causality():
-    m = build(cfg(), think_gain=1.0)
-    idx = tokens()
-    other = idx.clone()
-    other[:, 5:] = (other[:, 5:] + 1) % 61
-    with torch.no_grad():
-        a, b = m(idx)[0], m(other)[0]
-    assert torch.equal(a[:, :5], b[:, :5]) and (a[:, 5:] - b[:, 5:]).abs().max() > 1e-4
+    assert_causal(build(cfg(), think_gain=1.0), tokens(), 5)
 
 
 def test_macs_literal():
