@@ -258,11 +258,9 @@ class LM(nn.Module):
     def head(self, x, targets=None, cache=None):
         """Final norm, head and mean NLL over targets != -1 (nats/token, or None without targets).
         x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly)."""
-        logits = self.logits(self.norm_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        padded = self.norm_f(x) @ self.wte.weight.t()  # (B, T, Vp): the aligned matmul over the padded rows
+        loss = None if targets is None else padded_cross_entropy(padded, targets, self.cfg.vocab_size)
+        return padded[..., :self.cfg.vocab_size], loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, stop_token=None):
@@ -286,6 +284,16 @@ class LM(nn.Module):
                     break
             logits, _ = self(nxt, cache=cache)
         return out
+
+
+def padded_cross_entropy(padded, targets, V):
+    """Mean NLL (nats/token) over targets != -1 of logits padded (B, T, Vp) whose columns >= V are
+    padding: those become -inf in a float32 copy (in place when the logits already are float32),
+    so they are never predicted and get no gradient. Equals cross_entropy(padded[..., :V]) without
+    copying that non-contiguous slice (a (B T) x V float32 tensor) and its gradient."""
+    z = padded.float()
+    z[..., V:] = float("-inf")
+    return F.cross_entropy(z.view(-1, z.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
 def check_sampling(temperature=1.0, top_k=None, max_new_tokens=0):

@@ -142,6 +142,18 @@ def test_vocabulary_padding_is_never_predicted_sampled_or_counted(name):
         model.wte.weight[61:] = 100.0  # padding rows that would dominate every softmax if they were scored
     out = model.generate(idx[:, :3], 20, temperature=2.0)
     assert int(out.max()) < 61
+    # ... and do not enter the loss (-inf columns): the same NLL, no gradient to the padding rows
+    for dtype in (torch.float32, torch.bfloat16):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits, loss2 = model(idx, idx)
+            ref = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 61), idx.reshape(-1))
+        assert logits.shape == (2, 16, 61) and torch.isfinite(loss2)
+        torch.testing.assert_close(loss2, ref, rtol=0, atol=1e-6)
+        if dtype == torch.float32:
+            torch.testing.assert_close(loss2, loss, rtol=0, atol=1e-6)
+        loss2.backward()
+        assert model.wte.weight.grad[61:].abs().sum() == 0 and model.wte.weight.grad[:61].abs().sum() > 0
 
 
 def test_rope_tables_built_once_per_forward_in_the_compute_dtype(monkeypatch):
