@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import bench
+import bench_decode
 import flops
 import models
 import reflux as rf
@@ -346,9 +346,9 @@ def test_counted_matmul_macs_of_the_two_pass_schedules():
 
 
 def test_bench_reflux_rows():
-    """bench.reflux_rows (in bench --quick): one row per schedule with positive timings, the base
+    """bench_decode.reflux_rows (in bench --quick): one row per schedule with positive timings, the base
     ratios exactly 1 and the MACs ratios of flops.reflux_forward_macs."""
-    rows = bench.reflux_rows("tiny", 4, 16, 64, reps=1)
+    rows = bench_decode.reflux_rows("tiny", 4, 16, 64, reps=1)
     assert [r["schedule"] for r in rows] == ["base", "sync", "stream2", "stream"]
     assert rows[0]["forward_vs_base"] == rows[0]["decode_vs_base"] == 1.0
     assert all(r["forward_ms_per_token"] > 0 and r["decode_ms_per_token"] > 0 for r in rows)
@@ -356,7 +356,7 @@ def test_bench_reflux_rows():
     assert [r["macs_ratio"] for r in rows] == [flops.reflux_forward_macs(c, 16, s, low=1)["ratio"]  # edge 2:1
                                                for s in ("base", "sync", "stream2", "stream")]
     assert 1.0 < rows[3]["macs_ratio"] < 1.01 and 1.5 < rows[1]["macs_ratio"] < 1.75  # the write: O(d) per position
-    assert "| stream | 16 |" in bench.reflux_table(rows)
+    assert "| stream | 16 |" in bench_decode.reflux_table(rows)
 
 
 # ------------------------------------------------------------------------------ command line
