@@ -24,6 +24,7 @@ import data as data_mod
 import flops
 import latent_tokens as lt
 import sweep
+import sweep_report
 import train
 from common import ModelConfig, UsageError, sample_next
 from models import REGISTRY, build_model
@@ -354,17 +355,17 @@ def test_sweep_report_refuses_a_cell_of_mixed_settings(tmp_path):
     fake_run(root / "dmmath" / "a-s1", [*common, "--seed", "1", "--window", "8"], dict(SUMMARY, seed=1))
     fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--window", "16"], dict(SUMMARY, seed=2))
     with pytest.raises(UsageError, match=r"dmmath/tango-windowed/2: .*a-s1 has --window 8, .*a-s2 has --window 16"):
-        sweep.report(str(root))
+        sweep_report.report(str(root))
     with pytest.raises(UsageError, match="--window 8"):
-        sweep.load_runs(str(root))
+        sweep_report.load_runs(str(root))
     fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--window", "8"], dict(SUMMARY, seed=2))
-    assert "| tango-windowed | 2 | 2 |" in sweep.report(str(root))  # only the seed differs: one cell of 2 runs
+    assert "| tango-windowed | 2 | 2 |" in sweep_report.report(str(root))  # only the seed differs: one cell of 2 runs
     # collected runs (summary.json only): the summaries' settings are compared
     os.remove(root / "dmmath" / "a-s1" / "log.jsonl")
     with open(root / "dmmath" / "a-s1" / "summary.json", "w") as f:
         json.dump(dict(SUMMARY, seed=1, width=128), f)
     with pytest.raises(UsageError, match="has width 128, .* has width 100"):
-        sweep.report(str(root))
+        sweep_report.report(str(root))
 
 
 # ============================================================================ 7. BPE tests without the vocabulary
