@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import data as data_mod
-import flops
+import flops_fit
 import latent_tokens as lt
 import sweep
 import sweep_report
@@ -304,13 +304,13 @@ def test_fit_skips_a_law_whose_variables_do_not_vary():
     runs = [{"path": f"run{i}", "model": "loop", "N": 1e6, "D": 2e7, "mu_rec": 4, "dev_nll": 2.0 + 0.01 * i,
              "sweep_depths": [1, 1, 2, 2, 2] if i == 0 else None, "sweep_nll": [3, 2.9, 2.5, 2.4, 2.5]}
             for i in range(5)]
-    rows = {r["law"]: r for r in flops.fit_runs(runs, restarts=2)}
+    rows = {r["law"]: r for r in flops_fit.fit_runs(runs, restarts=2)}
     assert "params" not in rows["training"] and "params" not in rows["depth"] and "params" not in rows["unified"]
     assert rows["training"]["error"] == "training law: N takes 1 distinct value in these runs; " \
                                         "fitting its exponent needs >= 3"
     assert rows["depth"]["error"] == "depth law: T takes 2 distinct values in these runs; fitting its exponent needs >= 3"
     with pytest.raises(UsageError, match="D takes 2 distinct values"):
-        flops.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
+        flops_fit.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
 
 
 # ============================================================================ 6. sweep settings
