@@ -19,7 +19,7 @@ the sweep before anything starts. Flags after `--` go to every run (`--data_dir`
 in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
 prints the TANGO paper's section 4.1 tables and checks its claims one by one (and the grid's wall
 time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
-`--into FILE` also writes the report into FILE between its marker lines (report_markers).
+`--into FILE` also writes the report into FILE between its marker lines (sweep_report.report_markers).
 `collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
 the curves (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
 same curves). This file runs and collects the grid; report and plot, which only read it, are in
