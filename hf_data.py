@@ -4,7 +4,7 @@ Imported only for hf: datasets, and it imports the optional extra ``datasets`` o
 ``spec`` (a missing extra is one UsageError naming `pip install datasets`). NAME is a hub id
 (streamed, so nothing beyond the rows read is fetched), a folder written by ``save_to_disk``, a
 local folder of data files, or one of HF_BUILDERS reading ``--hf_data_files``. Rows become
-documents ``(split key, text)`` for ``data._build_text``, which tokenizes them, splits them by a
+documents ``(split key, text)`` for ``text_data._build_text``, which tokenizes them, splits them by a
 stable hash of the key and writes the same bins and meta.json as every other text dataset.
 Offline, a hub id fails within HUB_TIMEOUT seconds with one line naming the dataset.
 """
@@ -15,6 +15,7 @@ import shutil
 import threading
 
 import data
+import text_data
 from common import UsageError
 
 HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # they read --hf_data_files
@@ -68,12 +69,12 @@ def spec(dataset, split, text_field, split_key, data_files):
 
 
 def build(tmp, hf, **text):
-    """Stream the dataset's rows into data._build_text; every failure of `datasets` is one UsageError.
+    """Stream the dataset's rows into text_data._build_text; every failure of `datasets` is one UsageError.
     Returns the meta dict; its split rule names the column that decided the splits."""
     try:
         streams = _streams(hf, cache_dir=os.path.join(tmp, ".hf_cache"))
-        meta = data._build_text(tmp, _docs(hf, streams), hf["dataset"], "", by_key_only=True,
-                                count="n_documents", **text)
+        meta = text_data._build_text(tmp, _docs(hf, streams), hf["dataset"], "", by_key_only=True,
+                                     count="n_documents", **text)
     finally:
         shutil.rmtree(os.path.join(tmp, ".hf_cache"), ignore_errors=True)
     meta["split_rule"] = (f"by document: sha256(its {hf['key_column'] or 'text'} column)[:8] as int % 100 "

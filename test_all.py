@@ -336,11 +336,11 @@ def test_train_on_the_dmmath_sample_reports_exact_match(dmmath_sample, tmp_path,
 
 def test_readme_results_table_regenerates_from_committed_summaries():
     """results/README.md's CPU-tier table is `python sweep.py report --root results/readme`, byte for byte."""
-    import sweep
+    import sweep_report
     readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --root results/readme -->\n", "<!-- end of sweep report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
-    assert table == sweep.report(os.path.join(HERE, "results", "readme"))
+    assert table == sweep_report.report(os.path.join(HERE, "results", "readme"))
     assert table.count("| tango |") == 2  # stdlib and dmmath rows are there
 
 
@@ -348,13 +348,13 @@ def test_readme_reproduction_grid_regenerates_from_committed_results():
     """results/README.md's reproduction tables are `python sweep.py report --grid --root results/grid`,
     byte for byte, from the committed summaries; every grid run is there (7 models x 2 datasets
     x (K in {4, 8} x 3 seeds + K = 16 x 1 seed)) and its plots are committed PNGs."""
-    import sweep
+    import sweep_report
     readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --grid --root results/grid -->\n", "<!-- end of grid report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
     root = os.path.join(HERE, "results", "grid")
-    assert table == sweep.grid_report(root)
-    runs = sweep.load_runs(root)  # K = 16 has one seed (README: the two-hour budget)
+    assert table == sweep_report.grid_report(root)
+    runs = sweep_report.load_runs(root)  # K = 16 has one seed (README: the two-hour budget)
     assert len(runs) == 2 * 7 * 3 and all(len(v) == (1 if k[2] == 16 else 3) for k, v in runs.items())
     for ds in ("stdlib", "dmmath"):
         with open(os.path.join(root, f"{ds}.png"), "rb") as f:

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 import sweep
+import sweep_report
 import train
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -54,11 +55,11 @@ def sweep_options(argv):
 def test_chargrid_tables_claims_and_wall_time_are_the_committed_summaries_byte_for_byte(monkeypatch):
     monkeypatch.chdir(HERE)
     doc = readme()
-    begin, end = sweep.report_markers(ROOT, grid=True)
+    begin, end = sweep_report.report_markers(ROOT, grid=True)
     i = doc.index(begin) + len(begin)
     block = doc[i:doc.index(end, i)]
-    assert block == sweep.grid_report(ROOT)
-    rows = sweep.load_runs(ROOT)
+    assert block == sweep_report.grid_report(ROOT)
+    rows = sweep_report.load_runs(ROOT)
     assert {k[0] for k in rows} <= {"stdlib", "dmmath"} and {k[1] for k in rows} <= set(GRID_MODELS)
     assert all(k[2] in (4, 8, 16) and 1 <= len(v) <= 3 for k, v in rows.items())
     if "\n**Not finished**: " not in block:  # every sweep.py run command printed its wall time
@@ -78,15 +79,15 @@ def test_a_changed_summary_number_changes_the_report(tmp_path):
     """The byte-for-byte comparison above fails when a committed number changes: here a test NLL
     by 0.01 and a run's wall time by 10 s, each changing one cell or line."""
     shutil.copytree(os.path.join(HERE, ROOT), tmp_path / "g")
-    committed = sweep.grid_report(str(tmp_path / "g")).splitlines()
+    committed = sweep_report.grid_report(str(tmp_path / "g")).splitlines()
     path = sorted((tmp_path / "g").glob("*/*-K4-s1/summary.json"))[0]
     s = json.loads(path.read_text())
     for key, delta in (("test_nll", 0.01), ("wall_s", 10.0)):
         path.write_text(json.dumps({**s, key: s[key] + delta}))
-        changed = sweep.grid_report(str(tmp_path / "g")).splitlines()
+        changed = sweep_report.grid_report(str(tmp_path / "g")).splitlines()
         assert len(changed) == len(committed) and sum(a != b for a, b in zip(changed, committed)) >= 1, key
     path.write_text(json.dumps(s))
-    assert sweep.grid_report(str(tmp_path / "g")).splitlines() == committed
+    assert sweep_report.grid_report(str(tmp_path / "g")).splitlines() == committed
 
 
 def pinned(package):
@@ -106,7 +107,7 @@ def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypat
         pytest.skip(f"the committed PNGs were made with matplotlib {pinned('matplotlib')} and pillow "
                     f"{pinned('pillow')} (pinned in .ci/run); this has {have}, whose bytes may differ")
     monkeypatch.chdir(HERE)  # the plot's title names --root as given: results/chargrid
-    written = sweep.plot(ROOT, str(tmp_path / "new"))
+    written = sweep_report.plot(ROOT, str(tmp_path / "new"))
     committed = sorted(f for f in os.listdir(ROOT) if f.endswith(".png"))
     assert sorted(os.path.basename(p) for p in written) == committed and committed
     for p in written:
@@ -121,7 +122,7 @@ def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypat
     curves.write_text(json.dumps(c))
     monkeypatch.chdir(copy)
     png = curves.parent.parent.name + ".png"  # the dataset of the changed run
-    sweep.plot(ROOT, str(tmp_path / "changed"))
+    sweep_report.plot(ROOT, str(tmp_path / "changed"))
     with open(tmp_path / "changed" / png, "rb") as a, open(os.path.join(HERE, ROOT, png), "rb") as b:
         assert a.read() != b.read()
 
@@ -183,7 +184,7 @@ def test_gpu_recipe_runs_on_cpu_at_a_reduced_size(mdm, data_root, tmp_path, monk
     capsys.readouterr()
     sweep.main(swap(report[1]))
     text = capsys.readouterr().out
-    assert text == sweep.grid_report(res)
+    assert text == sweep_report.grid_report(res)
     assert "| tango | " in text and "| parcae | " in text and "dev NLL K=4" in text
     # run appended what it printed to <root>/sweep-output.txt, collect copied it, report printed the wall time
     assert re.search(r"\n\*\*Wall time\*\* as `sweep.py run` printed it \(`sweep-output.txt` here\): \d+ s for 2 "

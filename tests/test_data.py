@@ -1,4 +1,4 @@
-"""Tests for data.py: tokenizer, prepare (stdlib, dmmath, local paths), Data loading and batching."""
+"""Tests for data.py and text_data.py: tokenizer, prepare (stdlib, dmmath, local paths), Data loading and batching."""
 import json
 import os
 import re
@@ -10,6 +10,7 @@ import pytest
 
 import data
 import dmmath
+import text_data
 from common import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,7 +147,7 @@ def test_reuse_and_reprepare(gpt2_bpe, tmp_path, monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("interrupted")
-    monkeypatch.setattr(data, "_build_text", boom)
+    monkeypatch.setattr(text_data, "_build_text", boom)
     with pytest.raises(RuntimeError):
         data.prepare(str(tmp_path / "a.txt"), out_root=out)
     assert os.listdir(out) == [os.path.basename(folder)]
@@ -317,7 +318,7 @@ def test_stdlib_split_by_file(gpt2_bpe, tmp_path):
     root = sysconfig.get_paths()["stdlib"]
     rels = data._walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
     assert rels and not any("site-packages" in r for r in rels)
-    texts = {r: data._read_text(os.path.join(root, r)) for r in rels}
+    texts = {r: text_data._read_text(os.path.join(root, r)) for r in rels}
     enc = data.gpt2_encoder()
     for s in ("train", "dev", "test"):
         mine = [r for r in rels if data.split_of(r) == s and texts[r]]

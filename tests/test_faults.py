@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import data as data_mod
-import flops
+import flops_fit
 import latent_tokens as lt
 import sweep
+import sweep_report
 import train
 from common import ModelConfig, UsageError, sample_next
 from models import REGISTRY, build_model
@@ -303,13 +304,13 @@ def test_fit_skips_a_law_whose_variables_do_not_vary():
     runs = [{"path": f"run{i}", "model": "loop", "N": 1e6, "D": 2e7, "mu_rec": 4, "dev_nll": 2.0 + 0.01 * i,
              "sweep_depths": [1, 1, 2, 2, 2] if i == 0 else None, "sweep_nll": [3, 2.9, 2.5, 2.4, 2.5]}
             for i in range(5)]
-    rows = {r["law"]: r for r in flops.fit_runs(runs, restarts=2)}
+    rows = {r["law"]: r for r in flops_fit.fit_runs(runs, restarts=2)}
     assert "params" not in rows["training"] and "params" not in rows["depth"] and "params" not in rows["unified"]
     assert rows["training"]["error"] == "training law: N takes 1 distinct value in these runs; " \
                                         "fitting its exponent needs >= 3"
     assert rows["depth"]["error"] == "depth law: T takes 2 distinct values in these runs; fitting its exponent needs >= 3"
     with pytest.raises(UsageError, match="D takes 2 distinct values"):
-        flops.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
+        flops_fit.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
 
 
 # ============================================================================ 6. sweep settings
@@ -354,17 +355,17 @@ def test_sweep_report_refuses_a_cell_of_mixed_settings(tmp_path):
     fake_run(root / "dmmath" / "a-s1", [*common, "--seed", "1", "--window", "8"], dict(SUMMARY, seed=1))
     fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--window", "16"], dict(SUMMARY, seed=2))
     with pytest.raises(UsageError, match=r"dmmath/tango-windowed/2: .*a-s1 has --window 8, .*a-s2 has --window 16"):
-        sweep.report(str(root))
+        sweep_report.report(str(root))
     with pytest.raises(UsageError, match="--window 8"):
-        sweep.load_runs(str(root))
+        sweep_report.load_runs(str(root))
     fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--window", "8"], dict(SUMMARY, seed=2))
-    assert "| tango-windowed | 2 | 2 |" in sweep.report(str(root))  # only the seed differs: one cell of 2 runs
+    assert "| tango-windowed | 2 | 2 |" in sweep_report.report(str(root))  # only the seed differs: one cell of 2 runs
     # collected runs (summary.json only): the summaries' settings are compared
     os.remove(root / "dmmath" / "a-s1" / "log.jsonl")
     with open(root / "dmmath" / "a-s1" / "summary.json", "w") as f:
         json.dump(dict(SUMMARY, seed=1, width=128), f)
     with pytest.raises(UsageError, match="has width 128, .* has width 100"):
-        sweep.report(str(root))
+        sweep_report.report(str(root))
 
 
 # ============================================================================ 7. BPE tests without the vocabulary

@@ -1,5 +1,5 @@
 """Tests for parcae.py (Parcae and the recurrent-depth model RDM) and the Parcae paper's
-scaling-law fits (flops.py). Small shapes; the whole file runs in well under a minute on 1 CPU."""
+scaling-law fits (flops_fit.py). Small shapes; the whole file runs in well under a minute on 1 CPU."""
 import json
 import math
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import flops
+import flops_fit
 import models
 import parcae
 from common import ModelConfig, rope_cos_sin
@@ -307,7 +308,7 @@ def test_fit_depth_law_recovers_parameters():
     T = torch.tensor([1, 2, 3, 4, 6, 8, 12, 16, 24, 32], dtype=torch.float64)
     true = {"L_inf": 3.1, "Z": 1.7, "z": 0.23}
     L = true["L_inf"] + true["Z"] * torch.exp(-true["z"] * T)
-    _rel_ok(flops.fit_depth_law(T, L, restarts=8), true)
+    _rel_ok(flops_fit.fit_depth_law(T, L, restarts=8), true)
 
 
 def _training_grid():
@@ -320,7 +321,7 @@ def test_fit_training_law_recovers_parameters():
     N, D = _training_grid()
     true = {"E": 1.69, "A": 406.4, "a": 0.34, "B": 410.7, "b": 0.28}
     L = true["E"] + true["A"] * N ** -true["a"] + true["B"] * D ** -true["b"]
-    _rel_ok(flops.fit_training_law(N, D, L, restarts=8), true)
+    _rel_ok(flops_fit.fit_training_law(N, D, L, restarts=8), true)
 
 
 def test_fit_unified_law_recovers_parameters():
@@ -331,7 +332,7 @@ def test_fit_unified_law_recovers_parameters():
     true = {"E": 1.5, "X": 300.0, "x": 0.3, "Y": 500.0, "y": 0.3, "Z": 2.0, "z": 1.3}
     L = (true["E"] + true["X"] * N ** -true["x"] + true["Y"] * D ** -true["y"]
          + true["Z"] * torch.exp(-true["z"] * T / mu))
-    _rel_ok(flops.fit_unified_law(N, D, T, mu, L, restarts=8), true)
+    _rel_ok(flops_fit.fit_unified_law(N, D, T, mu, L, restarts=8), true)
 
 
 def test_fit_cli_reads_train_logs(tmp_path, capsys):
@@ -348,7 +349,7 @@ def test_fit_cli_reads_train_logs(tmp_path, capsys):
                 {"event": "summary", "model": "parcae", "best_iter": iters, "dev_nll": 3.0},
                 {"event": "depth_sweep", "depths": depths, "dev_nll": nll}]
         (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    r = flops.read_run(str(tmp_path / "run1"))
+    r = flops_fit.read_run(str(tmp_path / "run1"))
     assert r["D"] == 200 * 4 * 2 * 32 and r["N"] == flops.unrolled_params(cfg) and r["mu_rec"] == 8
     out = tmp_path / "fits.json"
     assert flops.main(["fit", str(tmp_path / "run0"), str(tmp_path / "run1"), "--law", "depth",

@@ -1,4 +1,4 @@
-"""ReFlux (reflux.py): the off switch per schedule, the write operator's identities, the fast path
+"""ReFlux (reflux.py, reflux_cli.py): the off switch per schedule, the write operator's identities, the fast path
 against the hook-based per-position reference in float64, cached decoding against the full protocol,
 strict vs parallel prefill for stream, causality, the router (forced gates, frozen backbone, κ,
 parameters), the recirculation payload, MACs, the bench rows and the command line."""
@@ -9,10 +9,11 @@ import os
 import pytest
 import torch
 
-import bench
+import bench_decode
 import flops
 import models
 import reflux as rf
+import reflux_cli
 from common import ModelConfig, UsageError
 from evaluation import evaluate
 
@@ -345,9 +346,9 @@ def test_counted_matmul_macs_of_the_two_pass_schedules():
 
 
 def test_bench_reflux_rows():
-    """bench.reflux_rows (in bench --quick): one row per schedule with positive timings, the base
+    """bench_decode.reflux_rows (in bench --quick): one row per schedule with positive timings, the base
     ratios exactly 1 and the MACs ratios of flops.reflux_forward_macs."""
-    rows = bench.reflux_rows("tiny", 4, 16, 64, reps=1)
+    rows = bench_decode.reflux_rows("tiny", 4, 16, 64, reps=1)
     assert [r["schedule"] for r in rows] == ["base", "sync", "stream2", "stream"]
     assert rows[0]["forward_vs_base"] == rows[0]["decode_vs_base"] == 1.0
     assert all(r["forward_ms_per_token"] > 0 and r["decode_ms_per_token"] > 0 for r in rows)
@@ -355,7 +356,7 @@ def test_bench_reflux_rows():
     assert [r["macs_ratio"] for r in rows] == [flops.reflux_forward_macs(c, 16, s, low=1)["ratio"]  # edge 2:1
                                                for s in ("base", "sync", "stream2", "stream")]
     assert 1.0 < rows[3]["macs_ratio"] < 1.01 and 1.5 < rows[1]["macs_ratio"] < 1.75  # the write: O(d) per position
-    assert "| stream | 16 |" in bench.reflux_table(rows)
+    assert "| stream | 16 |" in bench_decode.reflux_table(rows)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -379,7 +380,7 @@ def ckpt(data_root, mdm, tmp_path_factory):
 
 def test_cli_prints_base_and_reflux_side_by_side(ckpt, capsys):
     path, lm, d = ckpt
-    res = rf.main(["--base", path, "--schedule", "stream", "--edge", "2:1", "--threads", "1"])
+    res = reflux_cli.main(["--base", path, "--schedule", "stream", "--edge", "2:1", "--threads", "1"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     starts = d.eval_windows("dev", 32, 4)
     import contextlib
@@ -388,27 +389,27 @@ def test_cli_prints_base_and_reflux_side_by_side(ckpt, capsys):
     assert f"base {want:.4f}" in line and f"ReFlux stream [2:1, α 0.2 β 0.9] {res['reflux_nll']:.4f}" in line
     assert res["reflux_nll"] != want
     # default edge floor(0.6 K):floor(0.3 K) = 2:1 at K = 4; recirculation; test split; a sample
-    res2 = rf.main(["--base", path, "--schedule", "sync", "--recirc", "--split", "test", "--sample", "3", "--prompt", "1"])
+    res2 = reflux_cli.main(["--base", path, "--schedule", "sync", "--recirc", "--split", "test", "--sample", "3", "--prompt", "1"])
     assert (res2["edges"], res2["beta"], res2["payload"], res2["split"]) == ("recirc 2:1", 0.85, "state", d.test_split)
     assert len(res2["sample_reflux"]) == 4
 
 
 def test_cli_router_and_sweep(ckpt, tmp_path, capsys):
     path, _, _ = ckpt
-    res = rf.main(["--base", path, "--router", "--max_iters", "2", "--router_batch", "2", "--router_rank", "8",
+    res = reflux_cli.main(["--base", path, "--router", "--max_iters", "2", "--router_batch", "2", "--router_rank", "8",
                    "--schedule", "sync", "--block", "8"])
     assert res["router_params"] == 64 * 8 + 8 * 6 + 2 * 6 and 0 <= res["kappa"] <= 6
     assert "κ =" in capsys.readouterr().out
     out = tmp_path / "sweep.json"
-    rf.main(["sweep", "--base", path, "--edges", "2:1,3:0", "--alphas", "0.1,0.3", "--betas", "1.0",
+    reflux_cli.main(["sweep", "--base", path, "--edges", "2:1,3:0", "--alphas", "0.1,0.3", "--betas", "1.0",
              "--max_iters", "2", "--router_rank", "8", "--eval_windows", "2", "--json", str(out)])
     res = json.loads(out.read_text())
     assert len(res["grid"]) == 3 * 2 * 2 and set(res["best_single_edge"]) == set(rf.SCHEDULES)
     assert set(res["router"]["per_schedule"]) == set(rf.SCHEDULES) and res["command"].startswith("python reflux.py sweep")
     # the grid's batched evaluation equals one nll() per setting
-    base, data, _ = rf.load(path)
+    base, data, _ = reflux_cli.load(path)
     row = next(r for r in res["grid"] if r["schedule"] == "stream" and r["edge"] == "3:0" and r["alpha"] == 0.3)
-    want = rf.nll(rf.reflux_lm(base, rf.Settings("stream", ((3, 0),), 0.3, 1.0)), data, "dev", 2, 32)
+    want = reflux_cli.nll(rf.reflux_lm(base, rf.Settings("stream", ((3, 0),), 0.3, 1.0)), data, "dev", 2, 32)
     assert abs(row["nll"] - want) < 1e-5
 
 
@@ -423,29 +424,29 @@ def test_cli_router_and_sweep(ckpt, tmp_path, capsys):
 ])
 def test_cli_errors(ckpt, argv, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        rf.main(["--base", ckpt[0]] + argv)
+        reflux_cli.main(["--base", ckpt[0]] + argv)
 
 
 def test_cli_bad_checkpoints(tmp_path, ckpt):
     with pytest.raises(UsageError, match="--base: no checkpoint at"):
-        rf.main(["--base", str(tmp_path / "nope.pt")])
+        reflux_cli.main(["--base", str(tmp_path / "nope.pt")])
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(UsageError, match="not a readable checkpoint"):
-        rf.main(["--base", str(bad)])
+        reflux_cli.main(["--base", str(bad)])
     ck = torch.load(ckpt[0], weights_only=True)
     ck["config"]["model"] = "tango"
     other = tmp_path / "tango.pt"
     torch.save(ck, other)
     with pytest.raises(UsageError, match="needs a Transformer\\+\\+ checkpoint"):
-        rf.main(["--base", str(other)])
+        reflux_cli.main(["--base", str(other)])
 
 
 def test_cli_exit_code_and_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        rf.cli(["--base", str(tmp_path / "missing.pt")])
+        reflux_cli.cli(["--base", str(tmp_path / "missing.pt")])
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"error: --base: no checkpoint at {tmp_path / 'missing.pt'}"]
     with pytest.raises(SystemExit) as e:
-        rf.cli(["--bse", "x"])
+        reflux_cli.cli(["--bse", "x"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().startswith("error: the following arguments are required: --base")

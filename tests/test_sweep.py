@@ -1,4 +1,4 @@
-"""sweep.py: grid runner (resume, parallel jobs), collect, the paper-style report and plots."""
+"""sweep.py and sweep_report.py: grid runner (resume, parallel jobs), collect, the paper-style report and plots."""
 import argparse
 import json
 import os
@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import sweep
+import sweep_report
 from common import UsageError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -51,7 +52,7 @@ DEV = {**{(m, 4): v for m, v in zip(MODELS, (3.5, 3.45, 3.6, 3.7, 3.55, 3.4, 3.0
 
 def test_grid_report_tables_and_claims(tmp_path):
     fake_grid(str(tmp_path), TEST, DEV)
-    text = sweep.grid_report(str(tmp_path))
+    text = sweep_report.grid_report(str(tmp_path))
     lines = text.splitlines()
     # held-out table: K = 4 and 8 only; Parcae (an extra row) has the lowest means, so it is bold
     head = next(ln for ln in lines if ln.startswith("| model | non-emb params K=4"))
@@ -83,7 +84,7 @@ def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
     fake_grid(str(tmp_path), test, seeds=(1, 2), em=True, curves=False)
     os.remove(os.path.join(tmp_path, "dmmath", "gau-K8-s2", "summary.json"))  # an unfinished run
     os.remove(os.path.join(tmp_path, "dmmath", "flash-K4-s1", "summary.json"))
-    text = sweep.grid_report(str(tmp_path))
+    text = sweep_report.grid_report(str(tmp_path))
     assert ("| gau | 1,004 | 3.390 ± 0.014 | 3.380 (n=1) | 16.1% ± 0.1% | 8.1% ± 0.1% | 16.2% (n=1) | 8.1% (n=1) |"
             in text)
     # exact match: higher is better, so the lowest NLL (Parcae) has the bold EM
@@ -96,16 +97,16 @@ def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
     assert "dev NLL over K = 4 → 8 → 16" not in text  # no K = 16 runs
     for p in tmp_path.glob("dmmath/*/summary.json"):  # nobody answers an extrapolation problem
         p.write_text(json.dumps({**json.loads(p.read_text()), "exact_match_extrapolate": 0.0}))
-    assert claims_line(sweep.grid_report(str(tmp_path)), "exact match (dmmath extrapolate, K = 8): TANGO / "
+    assert claims_line(sweep_report.grid_report(str(tmp_path)), "exact match (dmmath extrapolate, K = 8): TANGO / "
                        "Windowed TANGO / best of the other four") == "0.0% / 0.0% / 0.0% (4 tied)"
     # one seed: no std, and the spread claim says so instead of printing 0.000
     one = tmp_path / "one"
     fake_grid(str(one), test, seeds=(1,), curves=False)
-    text = sweep.grid_report(str(one))
+    text = sweep_report.grid_report(str(one))
     assert "| tango | 1,004 | 2.990 | 3.240 |" in text
     for p in one.glob("stdlib/*/summary.json"):  # every dev NLL equal: no bold in that table
         p.write_text(json.dumps({**json.loads(p.read_text()), "dev_nll": 4.0}))
-    assert "| tango | 4.000 | 4.000 |" in sweep.grid_report(str(one)).splitlines()
+    assert "| tango | 4.000 | 4.000 |" in sweep_report.grid_report(str(one)).splitlines()
     assert claims_line(text, "largest test-NLL std over seeds: TANGO vs the lowest-highest of Loop, Untied, "
                              "GAU, FLASH") == "- (fewer than 2 seeds)"
 
@@ -132,7 +133,7 @@ def test_collect_and_plot(tmp_path):
     assert sweep.curves_of(str(run)) == c  # the same curves straight from log.jsonl
     pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
     fake_grid(str(tmp_path / "grid"), TEST, seeds=(1, 2))
-    (png,) = sweep.plot(str(tmp_path / "grid"), str(tmp_path / "plots"))
+    (png,) = sweep_report.plot(str(tmp_path / "grid"), str(tmp_path / "plots"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
@@ -225,7 +226,7 @@ def test_bad_flag_in_a_real_process_exits_2(tmp_path):
 
 def test_grid_report_without_held_out_depths(tmp_path):
     fake_grid(str(tmp_path), {key: v for key, v in TEST.items()}, {key: v for key, v in DEV.items() if key[1] == 16})
-    text = sweep.grid_report(str(tmp_path))
+    text = sweep_report.grid_report(str(tmp_path))
     assert "| model | non-emb params K=16 | test NLL K=16 |" in text
     assert "| tango | 1,016 | 3.200 ± 0.010 |" in text
     assert text.endswith("at K = 4 or 8, so none is checked.\n")
@@ -253,9 +254,9 @@ def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
     fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1, 2))
     for i, p in enumerate(sorted(tmp_path.glob("stdlib/*/summary.json"))):  # 14 runs, 10.5 s to 23.5 s
         p.write_text(json.dumps({**json.loads(p.read_text()), "wall_s": 10.5 + i}))
-    assert "Wall time" not in sweep.grid_report(str(tmp_path))  # no sweep-output.txt: no line
+    assert "Wall time" not in sweep_report.grid_report(str(tmp_path))  # no sweep-output.txt: no line
     out = tmp_path / "sweep-output.txt"
-    last = lambda: sweep.grid_report(str(tmp_path)).split("\n\n")[-1]
+    last = lambda: sweep_report.grid_report(str(tmp_path)).split("\n\n")[-1]
     running = ("**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its wall "
                "time when these summaries were collected; the 14 runs' own `wall_s` add up to 238 s.\n")
     out.write_text("# a comment\n[1/20] train.py --model tango\n[2/20] train.py --model loop\n")
@@ -280,7 +281,7 @@ def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
     other = "<!-- sweep report --grid --root elsewhere -->\nkeep me\n<!-- end of grid report -->\n"
     doc.write_text("intro\n" + other + "<!-- sweep report --grid --root g -->\nstale\n<!-- end of grid report -->\nend\n")
     sweep.main(["report", "--grid", "--root", "g", "--into", "doc.md"])
-    report = sweep.grid_report("g")
+    report = sweep_report.grid_report("g")
     assert capsys.readouterr().out == report
     want = "intro\n" + other + "<!-- sweep report --grid --root g -->\n" + report + "<!-- end of grid report -->\nend\n"
     assert doc.read_text() == want

@@ -1,14 +1,15 @@
 """Batch-1 cached greedy decoding of the section 9.4 models at the cpu tier, equal block shape (F = 480,
 solved for untied K = 4), GPT-2 vocabulary, prompt 64, 32 timed tokens after 4 untimed, one thread.
-python results/lrt/decode_bench.py  (bench.decode_row; prints markdown rows)"""
+python results/lrt/decode_bench.py  (bench_decode.decode_row; prints markdown rows)"""
 import json, os, sys, torch
 sys.path.insert(0, ".")
 torch.set_num_threads(1)
 import bench
+import bench_decode
 rows = []
 for m, K, kw in [("untied", 4, {}), ("untied", 8, {}), ("ponder", 4, dict(n_thoughts=1)), ("lrt", 4, {}), ("lrt", 8, {}),
                  ("lrt-think", 4, {})]:
-    r = bench.decode_row(m, "cpu", K, 480, 64, 32, 4, **kw)
+    r = bench_decode.decode_row(m, "cpu", K, 480, 64, 32, 4, **kw)
     rows.append(r)
     print(f"| {m} | {K} | {r['non_embedding_params']:,} | {r['passes'] or 1} | {r['ms_per_token']:.2f} | {r['ms_per_token_mean']:.2f} |", flush=True)
 print("load average", bench.loadavg())

@@ -1,0 +1,363 @@
+"""ReFlux experiments: load a frozen Transformer++ checkpoint, evaluate ReFlux against it, calibrate
+the router, and the command line of `python reflux.py` (one run) and `python reflux.py sweep` (edges
+x α x β per schedule, then the router). The model (write operator, schedules, router, ReFluxBody)
+and its equations are in reflux.py; this module holds what drives it on real data, so that reflux.py
+reads as the method alone. reflux.py's `__main__` calls cli() here: the documented command lines
+are unchanged. Bad input raises UsageError (cli: one line "error: ..." on stderr, exit code 2).
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data as data_mod
+from checkpoint import load_checkpoint
+from common import ModelConfig, UsageError
+from datacheck import check_data, data_signature
+from evaluation import eval_mode, evaluate
+from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
+
+# =============================================================================== loading, evaluation, router training
+
+def load(path, data_root=None):
+    """(frozen base LM, data.Data of its training run, checkpoint args) from a train.py checkpoint.
+    The dataset is found (or prepared) from the checkpoint's data flags; data_root overrides the
+    folder it was cached in. UsageError for anything unusable."""
+    ck = load_checkpoint(path, keys=("model", "config", "data"), flag="--base")
+    try:
+        cfg = ModelConfig.from_dict(ck["config"])
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the config is unusable
+        raise UsageError(f"--base {path}: not a readable checkpoint config ({type(e).__name__})") from None
+    if cfg.model not in ("untied", "loop"):
+        raise UsageError(f"--base {path}: ReFlux needs a Transformer++ checkpoint (untied or loop), not '{cfg.model}'")
+    from models import build_model
+    base = build_model(cfg)
+    try:
+        base.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise UsageError(f"--base {path}: weights do not fit its config ({str(e).splitlines()[0][:200]})") from None
+    base.eval()
+    saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
+    p = argparse.ArgumentParser()
+    data_mod.add_arguments(p.add_argument)
+    dargs = p.parse_args([])
+    for k, v in saved.items():
+        if hasattr(dargs, k):
+            setattr(dargs, k, v)
+    dargs.num_proc = 1
+    if data_root is not None:
+        dargs.data_root = data_root
+    data = data_mod.Data(data_mod.prepare(dargs.dataset, dargs.data_dir, dargs.data_root, **data_mod.flag_options(dargs)))
+    check_data(data)
+    if data_signature(data) != ck["data"]:
+        raise UsageError(f"--base {path}: trained on other data than {data.folder} (tokenizer, vocabulary or "
+                         f"split sizes differ); give --data_root where its dataset was prepared")
+    data.check_block_size(cfg.block_size)
+    return base, data, saved
+
+
+def nll(model, data, split, n_windows, T, batch_size=16):
+    """Mean NLL (nats/token) of model on train.py's fixed windows of split (evaluation.evaluate)."""
+    starts = data.eval_windows(split, T, n_windows)
+    return evaluate(model, data, split, starts, T, batch_size, "cpu", contextlib.nullcontext())
+
+
+@torch.no_grad()
+def grid_nll(base, data, split, n_windows, T, settings, alphas, betas, batch_size=16):
+    """{(α, β): mean NLL (nats/token)} of one schedule and edge set over the α x β grid, as
+    nll(reflux_lm(base, replace(settings, alpha=α, beta=β)), ...) computes each, but with every grid
+    point's copy of a batch of windows in one forward (rows carry their own α, β): the per-token
+    stream recurrence runs once per batch instead of once per grid point. Per-window NLL sums in
+    float64, reduced in window order, as evaluation.evaluate."""
+    combos = [(al, be) for al in alphas for be in betas]
+    if any(al <= 0 for al in alphas):
+        raise UsageError(f"--alphas {alphas}: a grid needs alpha > 0 (alpha <= 0 is the base itself)")
+    view = reflux_lm(base, replace(settings, alpha=max(alphas)))
+    starts = data.eval_windows(split, T, n_windows)
+    sums = np.zeros((len(combos), len(starts)))
+    counts = np.zeros(len(starts))
+    with eval_mode(view):
+        for i in range(0, len(starts), batch_size):
+            x, y = data.window_batch(split, starts[i:i + batch_size], T)
+            B, C = x.shape[0], len(combos)
+            view.body.alpha = torch.tensor([al for al, _ in combos]).repeat_interleave(B)[:, None, None]
+            view.body.beta = torch.tensor([be for _, be in combos]).repeat_interleave(B)[:, None, None]
+            logits, _ = view(x.repeat(C, 1))
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y.repeat(C, 1).flatten(), ignore_index=-1,
+                                 reduction="none").view(C, B, T).double().sum(-1)
+            sums[:, i:i + B] = ce.numpy()
+            counts[i:i + B] = (y != -1).sum(1).double().numpy()
+    total = max(float(counts.sum()), 1.0)
+    return {c: float(sums[j].sum()) / total for j, c in enumerate(combos)}
+
+
+def train_router(base, router, data, T, max_iters=200, batch_size=8, lr=1e-3, lam=1e-3, seed=0, log=None):
+    """Calibrate the router with the backbone frozen: soft gates under sync, loss = NLL + λ mean(g)
+    (nats/token), AdamW (weight decay 0.1 on W_1, W_2; none on c, a), random train windows drawn
+    from np.random.default_rng(seed). Returns the list of losses."""
+    torch.manual_seed(seed)
+    view = reflux_lm(base, Settings(schedule="sync"), router)
+    opt = torch.optim.AdamW([{"params": [router.w1.weight, router.w2.weight], "weight_decay": 0.1},
+                             {"params": [router.c, router.a], "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    rng, losses = np.random.default_rng(seed), []
+    base.eval()
+    router.train()
+    try:
+        for it in range(max_iters):
+            x, y = data.train_batch(rng, batch_size, T)
+            _, loss = view(x, y)
+            total = loss + lam * view.body.mean_gate
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            if not math.isfinite(losses[-1]):
+                raise RuntimeError(f"router training: non-finite loss at update {it}")
+            if log and (it % 50 == 0 or it == max_iters - 1):
+                log(f"  router update {it}: NLL {losses[-1]:.4f}, mean gate {float(view.body.mean_gate.detach()):.3f}")
+    finally:
+        router.eval()
+    return losses
+
+
+# =============================================================================== command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (no usage block)
+        raise UsageError(message)
+
+
+def _common(p):
+    p.add_argument("--base", required=True, help="a train.py checkpoint of an untied or loop Transformer++")
+    p.add_argument("--data_root", default=None, help="where its dataset is prepared (default: the checkpoint's)")
+    p.add_argument("--split", default="dev", help="dev, or test (the dataset's test split)")
+    p.add_argument("--eval_windows", type=int, default=0, help="fixed windows evaluated (default: the checkpoint's)")
+    p.add_argument("--batch_size", type=int, default=16, help="windows per evaluation batch")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--block", type=int, default=0, help="router block length w (default: block_size / 8)")
+    p.add_argument("--xi", type=float, default=0.6, help="router threshold ξ (open iff gate >= ξ)")
+    p.add_argument("--router_rank", type=int, default=64, help="router hidden width r")
+    p.add_argument("--alpha_max", type=float, default=0.5, help="router α_e = alpha_max sigmoid(a_e)")
+    p.add_argument("--max_iters", type=int, default=200, help="router training updates")
+    p.add_argument("--router_batch", type=int, default=8, help="router training windows per update")
+    p.add_argument("--lr", type=float, default=1e-3, help="router learning rate (AdamW)")
+    p.add_argument("--lam", type=float, default=1e-3, help="λ of the gate penalty λ mean(g)")
+    p.add_argument("--seed", type=int, default=0, help="router init and training windows")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+
+
+def parse(argv):
+    sweep = argv[:1] == ["sweep"]
+    p = _Parser(prog="reflux.py" + (" sweep" if sweep else ""),
+                description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.")
+    _common(p)
+    if sweep:
+        p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated schedules")
+        p.add_argument("--edges", default="all", help="all, or comma-separated S:D")
+        p.add_argument("--alphas", default="0.05,0.1,0.2,0.3", help="comma-separated α")
+        p.add_argument("--betas", default="0.9,1.0", help="comma-separated β")
+        p.add_argument("--no_router", action="store_true", help="skip the router (edges only)")
+    else:
+        p.add_argument("--schedule", default="stream", help="sync, stream2 or stream")
+        p.add_argument("--edge", action="append", default=None, help="S:D (repeatable; default floor(0.6K):floor(0.3K))")
+        p.add_argument("--alpha", type=float, default=None, help="write strength α (default 0.2; --recirc 0.15)")
+        p.add_argument("--beta", type=float, default=0.9, help="write β (--recirc: 1 - α)")
+        p.add_argument("--no_preserve_norm", action="store_true", help="no norm restore after the write")
+        p.add_argument("--payload", default="delta", help="delta (z_s - z_d) or state (z_s)")
+        p.add_argument("--recirc", action="store_true", help="recirculation baseline: payload state, β = 1 - α, no restore")
+        p.add_argument("--router", action="store_true", help="train the router (backbone frozen) and evaluate it")
+        p.add_argument("--prefill", default="parallel", help="stream's prompt in --sample: parallel or strict")
+        p.add_argument("--sample", type=int, default=0, help="also generate this many tokens greedily")
+        p.add_argument("--prompt", default="def ", help="the --sample prompt")
+    a = p.parse_args(argv[1:] if sweep else argv)
+    a.sweep = sweep
+    for flag in ("batch_size", "router_rank", "max_iters", "router_batch"):
+        if getattr(a, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    for flag in ("eval_windows", "block", "threads") + (() if sweep else ("sample",)):
+        if getattr(a, flag) < 0:
+            raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 0")
+    if not 0 < a.xi < 1:
+        raise UsageError(f"--xi {a.xi}: must lie in (0, 1)")
+    if not os.path.isfile(a.base):
+        raise UsageError(f"--base: no checkpoint at {a.base}")
+    if sweep:
+        a.schedules = [s for s in a.schedules.split(",") if s]
+        for s in a.schedules:
+            if s not in SCHEDULES:
+                raise UsageError(f"--schedules {s}: choose from {', '.join(SCHEDULES)}")
+        a.alphas, a.betas = _floats(a.alphas, "--alphas"), _floats(a.betas, "--betas")
+    else:
+        if a.recirc and a.payload != "delta":
+            raise UsageError("--recirc: sets --payload state itself; drop --payload")
+        if a.router and (a.edge or a.recirc):
+            flag = "--edge" if a.edge else "--recirc"
+            raise UsageError(f"{flag}: not used with --router, which gates every pair (s, d) itself; drop {flag}")
+        Settings(schedule=a.schedule, payload=a.payload, prefill=a.prefill).check(1)
+    return a
+
+
+def _floats(text, flag):
+    try:
+        out = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise UsageError(f"{flag} {text}: comma-separated numbers") from None
+    if not out or not all(math.isfinite(v) for v in out):
+        raise UsageError(f"{flag} {text}: need finite numbers")
+    return out
+
+
+def _setup(a):
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    base, data, saved = load(a.base, a.data_root)
+    split = data.test_split if a.split == "test" else a.split
+    if split not in ("dev", data.test_split):
+        raise UsageError(f"--split {a.split}: dev or test")
+    n = a.eval_windows or int(saved.get("eval_windows") or 32)
+    T = base.cfg.block_size
+    w = a.block or max(1, T // 8)
+    return base, data, split, n, T, w
+
+
+def _router(a, base, data, T, w, log):
+    torch.manual_seed(a.seed)
+    router = Router(base.cfg.n_embd, base.cfg.depth, a.router_rank, w, a.xi, a.alpha_max)
+    t0 = time.time()
+    losses = train_router(base, router, data, T, a.max_iters, a.router_batch, a.lr, a.lam, a.seed, log)
+    return router, {"router_params": sum(p.numel() for p in router.parameters()), "train_s": time.time() - t0,
+                    "first_loss": losses[0], "last_loss": losses[-1], "block": w, "xi": a.xi, "rank": a.router_rank,
+                    "max_iters": a.max_iters, "lr": a.lr, "lam": a.lam}
+
+
+def run_one(a, log=print):
+    base, data, split, n, T, w = _setup(a)
+    K = base.cfg.depth
+    edges = tuple(parse_edge(e, K) for e in a.edge) if a.edge else (default_edge(K),)
+    if a.recirc:
+        s = recirc(0.15 if a.alpha is None else a.alpha, schedule=a.schedule, edges=edges, prefill=a.prefill)
+    else:
+        s = Settings(a.schedule, edges, 0.2 if a.alpha is None else a.alpha, a.beta, not a.no_preserve_norm,
+                     a.payload, a.prefill)
+    s.check(K)
+    router, info = None, {}
+    if a.router:
+        log(f"training the router ({a.max_iters} updates, sync, soft gates; backbone frozen)")
+        router, info = _router(a, base, data, T, w, log)
+    view = reflux_lm(base, s, router)
+    t0 = time.time()
+    base_nll = nll(base, data, split, n, T, a.batch_size)
+    t1 = time.time()
+    if router is not None:
+        router.reset_stats()
+    rf_nll = nll(view, data, split, n, T, a.batch_size)
+    t2 = time.time()
+    what = "router" if router is not None else ("recirc " if a.recirc else "") + " ".join(f"{x}:{y}" for x, y in edges)
+    res = {"base": a.base, "split": split, "windows": n, "block_size": T, "schedule": s.schedule, "edges": what,
+           "alpha": s.alpha, "beta": s.beta, "preserve_norm": s.preserve_norm, "payload": s.payload,
+           "base_nll": base_nll, "reflux_nll": rf_nll, "change": rf_nll - base_nll,
+           "base_eval_s": t1 - t0, "reflux_eval_s": t2 - t1, **info}
+    if router is not None:
+        res["kappa"] = router.kappa()
+    extra = f"  (κ = {res['kappa']:.2f} open edges per block)" if router is not None else ""
+    log(f"{split} NLL over {n} windows of {T} tokens (nats/token):  base {base_nll:.4f}   "
+        f"ReFlux {s.schedule} [{what}{'' if router else f', α {s.alpha:g} β {s.beta:g}'}] {rf_nll:.4f}   "
+        f"change {rf_nll - base_nll:+.4f}{extra}")
+    if a.sample:
+        prompt = torch.tensor([data.encode(a.prompt)], dtype=torch.long)
+        with eval_mode(view), eval_mode(base):
+            out_b = base.generate(prompt, a.sample, temperature=0)
+            out_r = view.generate(prompt, a.sample, temperature=0)
+        res["sample_base"], res["sample_reflux"] = data.decode(out_b[0].tolist()), data.decode(out_r[0].tolist())
+        log(f"--- greedy sample, base ---\n{res['sample_base']}\n--- greedy sample, ReFlux ---\n{res['sample_reflux']}")
+    return res
+
+
+def run_sweep(a, log=print):
+    """Edges x α x β for each schedule (dev NLL change against the base), then the router (hard
+    gates, each schedule) against the best single edge of that schedule; the chosen
+    configurations are also evaluated on the test split."""
+    base, data, split, n, T, w = _setup(a)
+    K = base.cfg.depth
+    edges = all_edges(K) if a.edges == "all" else [parse_edge(e, K, "--edges") for e in a.edges.split(",") if e]
+    test = data.test_split
+    t_start = time.time()
+    base_nll = {split: nll(base, data, split, n, T, a.batch_size), test: nll(base, data, test, n, T, a.batch_size)}
+    log(f"base: {split} {base_nll[split]:.4f}, {test} {base_nll[test]:.4f} nats/token ({n} windows of {T})")
+    grid = []
+    for sched in a.schedules:
+        t0 = time.time()
+        for e in edges:
+            res = grid_nll(base, data, split, n, T, Settings(sched, (e,)), a.alphas, a.betas, a.batch_size)
+            for (al, be), v in res.items():
+                grid.append({"schedule": sched, "edge": f"{e[0]}:{e[1]}", "alpha": al, "beta": be,
+                             "nll": v, "change": v - base_nll[split]})
+        best = min((r for r in grid if r["schedule"] == sched), key=lambda r: r["nll"])
+        log(f"{sched}: {len(edges) * len(a.alphas) * len(a.betas)} settings in {time.time() - t0:.0f} s; best "
+            f"{best['edge']} α {best['alpha']:g} β {best['beta']:g}: {best['nll']:.4f} ({best['change']:+.4f})")
+    best = {}
+    for sched in a.schedules:
+        b = min((r for r in grid if r["schedule"] == sched), key=lambda r: r["nll"])
+        e = parse_edge(b["edge"], K)
+        tv = nll(reflux_lm(base, Settings(sched, (e,), b["alpha"], b["beta"])), data, test, n, T, a.batch_size)
+        best[sched] = {**b, "test_nll": tv, "test_change": tv - base_nll[test]}
+    recirc_rows = []
+    for sched in a.schedules:
+        if sched == "stream":
+            continue
+        for e in edges:
+            v = nll(reflux_lm(base, recirc(0.15, schedule=sched, edges=(e,))), data, split, n, T, a.batch_size)
+            recirc_rows.append({"schedule": sched, "edge": f"{e[0]}:{e[1]}", "alpha": 0.15, "nll": v,
+                                "change": v - base_nll[split]})
+    router_res = None
+    if not a.no_router:
+        log(f"router: training {a.max_iters} updates (sync, soft gates), w = {w}, ξ = {a.xi}")
+        router, info = _router(a, base, data, T, w, log)
+        router_res = {**info, "per_schedule": {}}
+        for sched in a.schedules:
+            view = reflux_lm(base, Settings(sched), router)
+            out = {}
+            for sp in (split, test):
+                router.reset_stats()
+                v = nll(view, data, sp, n, T, a.batch_size)
+                out[sp] = {"nll": v, "change": v - base_nll[sp], "kappa": router.kappa()}
+            router_res["per_schedule"][sched] = out
+            log(f"router {sched}: {split} {out[split]['nll']:.4f} ({out[split]['change']:+.4f}, κ {out[split]['kappa']:.2f}); "
+                f"best single edge {best[sched]['nll']:.4f} ({best[sched]['change']:+.4f})")
+    return {"base": a.base,
+            "split": split, "test_split": test, "windows": n, "block_size": T, "depth": K, "base_nll": base_nll,
+            "grid": grid, "best_single_edge": best, "recirc": recirc_rows, "router": router_res,
+            "wall_s": time.time() - t_start, "threads": torch.get_num_threads()}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse(argv)
+    res = run_sweep(a) if a.sweep else run_one(a)
+    res["command"] = "python reflux.py " + " ".join(argv)
+    if a.json:
+        if os.path.dirname(a.json):
+            os.makedirs(os.path.dirname(a.json), exist_ok=True)
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, a.json)
+        print(f"wrote {a.json}")
+    return res
+
+
+def cli(argv=None):
+    """main() for the command line: bad input prints one line "error: ..." on stderr and exits 2."""
+    try:
+        main(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,394 @@
+"""The reports of `python sweep.py report` and `python sweep.py plot`: markdown tables from the
+summary.json files a grid left (report; the learning-rate table, lr_report), the TANGO paper's
+section 4.1 tables and claims recomputed on them (grid_report, --grid), the block of a markdown
+file they are written into in place (--into: report_markers, replace_between_markers) and the
+loss-curve PNGs (plot). sweep.py runs and collects the grid; these only read what it left, so they
+live here and sweep.py's main imports them for its report and plot commands. Bad input raises
+UsageError (one line, exit code 2).
+"""
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+
+from common import UsageError
+from sweep import curves_of, log_records
+
+
+def mean_std(xs):
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+# a run's settings, compared within a grid cell: these summary.json fields, the curves' tokens per
+# update, and (when the run folder has its log) every train.py flag but the seeds and machine flags
+SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params", "test_split")
+
+
+def run_settings(run, summary):
+    """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
+    from checkpoint import MACHINE_FLAGS
+    out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
+    if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
+        out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
+    start = [r for r in log_records(run) if r.get("event") == "start"]
+    if start:
+        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"}
+        out.update({f"--{k}": v for k, v in start[-1].get("args", {}).items() if k not in skip})
+    return out
+
+
+def check_cell(key, runs):
+    """UsageError unless the runs of one table cell (dicts with "_dir", a summary each) differ in
+    nothing but the seed: a mean over seeds of different settings is no result."""
+    ref = run_settings(runs[0]["_dir"], runs[0])
+    for r in runs[1:]:
+        other = run_settings(r["_dir"], r)
+        for k in sorted(set(ref) & set(other)):
+            if ref[k] != other[k]:
+                raise UsageError(f"{'/'.join(map(str, key))}: {runs[0]['_dir']} has {k} {ref[k]}, {r['_dir']} has "
+                                 f"{k} {other[k]}; a cell averages runs that differ only in the seed")
+
+
+def report(root):
+    """Markdown tables (one per dataset) from every summary.json under root. UsageError when the
+    runs of a cell differ in a setting other than the seed (check_cell)."""
+    rows = {}
+    for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
+        with open(path) as f:
+            s = json.load(f)
+        s["_dir"] = os.path.dirname(path)
+        key = (os.path.basename(os.path.dirname(os.path.dirname(path))), s["model"], s["depth"])
+        rows.setdefault(key, []).append(s)
+    for key, runs in rows.items():
+        check_cell(key, runs)
+    out = []
+    for ds in sorted({k[0] for k in rows}):
+        keys = sorted((k for k in rows if k[0] == ds), key=lambda k: (k[2], k[1]))
+        metrics = [("test_nll", "test NLL", True), ("dev_nll", "dev NLL", True)]
+        em = [m for m in ("exact_match_interpolate", "exact_match_extrapolate") if m in rows[keys[0]][0]]
+        metrics += [(m, "EM " + m.split("_")[-1][:6], False) for m in em]
+        metrics += [("tok_per_s_median_last100", "tokens/s", None)]
+        test_split = rows[keys[0]][0].get("test_split", "test")
+        out.append(f"\n**{ds}** (test split: `{test_split}`; unigram entropy of dev "
+                   f"{rows[keys[0]][0]['unigram_dev']:.3f} nats/token)\n")
+        out.append("| model | K | seeds | non-emb params | " + " | ".join(m[1] for m in metrics) + " |")
+        out.append("|---|---|---|---|" + "---|" * len(metrics))
+        stats = {k: {m: mean_std([r[m] for r in rows[k] if r.get(m) is not None]) for m, _, _ in metrics}
+                 for k in keys}
+        for k in keys:
+            cells = []
+            for m, _, lower in metrics:
+                mu, sd = stats[k][m]
+                if mu is None:
+                    cells.append("-")
+                    continue
+                same_depth = [stats[j][m][0] for j in keys if j[2] == k[2] and stats[j][m][0] is not None]
+                best = lower is not None and mu == (min(same_depth) if lower else max(same_depth))
+                fmt = "{:.0f}" if m.startswith("tok") else "{:.2%}" if m.startswith("exact") else "{:.3f}"
+                txt = fmt.format(mu) + ("" if len(rows[k]) == 1 else " ± " + fmt.format(sd))
+                cells.append(f"**{txt}**" if best else txt)
+            out.append(f"| {k[1]} | {k[2]} | {len(rows[k])} | {rows[k][0]['non_embedding_params']:,} | "
+                       + " | ".join(cells) + " |")
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def lr_report(root):
+    """Learning-rate sweep table (runs named ...-lr<LR>): final training loss (mean of the last 10
+    updates), best dev NLL, the largest recurrent-state norm seen in training and, from the last
+    evaluation, max Abar (Parcae) or ||W_1||_2 (RDM). A run stopped by a non-finite loss shows as
+    diverged."""
+    out = ["| model | K | peak lr | final train loss | best dev NLL | max state norm | max Abar | "
+           "spectral norm (Parcae: diag(Delta) B, RDM: W_1) | status |", "|---|---|---|---|---|---|---|---|---|"]
+    runs = sorted(glob.glob(os.path.join(root, "*", "*-lr*")), key=lambda p: (p.split("-K")[0], float(p.split("-lr")[1])))
+    for d in runs:
+        if not os.path.isdir(d):
+            continue
+        recs = log_records(d)
+        train = [r for r in recs if r["event"] == "train"]
+        evals = [r for r in recs if r["event"] == "eval"]
+        done = os.path.exists(os.path.join(d, "summary.json"))
+        name = os.path.basename(d)
+        model, depth = name.split("-K")[0], name.split("-K")[1].split("-")[0]
+        norms = [r["diag"]["state_norm_max"] for r in train if "diag" in r]
+        last = evals[-1].get("diag", {}) if evals else {}
+        spec = last.get("bbar_spectral_norm", last.get("w1_spectral_norm"))
+        fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)
+        out.append(f"| {model} | {depth} | {name.split('-lr')[1]} | "
+                   f"{fmt(statistics.fmean(r['loss'] for r in train[-10:]) if train else None)} | "
+                   f"{fmt(min((r['dev_nll'] for r in evals), default=None))} | {fmt(max(norms, default=None), '{:.1f}')} | "
+                   f"{fmt(last.get('abar_max'))} | {fmt(spec, '{:.2f}')} | "
+                   f"{'finished' if done else 'diverged or incomplete'} |")
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- paper-style report
+
+PAPER_MODELS = ("tango", "tango-windowed", "loop", "untied", "gau", "flash")  # section 4.1's six
+HELD_OUT = (4, 8)  # depths with test NLL; every other depth is compared on dev NLL only (paper)
+
+
+def load_runs(root):
+    """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
+    (learning-rate sweep runs, named ...-lr<LR>, are left out). ValueError for a repeated seed;
+    UsageError when the runs of a cell differ in a setting other than the seed (check_cell)."""
+    rows = {}
+    for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
+        if "-lr" in os.path.basename(os.path.dirname(path)):
+            continue
+        with open(path) as f:
+            s = json.load(f)
+        s["_dir"] = os.path.dirname(path)
+        rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
+    for key, v in rows.items():
+        v.sort(key=lambda s: s["seed"])
+        if len({s["seed"] for s in v}) != len(v):
+            raise ValueError(f"{root}: {key} has two runs with the same seed")
+        check_cell(key, v)
+    return rows
+
+
+def _order(models):
+    return sorted(models, key=lambda m: (PAPER_MODELS.index(m) if m in PAPER_MODELS else len(PAPER_MODELS), m))
+
+
+def _values(rows, key, metric):
+    return [r[metric] for r in rows.get(key, []) if r.get(metric) is not None]
+
+
+def _stat(rows, key, metric):
+    return mean_std(_values(rows, key, metric))
+
+
+def _table(rows, ds, models, cols):
+    """cols: [(header, depth, metric, fmt)]. Cells: mean ± std over seeds, "(n=...)" when fewer
+    seeds than the grid's most; the lowest NLL or highest exact match of a column is bold (nothing
+    when every mean of the column is equal, e.g. 0 % exact match everywhere)."""
+    seeds = max(len(v) for v in rows.values())
+    out = ["| model | " + " | ".join(c[0] for c in cols) + " |", "|---|" + "---|" * len(cols)]
+    stats = {(m, i): _stat(rows, (ds, m, c[1]), c[2]) for m in models for i, c in enumerate(cols)}
+    for m in models:
+        cells = []
+        for i, (_, k, metric, fmt) in enumerate(cols):
+            mu, sd = stats[m, i]
+            if mu is None:
+                cells.append("-")
+                continue
+            if metric == "non_embedding_params":  # a size, not a result: no spread, no bold
+                cells.append(fmt.format(mu))
+                continue
+            col = [stats[j, i][0] for j in models if stats[j, i][0] is not None]
+            n = len(_values(rows, (ds, m, k), metric))
+            txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == seeds else f" (n={n})")
+            best = mu == (max(col) if metric.startswith("exact") else min(col))
+            cells.append(f"**{txt}**" if best and len(set(col)) > 1 else txt)  # all equal: no bold
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
+
+
+def grid_report(root):
+    """Markdown: per dataset, held-out test NLL (and exact match) at K in HELD_OUT, dev NLL at every
+    depth, then the TANGO paper's section 4.1 claims recomputed on these runs (over PAPER_MODELS;
+    extra rows such as Parcae are shown but not part of the claims), then the wall time when root
+    holds the sweep's printed output (wall_time)."""
+    rows = load_runs(root)
+    out = []
+    datasets = sorted({k[0] for k in rows})
+    for ds in datasets:
+        models = _order({k[1] for k in rows if k[0] == ds})
+        depths = sorted({k[2] for k in rows if k[0] == ds})
+        held = [k for k in HELD_OUT if k in depths] or depths  # a grid without K = 4/8: test NLL at every depth
+        runs = [r for k, v in rows.items() if k[0] == ds for r in v]
+        out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` (nats/token, mean ± std over "
+                   f"seeds; unigram entropy of dev {runs[0]['unigram_dev']:.3f}); bold: the lowest NLL or highest "
+                   "exact match of each column, extra rows included.\n")
+        cols = [(f"non-emb params K={k}", k, "non_embedding_params", "{:,.0f}") for k in held[:1]]
+        cols += [(f"test NLL K={k}", k, "test_nll", "{:.3f}") for k in held]
+        if any("exact_match_interpolate" in r for r in runs):
+            cols += [(f"EM {sp[:6]} K={k}", k, f"exact_match_{sp}", "{:.1%}") for k in held
+                     for sp in ("interpolate", "extrapolate")]
+        out += _table(rows, ds, models, cols) + [""]
+        out.append(f"**{ds}**: dev NLL at every depth (the checkpoint-selection split).\n")
+        out += _table(rows, ds, models, [(f"dev NLL K={k}", k, "dev_nll", "{:.3f}") for k in depths]) + [""]
+    out += claims(rows, datasets)
+    out += wall_time(root, rows)
+    return "\n".join(out) + "\n"
+
+
+def wall_time(root, rows):
+    """Lines on the grid's cost when root has the printed output of its `sweep.py run` commands
+    (sweep-output.txt, one after another): each finished command's wall time as printed on its last
+    line and their sum (seconds; a command stopped before that line is counted as stopped, not
+    timed), the sum of the runs' own wall_s, or that the last command had not finished. [] without
+    that file."""
+    path = os.path.join(root, "sweep-output.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    done = list(re.finditer(r"^sweep: (\d+) runs, (\d+) failed, wall time (\d+) s$", text, re.M))
+    starts = list(re.finditer(r"^\[1/\d+\] ", text, re.M))  # one per command (its first run, started or skipped)
+    runs = [r for v in rows.values() for r in v]
+    own = f"the {len(runs)} runs' own `wall_s` add up to {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
+    if not done or (starts and starts[-1].start() > done[-1].start()):
+        return ["", f"**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its "
+                    f"wall time when these summaries were collected; {own}."]
+    times = [int(m.group(3)) for m in done]
+    line = "; ".join(f"{int(m.group(3)):,} s for {m.group(1)} runs ({m.group(2)} failed)" for m in done)
+    stopped = len(starts) - len(done)
+    return ["", f"**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): {line}"
+                + (f"; {sum(times):,} s in all" if len(done) > 1 else "")
+                + (f" ({stopped} start{'s' if stopped > 1 else ''} stopped before printing its wall time not "
+                   "counted)" if stopped > 0 else "") + f". The {own[4:]}."]
+
+
+def claims(rows, datasets):
+    """The paper's section 4.1 claims, each as | claim | paper | here |, over PAPER_MODELS; a
+    setting counts only when all six have runs there."""
+    mean = lambda ds, m, k, metric="test_nll": _stat(rows, (ds, m, k), metric)[0]
+    complete = lambda ds, k, metric="test_nll": all(mean(ds, m, k, metric) is not None for m in PAPER_MODELS)
+    settings = [(ds, k) for ds in datasets for k in HELD_OUT if complete(ds, k)]
+    n = len(settings)
+    others = [m for m in PAPER_MODELS if m != "tango"]
+    baselines = others[1:]  # Loop/Untied Transformer++, GAU, FLASH: the paper's "non-TANGO baselines"
+    lowest = sum(mean(ds, "tango", k) < min(mean(ds, m, k) for m in others) for ds, k in settings)
+    paired = total = 0
+    for ds, k in settings:
+        by_seed = {m: {r["seed"]: r["test_nll"] for r in rows[ds, m, k]} for m in PAPER_MODELS}
+        for seed, v in by_seed["tango"].items():
+            rivals = [by_seed[m][seed] for m in others if seed in by_seed[m]]
+            if len(rivals) == len(others):
+                total += 1
+                paired += v < min(rivals)
+    beats = lambda a, b: sum(mean(ds, a, k) < mean(ds, b, k) for ds, k in settings)
+
+    def max_sd(m):  # the largest std over seeds of m's test NLL across the settings (None: < 2 seeds)
+        sds = [statistics.stdev(v) for ds, k in settings for v in [_values(rows, (ds, m, k), "test_nll")] if len(v) > 1]
+        return max(sds) if sds else None
+    base_sd = [x for x in map(max_sd, baselines) if x is not None]
+    spread = (f"{max_sd('tango'):.3f} vs {min(base_sd):.3f}-{max(base_sd):.3f}"
+              if max_sd("tango") is not None and base_sd else "- (fewer than 2 seeds)")
+    if not settings:
+        return ["**The paper's claims (section 4.1)**: no dataset has test NLL for all six paper architectures "
+                f"({', '.join(PAPER_MODELS)}) at K = 4 or 8, so none is checked."]
+    out = ["**The paper's claims (section 4.1) at this scale**, over the six paper architectures "
+           f"({n} dataset × depth settings with test NLL for all six):\n",
+           "| claim | paper (70M/160M, 4 datasets) | here |", "|---|---|---|",
+           f"| TANGO has the lowest mean test NLL | 16 of 16 settings | {lowest} of {n} |",
+           f"| TANGO is lower than every other model with the same seed | 47 of 48 | {paired} of {total} |",
+           f"| Windowed TANGO is lower than Loop Transformer++ | 13 of 16 | {beats('tango-windowed', 'loop')} of {n} |",
+           f"| Windowed TANGO is lower than FLASH | 13 of 16 | {beats('tango-windowed', 'flash')} of {n} |",
+           f"| largest test-NLL std over seeds: TANGO vs the lowest-highest of Loop, Untied, GAU, FLASH "
+           f"| 0.045 vs 0.053-0.319 | {spread} |"]
+    trio = (4, 8, 16)
+    dev = lambda ds, m: [mean(ds, m, k, "dev_nll") for k in trio]
+    full = [ds for ds in datasets if all(complete(ds, k, "dev_nll") for k in trio)]
+    if full:
+        falls = lambda m: sum(all(b < a for a, b in zip(dev(ds, m), dev(ds, m)[1:])) for ds in full)
+        rises = lambda m: sum(any(b > a for a, b in zip(dev(ds, m), dev(ds, m)[1:])) for ds in full)
+        out.append(f"| TANGO's dev NLL over K = 4 → 8 → 16: falls at each step / rises at some step | "
+                   f"7 / 0 of 8 settings | {falls('tango')} / {rises('tango')} of {len(full)} |")
+        out.append(f"| Loop Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16 | 4 of 8 | "
+                   f"{rises('loop')} of {len(full)} |")
+        out.append(f"| Untied Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16 | 3 of 8 | "
+                   f"{rises('untied')} of {len(full)} |")
+        won = sum(mean(ds, "tango", 16, "dev_nll") < min(mean(ds, m, 16, "dev_nll") for m in others) for ds in full)
+        out.append(f"| TANGO has the lowest dev NLL at K = 16 | 7 of 8 | {won} of {len(full)} |")
+    for ds, k in settings:
+        for sp in ("interpolate", "extrapolate"):
+            metric = f"exact_match_{sp}"
+            if not all(mean(ds, m, k, metric) is not None for m in PAPER_MODELS):
+                continue
+            top = max(mean(ds, m, k, metric) for m in baselines)
+            best = [m for m in baselines if mean(ds, m, k, metric) == top]
+            best = best[0] if len(best) == 1 else f"{len(best)} tied"
+            out.append(f"| exact match ({ds} {sp}, K = {k}): TANGO / Windowed TANGO / best of the other four | "
+                       + ("51.9 % / 52.1 % / 43.0 % (GAU)" if sp == "interpolate" else "41.0 % / 39.7 % / 30.2 % (GAU)")
+                       + " at 160M, K = 8 | "
+                       + f"{mean(ds, 'tango', k, metric):.1%} / {mean(ds, 'tango-windowed', k, metric):.1%} / "
+                       + f"{top:.1%} ({best}) |")
+    return out
+
+
+def plot(root, out):
+    """<out>/<dataset>.png: per depth, training loss (moving average over 10 updates) and dev NLL
+    against tokens seen, one line per model (mean over seeds), from curves_of each run. Needs
+    matplotlib (optional extra); SystemExit(2) with a one-line message when it is missing or root
+    has no runs. Returns the paths written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("sweep.py plot needs matplotlib (an optional extra): pip install matplotlib", file=sys.stderr)
+        raise SystemExit(2)
+    rows = load_runs(root)
+    if not rows:
+        print(f"sweep.py plot: no summary.json under {root}/<dataset>/<run>/", file=sys.stderr)
+        raise SystemExit(2)
+    written = []
+    for ds in sorted({k[0] for k in rows}):
+        depths = sorted({k[2] for k in rows if k[0] == ds})
+        models = _order({k[1] for k in rows if k[0] == ds})
+        fig, axes = plt.subplots(2, len(depths), figsize=(4.2 * len(depths), 7), squeeze=False)
+        for j, k in enumerate(depths):
+            for i, m in enumerate(models):
+                curves = [c for c in (curves_of(s["_dir"]) for s in rows.get((ds, m, k), [])) if c["train"]]
+                if not curves:
+                    continue
+                color, tpu = f"C{i}", curves[0]["tokens_per_update"]
+                for row, key, smooth in ((0, "train", 10), (1, "eval", 1)):
+                    its = [it for it, _ in curves[0][key]]
+                    ys = [statistics.fmean(dict(c[key]).get(it, float("nan")) for c in curves) for it in its]
+                    if smooth > 1:
+                        ys = [statistics.fmean(ys[max(0, t - smooth + 1):t + 1]) for t in range(len(ys))]
+                    axes[row][j].plot([it * tpu / 1e3 for it in its], ys, color=color, label=m,
+                                      marker="o" if key == "eval" else None, ms=3)
+            axes[0][j].set_title(f"{ds}, K = {k}")
+            axes[0][j].set_ylabel("training loss (nats/token, 10-update mean)")
+            axes[1][j].set_ylabel("dev NLL (nats/token)")
+            for row in (0, 1):
+                axes[row][j].set_xlabel("training tokens (thousands)")
+                axes[row][j].grid(alpha=0.3)
+            for row, span in ((0, 2.5), (1, 1.0)):  # zoom on the end of training (the first updates are ~ln V)
+                lines = axes[row][j].get_lines()
+                if lines:
+                    lo = min(min(ln.get_ydata()) for ln in lines)
+                    axes[row][j].set_ylim(lo - 0.05, lo + span)
+        axes[1][0].legend(fontsize=8)
+        fig.suptitle(f"{ds}: mean over seeds ({root})")
+        fig.tight_layout()
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, f"{ds}.png")
+        fig.savefig(path, dpi=80, metadata={"Software": None})  # no version stamp: the same bytes every time
+        plt.close(fig)
+        written.append(path)
+    print("wrote " + ", ".join(written))
+    return written
+
+
+def report_markers(root, grid):
+    """(begin, end): the lines around a report block of --root root in a markdown file."""
+    if grid:
+        return f"<!-- sweep report --grid --root {root} -->\n", "<!-- end of grid report -->"
+    return f"<!-- sweep report --root {root} -->\n", "<!-- end of sweep report -->"
+
+
+def replace_between_markers(path, markers, text):
+    """Write text between markers (begin, end) in the file at path, in place (the first begin and the
+    first end after it). UsageError naming the file and the missing marker; nothing is written then."""
+    begin, end = markers
+    if not os.path.isfile(path):
+        raise UsageError(f"--into {path}: no such file")
+    with open(path) as f:
+        doc = f.read()
+    i = doc.find(begin)
+    j = doc.find(end, i + len(begin)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        missing = begin.strip() if i < 0 else f"{end} after {begin.strip()}"
+        raise UsageError(f"--into {path}: no line {missing}; put the two marker lines where the report goes")
+    with open(path, "w") as f:
+        f.write(doc[:i + len(begin)] + text + doc[j:])

@@ -1,0 +1,164 @@
+"""Text datasets to token bins: the part of data.prepare that turns documents (split key, text) into
+train/dev/test token files. Files are read as text (_read_text, _file_docs; stdlib and local
+paths), tokenized in order by worker processes (GPT-2 BPE ids, or code points for the char
+tokenizer), each document whole into its split (data.split_of) or, for a few files, the stream cut
+by position, and char tokenization's vocabulary built from the train split (_char_vocab). data.py
+keeps what a reader opens it for (prepare's dispatch, the on-disk format, Data serving batches);
+this pipeline, shared by the stdlib, local-path and Hugging Face (hf_data.py) datasets, lives here.
+"""
+import collections
+import contextlib
+import functools
+import multiprocessing
+import os
+
+import numpy as np
+
+from common import UsageError
+from data import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of
+
+
+def _read_text(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    return None if b"\0" in raw else raw.decode("utf-8", errors="replace")  # NUL byte: binary
+
+
+def _file_docs(root, rels):
+    """(relative path, text) per readable file: the path decides the split."""
+    for rel in rels:
+        yield rel, _read_text(os.path.join(root, rel))
+
+
+# ----------------------------------------------------------------------------- text datasets
+
+def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files"):
+    """Tokenize documents ``(split_key, text)`` in order into train/dev/test bins under ``tmp``.
+
+    Each document is followed by an end-of-text token and goes whole into split_of(split_key)
+    (the text itself when split_key is None). With max_tokens, writing stops at exactly that many
+    tokens (the last document cut). If dev or test stays empty and by_key_only is False (a single
+    file, few files), the token stream (documents in order) is cut by position 90/5/5 instead.
+    gpt2: GPT-2 BPE ids. char: the characters of the train split, in code point order, then the
+    end-of-text symbol, then the unknown id (decoded as U+FFFD) for characters unseen in train;
+    the first pass writes code points (uint32) and ``_char_vocab`` maps them. Returns the meta dict.
+    """
+    from tqdm import tqdm
+    if tokenizer == "gpt2":
+        gpt2_encoder()  # fails fast (UsageError) without a vocabulary, before any worker starts
+    names, ext = ("train", "dev", "test"), ".bin" if tokenizer == "gpt2" else ".cp"
+    wide = np.dtype("<u2") if tokenizer == "gpt2" else np.dtype("<u4")
+    n_tok, n_docs, order, total = dict.fromkeys(names, 0), dict.fromkeys(names, 0), [], 0
+    with contextlib.ExitStack() as stack:
+        out = {s: stack.enter_context(open(os.path.join(tmp, s + ext), "wb")) for s in names}
+        bar = stack.enter_context(tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=None,
+                                       desc=f"tokenizing {source} ({tokenizer}, num_proc {num_proc})"))
+        pieces = stack.enter_context(contextlib.closing(_tokenize(docs, tokenizer, num_proc)))
+        for split, ids in pieces:
+            ids = ids[:max_tokens - total] if max_tokens else ids
+            out[split].write(ids.astype(wide).tobytes())
+            n_tok[split] += len(ids)
+            n_docs[split] += 1
+            order.append((split, len(ids)))
+            total += len(ids)
+            bar.update(len(ids))
+            if total == max_tokens:
+                break
+    if not total:
+        raise UsageError(f"--dataset {source}: no readable text")
+    if min(n_docs.values()) == 0 and not by_key_only:
+        n_tok, n_docs, rule = _split_by_position(tmp, ext, wide, order), {"all": len(order)}, BY_POSITION
+    meta = dict(tokenizer="gpt2", vocab_size=EOT + 1, dtype="uint16") if tokenizer == "gpt2" \
+        else _char_vocab(tmp, n_tok)
+    meta.update(splits=n_tok, split_rule=rule, source=source, test_split="test", em_splits=[])
+    meta[count] = n_docs
+    if max_tokens:
+        meta.update(max_tokens=max_tokens, truncated=total == max_tokens)
+    return meta
+
+
+def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
+    """Yield (split, token ids incl. the end-of-text marker) per non-empty document, in order.
+    Batches of about batch_chars characters go to num_proc worker processes (in this process when
+    num_proc <= 1), at most 2 * num_proc batches ahead, so a streamed source is read only as far
+    as needed."""
+    fn = functools.partial(_tokenize_batch, tokenizer)
+    batches = _batches(((k, t) for k, t in docs if t), batch_chars)
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(multiprocessing.Pool(num_proc)) if num_proc > 1 else None
+        for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
+            yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
+
+
+def _batches(docs, batch_chars):
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[1])
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _ordered_map(pool, fn, items, ahead):
+    """pool.imap without reading items more than `ahead` results ahead of the consumer."""
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _tokenize_batch(tokenizer, batch):
+    """Worker: [(split_key, text)] -> (splits, lengths, all ids concatenated as uint32).
+    gpt2: BPE ids + <|endoftext|>; char: Unicode code points + CHAR_EOT."""
+    if tokenizer == "gpt2":
+        enc, eot = gpt2_encoder(), EOT
+        ids = [np.array(x, np.uint32) for x in enc.encode_ordinary_batch([t for _, t in batch], num_threads=1)]
+    else:
+        eot = CHAR_EOT
+        ids = [np.frombuffer(t.encode("utf-32-le", "replace"), "<u4") for _, t in batch]
+    splits = [split_of(t if key is None else key) for key, t in batch]
+    return splits, [len(x) + 1 for x in ids], np.concatenate([np.append(x, np.uint32(eot)) for x in ids])
+
+
+def _split_by_position(tmp, ext, wide, order):
+    """Rewrite the split files as the document stream (in order) cut 90/5/5; returns the counts."""
+    arrays = {s: np.fromfile(os.path.join(tmp, s + ext), wide) for s in ("train", "dev", "test")}
+    at, parts = dict.fromkeys(arrays, 0), []
+    for s, n in order:
+        parts.append(arrays[s][at[s]:at[s] + n])
+        at[s] += n
+    stream = np.concatenate(parts)
+    a, b = int(len(stream) * 0.90), int(len(stream) * 0.95)
+    for s, piece in dict(train=stream[:a], dev=stream[a:b], test=stream[b:]).items():
+        piece.tofile(os.path.join(tmp, s + ext))
+    return dict(train=a, dev=b - a, test=len(stream) - b)
+
+
+def _char_vocab(tmp, n_tok, chunk=1 << 24):
+    """Map the code-point files <split>.cp to <split>.bin with the train split's characters
+    (plus the newline, always) as the vocabulary; returns the tokenizer part of the meta."""
+    counts = np.zeros(CHAR_EOT + 1, np.int64)
+    train = read_bin(os.path.join(tmp, "train.cp"), "<u4")
+    for i in range(0, len(train), chunk):
+        counts += np.bincount(train[i:i + chunk], minlength=CHAR_EOT + 1)
+    counts[ord("\n")] += 1
+    cps = np.flatnonzero(counts[:CHAR_EOT])
+    itos = [chr(c) for c in cps] + [EOT_SYMBOL, "\ufffd"]
+    eot_id, unk = len(cps), len(cps) + 1
+    lut = np.full(CHAR_EOT + 1, unk, np.int64)
+    lut[cps], lut[CHAR_EOT] = np.arange(len(cps)), eot_id
+    dtype = bin_dtype(len(itos))
+    for s in n_tok:
+        src = read_bin(os.path.join(tmp, f"{s}.cp"), "<u4")
+        with open(os.path.join(tmp, f"{s}.bin"), "wb") as f:
+            for i in range(0, len(src), chunk):
+                f.write(lut[src[i:i + chunk]].astype(dtype.newbyteorder("<")).tobytes())
+        del src
+        os.remove(os.path.join(tmp, f"{s}.cp"))
+    return dict(tokenizer="char", vocab_size=len(itos), dtype=dtype.name, itos=itos, unk_id=unk, eot_id=eot_id)
