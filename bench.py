@@ -566,7 +566,7 @@ def main(argv=None):
           f"max {meta['load_average_max_during']} during.\n\n"
           f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
           + table(rows) + "\n\nTargets (issue 6):\n\n" + targets_text(tg) + "\n"
-          + ("\nReFlux schedules (inference, one sequence, no gradients; bench.reflux_rows):\n\n"
+          + ("\nReFlux schedules (inference, one sequence, no gradients; bench_decode.reflux_rows):\n\n"
              + reflux_table(rf_rows) + "\n" if rf_rows is not None else "")
           + "".join(f"\nNote: {n}\n" for n in a.note))
     print("\n" + md)

@@ -259,7 +259,7 @@ def main(argv=None):
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
-                   "its markers, see report_markers) is replaced by the report")
+                   "its markers, see sweep_report.report_markers) is replaced by the report")
     args = p.parse_args(argv)
     if args.cmd == "run":
         check_run_flags(args, extra)
