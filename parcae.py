@@ -286,7 +286,7 @@ class Parcae(LoopedBody):
         abar = self.abar()
         inj = self.delta() * F.linear(e, self.B)  # Delta * (B e), fixed across recurrences
         h = self.recur(inj, abar, cos, sin, cache, depths, h0)
-        y = F.linear(h, self.C)
+        y = F.linear(h, self.C).to(h.dtype)  # the coda's residual stream stays in h's dtype (float32 under autocast)
         for j, blk in enumerate(self.coda):
             y = blk(y, cos, sin, sub_cache(cache, ("coda", j)))
         return y
@@ -371,7 +371,7 @@ class RecurrentDepth(LoopedBody):
 
     def _step(self, h, e, cos, sin, caches=None):
         """One recurrence: h <- Core(W [h; e])."""
-        u = self.adapter(torch.cat((h, e), -1))
+        u = self.adapter(torch.cat((h, e), -1)).to(e.dtype)  # the residual stream stays in e's dtype (float32 under autocast)
         for j, blk in enumerate(self.core):
             u = blk(u, cos, sin, None if caches is None else caches[j])
         return u

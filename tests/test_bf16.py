@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import tango
 import train
-from common import ModelConfig
+from common import ModelConfig, RMSNorm
 from models import REGISTRY, build_model
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -37,6 +37,24 @@ ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name in ("loopstack", "plt", "loo
 def small(name):
     return ModelConfig(model=name, n_embd=64, n_head=2, vocab_size=61, block_size=48, window=8, chunk=16,
                        depth=3, width=64, **ONE_BLOCK_PER_LOOP.get(name, {}))
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_residual_stream_stays_float32_under_bf16_autocast(name):
+    """Under bfloat16 autocast only the matmuls run in bfloat16: every RMSNorm (each block's, the
+    final one) reads a float32 residual stream. (Parcae's coda and RDM's core and coda once read the
+    bfloat16 output of a d x d matmul: their residual adds rounded to bfloat16, and rms_norm fell
+    back from its fused kernel.)"""
+    torch.manual_seed(0)
+    model = build_model(small(name))
+    seen = []
+    for where, m in model.named_modules():
+        if isinstance(m, RMSNorm):
+            m.register_forward_pre_hook(lambda mod, args, where=where: seen.append((where, args[0].dtype)))
+    x = torch.randint(0, 61, (2, 48))
+    with torch.autocast(**BF16):
+        model(x, x)
+    assert seen and [s for s in seen if s[1] != torch.float32] == []
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))
