@@ -195,8 +195,9 @@ class LM(nn.Module):
     """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (MATH.md, "What every model shares").
 
     E is stored with ceil(V / 64) * 64 rows (VOCAB_MULTIPLE: the head matmul gets an aligned
-    size); the padding rows are zero, never looked up, and the logits are sliced to V, so they are
-    never predicted, sampled or counted in num_params.
+    size); the padding rows are zero, never looked up, their logits are -inf in the loss (a fixed
+    bias) and sliced off the returned logits, so they are never predicted, sampled, trained or
+    counted in num_params.
 
     The body is any module with forward(x, cos, sin, cache) -> x on (B, T, d) tensors; cache is
     None (training) or a dict the body keeps its decoding state in (keys per application, ...).
@@ -217,6 +218,9 @@ class LM(nn.Module):
         pad = -cfg.vocab_size % VOCAB_MULTIPLE
         self.wte.weight = nn.Parameter(F.pad(self.wte.weight.detach(), (0, 0, 0, pad)))
         self.wte.num_embeddings = cfg.vocab_size + pad
+        # the head's bias: 0 on the V real columns, -inf on the padding ones (not a parameter, not saved)
+        self.register_buffer("vocab_bias", F.pad(torch.zeros(cfg.vocab_size), (0, pad), value=float("-inf")),
+                             persistent=False)
 
     @staticmethod
     def _init_weights(m):
@@ -258,8 +262,12 @@ class LM(nn.Module):
     def head(self, x, targets=None, cache=None):
         """Final norm, head and mean NLL over targets != -1 (nats/token, or None without targets).
         x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly)."""
-        padded = self.norm_f(x) @ self.wte.weight.t()  # (B, T, Vp): the aligned matmul over the padded rows
-        loss = None if targets is None else padded_cross_entropy(padded, targets, self.cfg.vocab_size)
+        # (B, T, Vp): the aligned matmul over the padded rows, whose logits the bias sets to -inf, so
+        # the loss reads them contiguous (no copy of a V-column slice) and they get no gradient
+        padded = F.linear(self.norm_f(x), self.wte.weight, self.vocab_bias)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(padded.float().view(-1, padded.size(-1)), targets.reshape(-1), ignore_index=-1)
         return padded[..., :self.cfg.vocab_size], loss
 
     @torch.no_grad()
@@ -284,16 +292,6 @@ class LM(nn.Module):
                     break
             logits, _ = self(nxt, cache=cache)
         return out
-
-
-def padded_cross_entropy(padded, targets, V):
-    """Mean NLL (nats/token) over targets != -1 of logits padded (B, T, Vp) whose columns >= V are
-    padding: those become -inf in a float32 copy (in place when the logits already are float32),
-    so they are never predicted and get no gradient. Equals cross_entropy(padded[..., :V]) without
-    copying that non-contiguous slice (a (B T) x V float32 tensor) and its gradient."""
-    z = padded.float()
-    z[..., V:] = float("-inf")
-    return F.cross_entropy(z.view(-1, z.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
 def check_sampling(temperature=1.0, top_k=None, max_new_tokens=0):
