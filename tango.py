@@ -41,6 +41,12 @@ products run in autocast's dtype. In bfloat16, scores near tau = 10 would resolv
 (weights off by up to 3 %, averages by 1-2 %); with float32 scores the averages are within about
 0.3 % of float64, like PyTorch's attention in bfloat16 (tests/test_bf16.py).
 
+Compilation: torch.compile leaves both fast paths eager (torch.compiler.disable; the compiled
+TANGO update is the graph before them and the graph after). Traced, their Python loops over T / C
+query chunks were unrolled into one graph, so compile time grew with T: on this project's CPU a
+Windowed TANGO update at T = 4096 (64 chunks) took 578 s to compile and then stepped slower than
+eager (9.4 s against 6.5 s), full-prefix TANGO 107 s (15.3 s against 11.5 s).
+
 TANGO with three gated-projection sets: {W_g, W_v, W_o} set 1 for the first application, set 2
 for the middle ones, set 3 for the last; W_q, W_k, norm, tau, b shared. Needs K >= 3.
 """
@@ -183,6 +189,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
 ATTN_CHUNK = 256  # query rows per chunk in ChunkedCausalAttention
 
 
+@torch.compiler.disable  # eager inside compiled regions (see "Compilation" above)
 def tango_fast(qs, kh, g, b, cache=None):
     """Full-prefix TANGO as one causal attention over [null key, keys] with the gates as values.
 
@@ -333,6 +340,7 @@ class WindowedAttention(torch.autograd.Function):
 WINDOW_CHUNK = 64  # query rows per chunk in WindowedAttention
 
 
+@torch.compiler.disable  # eager inside compiled regions (see "Compilation" above)
 def windowed_fast(qs, kh, g, b, window):
     """Windowed TANGO (WindowedAttention): memory and time O(T (C + W) (32 + F/H)) per head,
     C = WINDOW_CHUNK query rows per chunk. L == S required (no cache)."""

@@ -66,15 +66,43 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
         torch._dynamo.reset()
         seen, end, regions, variants, summary = compiled_run(mdm, data_root, tmp_path, monkeypatch, K)
         assert regions == ["LM.head", "Tango.update"]
-        # training: one graph per region; the first evaluation (no grad) one more per region;
-        # the second evaluation, test NLL, exact-match decoding and the sample: none
-        assert seen == [2, 4, 4, 4] and end == 4, (K, seen, end)
+        # training: one graph for the head, two for the TANGO update (before and after its eager
+        # fast path, tango.py "Compilation"); the first evaluation (no grad) as many again; the
+        # second evaluation, test NLL, exact-match decoding and the sample: none
+        assert seen == [3, 6, 6, 6] and end == 6, (K, seen, end)
         assert variants == {"Tango.update": 2, "LM.head": 2}
         assert summary["first_update_s"] > 0 and summary["exact_match_interpolate"] >= 0
         counts[K] = (seen, end, variants)
     assert counts[4] == counts[8]
     out = capsys.readouterr().out
     assert "first update after" in out and ", compile included)" in out and "--- sample" in out
+
+
+@pytest.mark.parametrize("name", ["tango", "tango-windowed", "tango-3set"])
+def test_tango_graphs_do_not_grow_with_the_context(name, monkeypatch):
+    """The fast paths loop over T / C query chunks in Python; traced, that loop was unrolled into the
+    graph (Windowed TANGO at T = 4096: 578 s of compile on CPU). They run eagerly inside the compiled
+    update (tango.py, "Compilation"), so the graphs, with every subgraph dynamo nests in them, hold
+    the same number of nodes at 2 and at 8 chunks."""
+    import tango
+    monkeypatch.setattr(tango, "WINDOW_CHUNK", 4)
+    monkeypatch.setattr(tango, "ATTN_CHUNK", 4)
+    sizes = []
+
+    def count_nodes(gm, example_inputs):
+        sizes[-1] += sum(len(m.graph.nodes) for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+        return gm.forward
+
+    for T in (8, 32):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = models.build_model(ModelConfig(model=name, vocab_size=61, block_size=T, n_embd=64, n_head=2,
+                                               depth=3, width=64, window=4))
+        sizes.append(0)
+        compile_regions(model, backend=count_nodes)
+        idx = torch.randint(0, 61, (2, T))
+        model(idx, idx)[1].backward()
+    assert sizes[0] == sizes[1] and sizes[0] > 0, sizes
 
 
 def _small(name, depth):
