@@ -1,6 +1,10 @@
 """Checks shared by the per-family test files (imported as `checks`; pytest puts tests/ on sys.path)."""
 import torch
 
+# parallel loops (plt.py): one block per loop, so K = 3 loops are 3 block applications like the other
+# models (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)
+ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name in ("loopstack", "plt", "loopfold")}
+
 
 def assert_causal(model, idx, t, vocab=61):
     """Changing tokens t.. of idx (B, T) leaves logits[:, :t] bit-identical and moves logits[:, t:]."""

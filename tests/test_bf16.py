@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import tango
 import train
+from checks import ONE_BLOCK_PER_LOOP
 from common import ModelConfig, RMSNorm
 from models import REGISTRY, build_model
 
@@ -28,11 +29,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- one training step
-
-# parallel loops (plt.py): one block per loop, so K = 3 loops are 3 block applications like the others
-# (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)
-ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name in ("loopstack", "plt", "loopfold")}
-
 
 def small(name):
     return ModelConfig(model=name, n_embd=64, n_head=2, vocab_size=61, block_size=48, window=8, chunk=16,

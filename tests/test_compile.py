@@ -15,6 +15,7 @@ from torch._dynamo.testing import CompileCounter
 import common
 import models
 import train
+from checks import ONE_BLOCK_PER_LOOP
 from common import ModelConfig, compile_regions, compiled_region_names
 
 EVAL_AND_CHECKPOINT = train.eval_and_checkpoint
@@ -78,12 +79,13 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
     assert "first update after" in out and ", compile included)" in out and "--- sample" in out
 
 
-@pytest.mark.parametrize("name", ["tango", "tango-windowed", "tango-3set"])
-def test_tango_graphs_do_not_grow_with_the_context(name, monkeypatch):
-    """The fast paths loop over T / C query chunks in Python; traced, that loop was unrolled into the
-    graph (Windowed TANGO at T = 4096: 578 s of compile on CPU). They run eagerly inside the compiled
-    update (tango.py, "Compilation"), so the graphs, with every subgraph dynamo nests in them, hold
-    the same number of nodes at 2 and at 8 chunks."""
+@pytest.mark.parametrize("name", list(models.REGISTRY))
+def test_graphs_do_not_grow_with_the_context(name, monkeypatch):
+    """A Python loop over the context traced into a compiled region is unrolled into its graph, so
+    compile time grows with T (TANGO's fast paths loop over T / C query chunks: Windowed TANGO at
+    T = 4096 took 578 s to compile on CPU until they ran eagerly, tango.py "Compilation"). Every
+    model's graphs, with every subgraph dynamo nests in them, hold as many nodes at T = 8 as at
+    T = 32 (2 and 8 chunks of TANGO, FLASH, the windows)."""
     import tango
     monkeypatch.setattr(tango, "WINDOW_CHUNK", 4)
     monkeypatch.setattr(tango, "ATTN_CHUNK", 4)
@@ -97,7 +99,8 @@ def test_tango_graphs_do_not_grow_with_the_context(name, monkeypatch):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = models.build_model(ModelConfig(model=name, vocab_size=61, block_size=T, n_embd=64, n_head=2,
-                                               depth=3, width=64, window=4))
+                                               depth=3, width=64, window=4, chunk=4, gau_s=32, plt_window=4,
+                                               mu_rec=3, mu_bwd=1, **ONE_BLOCK_PER_LOOP.get(name, {})))
         sizes.append(0)
         compile_regions(model, backend=count_nodes)
         idx = torch.randint(0, 61, (2, T))
