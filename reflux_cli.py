@@ -187,6 +187,11 @@ def parse(argv):
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 0")
     if not 0 < a.xi < 1:
         raise UsageError(f"--xi {a.xi}: must lie in (0, 1)")
+    for flag in ("lr", "alpha_max"):
+        if not 0 < getattr(a, flag) < math.inf:
+            raise UsageError(f"--{flag} {getattr(a, flag)}: must be a finite number > 0")
+    if not 0 <= a.lam < math.inf:  # 0: no gate penalty
+        raise UsageError(f"--lam {a.lam}: must be a finite number >= 0")
     if not os.path.isfile(a.base):
         raise UsageError(f"--base: no checkpoint at {a.base}")
     if sweep:
@@ -361,3 +366,9 @@ def cli(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    print("error: reflux_cli.py has no command line of its own; use python reflux.py [sweep] "
+          "(python reflux.py --help)", file=sys.stderr)
+    sys.exit(2)

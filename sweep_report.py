@@ -392,3 +392,9 @@ def replace_between_markers(path, markers, text):
         raise UsageError(f"--into {path}: no line {missing}; put the two marker lines where the report goes")
     with open(path, "w") as f:
         f.write(doc[:i + len(begin)] + text + doc[j:])
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    print("error: sweep_report.py has no command line of its own; "
+          "use python sweep.py report or python sweep.py plot (python sweep.py report --help)", file=sys.stderr)
+    sys.exit(2)
