@@ -183,7 +183,14 @@ def resume_args(args, given):
     for k in ("chunk", "gau_s"):  # not flags before these became tier defaults: the model config has them
         if k not in saved and isinstance(ckpt["config"], dict) and k in ckpt["config"]:
             saved[k] = ckpt["config"][k]
-    return ckpt, merge_resume_args(args, given, saved)
+    changed = merge_resume_args(args, given, saved)
+    it = ckpt["iter"]
+    if isinstance(it, int) and args.max_iters is not None and it >= args.max_iters \
+            and os.path.exists(os.path.join(args.out_dir, "summary.json")):
+        # resuming would only evaluate again and replace summary.json without the run's throughput
+        raise UsageError(f"--resume: the run in {args.out_dir} is finished (update {it} of --max_iters "
+                         f"{args.max_iters}, summary.json written); give --max_iters > {it} to train it further")
+    return ckpt, changed
 
 
 def merge_resume_args(args, given, saved):
