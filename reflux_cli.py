@@ -38,6 +38,10 @@ def load(path, data_root=None):
         raise UsageError(f"--base {path}: not a readable checkpoint config ({type(e).__name__})") from None
     if cfg.model not in ("untied", "loop"):
         raise UsageError(f"--base {path}: ReFlux needs a Transformer++ checkpoint (untied or loop), not '{cfg.model}'")
+    saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
+    if "dataset" not in saved:  # e.g. latent_tokens.py pretrain's base: its data would be taken for stdlib
+        raise UsageError(f"--base {path}: not a train.py checkpoint (it records no --dataset, so the data it was "
+                         "trained on is unknown); ReFlux evaluates a train.py run's ckpt_best.pt")
     from models import build_model
     base = build_model(cfg)
     try:
@@ -45,7 +49,6 @@ def load(path, data_root=None):
     except RuntimeError as e:
         raise UsageError(f"--base {path}: weights do not fit its config ({str(e).splitlines()[0][:200]})") from None
     base.eval()
-    saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
     p = argparse.ArgumentParser()
     data_mod.add_arguments(p.add_argument)
     dargs = p.parse_args([])

@@ -689,3 +689,23 @@ def test_model_flags_lists_exactly_the_models_each_flag_changes():
         ref = behaviour(base)
         changes = [f for f, v in CHANGED.items() if not same(ref, behaviour(replace(base, **{f: v})))]
         assert changes == [f for f in CHANGED if name in MODEL_FLAGS[f]], name
+
+
+def test_reflux_refuses_a_checkpoint_without_training_flags_before_preparing_data(tmp_path, monkeypatch, capsys):
+    """A base written by latent_tokens.py pretrain (an untied Transformer++ without train.py's flags):
+    reflux.py took its dataset for the default stdlib, tokenized all of it into ./data (minutes) and
+    only then said the data differ; now one line, exit 2, nothing written."""
+    import reflux_cli
+    cfg = ModelConfig(model="untied", vocab_size=13, block_size=16, n_embd=32, n_head=1, depth=2, width=32)
+    torch.save({"model": build_model(cfg).state_dict(), "config": cfg.to_dict(),
+                "data": {"tokenizer": "task", "vocab_size": 13}}, tmp_path / "base.pt")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPT2_BPE_FILE", str(tmp_path / "missing.tiktoken"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        reflux_cli.cli(["--base", "base.pt"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: --base base.pt: not a train.py checkpoint (it records no --dataset, so "
+                                       "the data it was trained on is unknown); ReFlux evaluates a train.py run's "
+                                       "ckpt_best.pt\n")
+    assert os.listdir(tmp_path) == ["base.pt"]
