@@ -489,6 +489,9 @@ def parse(argv):
     for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup", "peak_reps"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    if a.reflux and a.depth < 2:  # checked here, not after every model's row
+        p.error(f"--depth {a.depth}: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes block S's "
+                "increment into an earlier block D)")
     for flag in ("threads", "peak_n"):
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 0")

@@ -550,6 +550,9 @@ def test_float_flags_out_of_range_are_one_line_errors(script, argv, message, tmp
     (["--timeout", "0"], "--timeout 0.0: must be a finite number of seconds > 0"),
     (["--step_budget", "nan"], "--step_budget nan: must be a finite number of seconds > 0"),
     (["--peak_reps", "0"], "--peak_reps 0: must be >= 1"), (["--threads", "-1"], "--threads -1: must be >= 0"),
+    # reflux_rows raised this (naming an --edge 0:0 nobody gave, exit code 1) after every model's row
+    (["--quick", "--depth", "1"], "--depth 1: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes "
+                                  "block S's increment into an earlier block D)"),
 ])
 def test_bench_flags_out_of_range(argv, message, capsys):
     import bench
