@@ -235,6 +235,11 @@ def check_run_flags(args, extra):
                          "--seeds/--datasets/--lrs/--root instead")
     if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in filter(None, args.lrs.split(","))):
         raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
+    from config import MODEL_FLAGS  # a model flag goes only to the models that read it (flags_for): one of them must
+    for flag in sorted(train.given_flags(extra) & set(MODEL_FLAGS)):
+        if not set(args.models.split(",")) & set(MODEL_FLAGS[flag]):
+            raise UsageError(f"-- --{flag}: no model of --models {args.models} reads it "
+                             f"(used by {', '.join(MODEL_FLAGS[flag])})")
     if known.size is not None and known.size not in TIERS:
         raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
 

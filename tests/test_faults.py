@@ -646,6 +646,11 @@ def test_sweep_gives_a_model_flag_only_to_the_models_that_read_it():
     assert sweep.flags_for("dmmath", extra, "plt") == ["--size", "tiny", "--n_core=3", "--no-plt_shift",
                                                        "--data_dir", "/d"]
     assert sweep.flags_for("stdlib", extra, "lrt") == ["--size", "tiny", "--lrt_src", "-1"]
+    # a model flag that no model of the sweep reads is refused before anything starts
+    with pytest.raises(UsageError, match=r"^-- --window: no model of --models loop,plt reads it \(used by tango-windowed\)$"):
+        sweep.main(["run", "--root", "unused", "--models", "loop,plt", "--", "--window", "16", "--n_core", "2"])
+    with pytest.raises(UsageError, match=r"^-- --plt_shift: no model of --models loop reads it"):
+        sweep.main(["run", "--root", "unused", "--models", "loop", "--", "--no-plt_shift"])
 
 
 # a value of each model flag other than BEHAVIOUR_CFG's, valid for every model
