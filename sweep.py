@@ -125,12 +125,14 @@ def check_existing_run(out, argv):
     skipping or resuming it would mix settings in one grid cell."""
     import train
     from checkpoint import MACHINE_FLAGS
+    from config import MODEL_FLAGS
     start = [r for r in log_records(out) if r.get("event") == "start"]
     if not start:
         return
     saved = start[-1].get("args", {})
     requested = vars(train.resolve_args(train.parse_args(argv)))
-    for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS)):
+    unread = {f for f, users in MODEL_FLAGS.items() if requested["model"] not in users}  # (older sweeps passed them)
+    for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
             raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
                              "use another --root (or delete that run) to change a setting")

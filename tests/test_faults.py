@@ -717,3 +717,21 @@ def test_reflux_refuses_a_checkpoint_without_training_flags_before_preparing_dat
                                        "the data it was trained on is unknown); ReFlux evaluates a train.py run's "
                                        "ckpt_best.pt\n")
     assert os.listdir(tmp_path) == ["base.pt"]
+
+
+def test_sweep_resumes_a_root_whose_runs_got_flags_their_model_ignores(tmp_path, monkeypatch):
+    """Before flags_for sent --window to tango-windowed only, every run of `-- --window 16` recorded it;
+    the same command on that root must still find its loop run trained as asked (--window is not a loop setting)."""
+    root = tmp_path / "runs"
+    fake_run(root / "dmmath" / "loop-K2-s1", ["--model", "loop", "--depth", "2", "--dataset", "dmmath", "--seed", "1",
+                                              "--data_seed", "1", "--size", "tiny", "--window", "16"],
+             dict(SUMMARY, model="loop", seed=1))
+    started = []
+    monkeypatch.setattr(sweep, "prepare_data", lambda *a: started.append("prepare"))
+    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    assert sweep.main(["run", "--root", str(root), "--models", "loop,tango-windowed", "--depths", "2", "--datasets",
+                       "dmmath", "--", "--size", "tiny", "--window", "16"]) == 0
+    assert started[0] == "prepare" and len(started) == 2  # the loop run is done; tango-windowed trains, with --window
+    assert "tango-windowed" in started[1] and started[1][-2:] == ["--window", "16"]
+    with pytest.raises(UsageError, match="trained with --block_size 128, this sweep asks for --block_size 256"):
+        sweep.main(["run", "--root", str(root), "--models", "loop", "--depths", "2", "--datasets", "dmmath"])
