@@ -735,3 +735,16 @@ def test_sweep_resumes_a_root_whose_runs_got_flags_their_model_ignores(tmp_path,
     assert "tango-windowed" in started[1] and started[1][-2:] == ["--window", "16"]
     with pytest.raises(UsageError, match="trained with --block_size 128, this sweep asks for --block_size 256"):
         sweep.main(["run", "--root", str(root), "--models", "loop", "--depths", "2", "--datasets", "dmmath"])
+
+
+def test_sweep_report_cell_ignores_flags_the_model_does_not_read(tmp_path):
+    """A seed recorded with -- --window 16 (older sweeps passed it to every model) and a seed without
+    it are one loop cell; a loop setting that differs still splits it."""
+    root = tmp_path / "runs"
+    common = ["--model", "loop", "--depth", "2", "--dataset", "dmmath", "--size", "tiny"]
+    fake_run(root / "dmmath" / "a-s1", [*common, "--seed", "1", "--window", "16"], dict(SUMMARY, model="loop", seed=1))
+    fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2"], dict(SUMMARY, model="loop", seed=2))
+    assert "| loop | 2 | 2 |" in sweep_report.report(str(root))
+    fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--max_iters", "7"], dict(SUMMARY, model="loop", seed=2))
+    with pytest.raises(UsageError, match="a-s1 has --lr_decay_iters 120, .*a-s2 has --lr_decay_iters 7"):
+        sweep_report.report(str(root))
