@@ -183,14 +183,7 @@ def resume_args(args, given):
     for k in ("chunk", "gau_s"):  # not flags before these became tier defaults: the model config has them
         if k not in saved and isinstance(ckpt["config"], dict) and k in ckpt["config"]:
             saved[k] = ckpt["config"][k]
-    changed = merge_resume_args(args, given, saved)
-    it = ckpt["iter"]
-    if isinstance(it, int) and args.max_iters is not None and it >= args.max_iters \
-            and os.path.exists(os.path.join(args.out_dir, "summary.json")):
-        # resuming would only evaluate again and replace summary.json without the run's throughput
-        raise UsageError(f"--resume: the run in {args.out_dir} is finished (update {it} of --max_iters "
-                         f"{args.max_iters}, summary.json written); give --max_iters > {it} to train it further")
-    return ckpt, changed
+    return ckpt, merge_resume_args(args, given, saved)
 
 
 def merge_resume_args(args, given, saved):
@@ -230,6 +223,15 @@ def check_resume(ckpt, cfg, data, args):
     if not isinstance(best["dev_nll"], float):
         raise UsageError(f"{best_path}: malformed dev_nll {best['dev_nll']!r}")
     return min(ckpt["best_dev"], best["dev_nll"])
+
+
+def check_unfinished(ckpt, args):
+    """UsageError when the checkpoint's run is finished (its last update done and summary.json
+    written): resuming it would only evaluate again and replace summary.json without its throughput.
+    Called after every other check of the checkpoint, so a damaged one is reported as such."""
+    if ckpt["iter"] == args.max_iters and os.path.exists(os.path.join(args.out_dir, "summary.json")):
+        raise UsageError(f"--resume: the run in {args.out_dir} is finished (update {ckpt['iter']} of --max_iters "
+                         f"{args.max_iters}, summary.json written); give --max_iters > {ckpt['iter']} to train it further")
 
 
 def check_compatible(ck, path, cfg, data):

@@ -47,8 +47,8 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
-from checkpoint import (BEST, LATEST, check_resume, load_checkpoint, remove_stale, restore, resume_args,
-                        save_checkpoints, strip_prefixes)
+from checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
+                        resume_args, save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, compile_regions
 from config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
                     resolve_args, tier_default)
@@ -245,6 +245,7 @@ def setup(args, given):
     if ckpt is not None:
         r.best_dev = check_resume(ckpt, cfg, data, args)
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
+        check_unfinished(ckpt, args)
         r.it = r.saved_at = ckpt["iter"]
     r.ctx = autocast_ctx(args)
     if args.compile:  # regional: each body's repeated unit (and the head) compiles once, whatever the depth
