@@ -231,7 +231,8 @@ def check_unfinished(ckpt, args):
     Called after every other check of the checkpoint, so a damaged one is reported as such."""
     if ckpt["iter"] == args.max_iters and os.path.exists(os.path.join(args.out_dir, "summary.json")):
         raise UsageError(f"--resume: the run in {args.out_dir} is finished (update {ckpt['iter']} of --max_iters "
-                         f"{args.max_iters}, summary.json written); give --max_iters > {ckpt['iter']} to train it further")
+                         f"{args.max_iters}, summary.json written); give --max_iters > {ckpt['iter']} "
+                         "to train it further")
 
 
 def check_compatible(ck, path, cfg, data):
