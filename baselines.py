@@ -283,9 +283,9 @@ class GAUStack(nn.Module):
         super().__init__()
         d, e, s = cfg.n_embd, cfg.width, cfg.gau_s
         if s < HEAD_DIM or s % HEAD_DIM:
-            raise UsageError(f"gau_s {s} must be a positive multiple of {HEAD_DIM} (RoPE in 32-dim groups)")
+            raise UsageError(f"--gau_s {s}: must be a positive multiple of {HEAD_DIM} (RoPE in 32-dim groups)")
         if flash and cfg.chunk < 1:
-            raise UsageError(f"chunk {cfg.chunk} must be >= 1")
+            raise UsageError(f"--chunk {cfg.chunk}: must be >= 1")
         if impl not in ("fast", "reference"):
             raise ValueError(f"impl must be 'fast' or 'reference', not {impl!r}")
         self.depth, self.flash, self.impl = cfg.depth, flash, impl

@@ -486,9 +486,18 @@ def parse(argv):
     if not a.block_sizes or min(a.block_sizes) < 1:
         p.error("--block_sizes: need positive integers")
     a.batch_tokens = a.batch_tokens or max(max(a.block_sizes), 32768 if cuda else 0)
-    for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup"):
+    for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup", "peak_reps"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    if a.reflux and a.depth < 2:  # checked here, not after every model's row
+        p.error(f"--depth {a.depth}: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes block S's "
+                "increment into an earlier block D)")
+    for flag in ("threads", "peak_n"):
+        if getattr(a, flag) < 0:
+            p.error(f"--{flag} {getattr(a, flag)}: must be >= 0")
+    for flag in ("step_budget", "timeout"):
+        if not 0 < getattr(a, flag) < math.inf:
+            p.error(f"--{flag} {getattr(a, flag)}: must be a finite number of seconds > 0")
     if cuda and not torch.cuda.is_available():
         p.error(f"--device {a.device}: CUDA is not available")
     if a.compile is None:
@@ -582,5 +591,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except UsageError as e:
-        sys.exit(f"bench.py: error: {e}")
+    except UsageError as e:  # one line, exit code 2 like every other bad input (sys.exit(str) exits 1)
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

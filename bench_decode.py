@@ -180,3 +180,10 @@ def reflux_table(rows):
     return head + "\n".join(f"| {r['schedule']} | {r['T']} | {r['forward_ms_per_token']:.3f} | {r['forward_vs_base']:.2f} | "
                              f"{r['decode_ms_per_token']:.3f} | {r['decode_vs_base']:.2f} | {r['macs_ratio']:.2f} |"
                              for r in rows)
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    import sys
+    print("error: bench_decode.py has no command line of its own; "
+          "use python bench.py decode or python bench.py --reflux (python bench.py decode --help)", file=sys.stderr)
+    sys.exit(2)

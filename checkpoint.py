@@ -225,6 +225,16 @@ def check_resume(ckpt, cfg, data, args):
     return min(ckpt["best_dev"], best["dev_nll"])
 
 
+def check_unfinished(ckpt, args):
+    """UsageError when the checkpoint's run is finished (its last update done and summary.json
+    written): resuming it would only evaluate again and replace summary.json without its throughput.
+    Called after every other check of the checkpoint, so a damaged one is reported as such."""
+    if ckpt["iter"] == args.max_iters and os.path.exists(os.path.join(args.out_dir, "summary.json")):
+        raise UsageError(f"--resume: the run in {args.out_dir} is finished (update {ckpt['iter']} of --max_iters "
+                         f"{args.max_iters}, summary.json written); give --max_iters > {ckpt['iter']} "
+                         "to train it further")
+
+
 def check_compatible(ck, path, cfg, data):
     """UsageError unless the checkpoint holds this model config and was trained on this data
     (ModelConfig.DEAD_FIELDS of older checkpoints are ignored)."""

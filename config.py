@@ -16,7 +16,7 @@ import torch.distributed as tdist
 
 from checkpoint import trim_log
 from common import ModelConfig, UsageError
-from models import REGISTRY, TIERS, solve_width, width_multiple
+from models import REGISTRY, TIERS, build_model, solve_width, width_multiple
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
 # the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
@@ -37,6 +37,29 @@ TIER_DEFAULTS = {
 }
 # models whose one block (or unit, or recurrent core) can be applied any number of times
 SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm", "loopstack")
+# the model flags only some models read (every other model ignores them, so giving one is an error,
+# as --data_dir is without dmmath); --model, --depth, --size and --width are every model's
+_RECURRENT, _LRT = ("parcae", "rdm"), ("lrt", "lrt-think")
+MODEL_FLAGS = {
+    "window": ("tango-windowed",), "chunk": ("flash",), "gau_s": ("gau", "flash"),
+    "mu_rec": _RECURRENT, "mu_bwd": _RECURRENT, "n_prelude": _RECURRENT, "n_coda": _RECURRENT,
+    "n_core": _RECURRENT + ("loopstack", "plt", "loopfold"),
+    "da_stride": ("depth-attn", "loop-depth-attn"), "da_recent": ("depth-attn", "loop-depth-attn"),
+    "n_thoughts": ("ponder", "lrt-think"), "jacobi": ("ponder",), "jacobi_random": ("ponder",),
+    "lrt_src": _LRT, "lrt_tgt": _LRT, "lrt_kv": _LRT, "lrt_subsets": _LRT, "lrt_detach_init": _LRT,
+    "plt_window": ("plt",), "plt_shift": ("plt",),
+    "fold": ("loopfold",), "fold_rank": ("loopfold",), "fold_layout": ("loopfold",),
+}
+
+
+def check_model_flags(model, given):
+    """UsageError for a model flag given explicitly (given: the flag names on the command line)
+    that --model does not read (MODEL_FLAGS): it would be silently ignored."""
+    for flag in sorted(set(given) & set(MODEL_FLAGS)):
+        if model not in MODEL_FLAGS[flag]:
+            users = MODEL_FLAGS[flag]
+            users = users[0] if len(users) == 1 else f"{', '.join(users[:-1])} or {users[-1]}"
+            raise UsageError(f"--{flag}: only used with --model {users}; --model {model} ignores it (drop the flag)")
 
 
 def tier_default(flag):
@@ -69,7 +92,16 @@ def resolve_args(args, dist=None):
         args.dtype = "bfloat16" if bf16 else "float32"
     check_values(args, dist)
     check_paths(args)
+    check_model(args)
     return args
+
+
+def check_model(args):
+    """Build the flags' model on the meta device (no memory, no time): a value the model rejects
+    (--width off its granularity, --n_core 0, --plt_window 0, ...) is a UsageError before any data
+    is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not depend on it)."""
+    cfg, _ = model_config(args, vocab_size=256)
+    build_model(cfg, device="meta")
 
 
 def check_values(args, dist):

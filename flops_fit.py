@@ -271,3 +271,10 @@ def fit_main(argv):
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    import sys
+    print("error: flops_fit.py has no command line of its own; "
+          "use python flops.py fit RUN ... (python flops.py fit --help)", file=sys.stderr)
+    sys.exit(2)

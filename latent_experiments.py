@@ -344,3 +344,10 @@ def main(argv):
     else:
         args = parse(sweep_parser(), argv, "sweep")
         sweep(args, *load_base(args.base))
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    import sys
+    print("error: latent_experiments.py has no command line of its own; "
+          "use python latent_tokens.py [pretrain|sweep] (python latent_tokens.py --help)", file=sys.stderr)
+    sys.exit(2)

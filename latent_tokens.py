@@ -499,8 +499,13 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line "error: ..." and exit 2 (main prints it), no usage block
+        raise UsageError(f"{message} (see python {self.prog} --help)")
+
+
 def _parser(prog, description):
-    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=_Help)
+    return _Parser(prog=prog, description=description, formatter_class=_Help)
 
 
 def _base_flags(a):
@@ -554,6 +559,14 @@ def check_args(args):
                  "eval_interval", "depth"):
         if getattr(args, flag, 1) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if not 0 < args.lr < math.inf:
+        raise UsageError(f"--lr {args.lr}: must be a finite number > 0")
+    for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
+        if not 0 <= getattr(args, flag, 0.0) < math.inf:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be a finite number >= 0"
+                             + (" (0 = off)" if flag == "grad_clip" else ""))
+    if not 0 <= getattr(args, "warmup", 0.0) < 1:
+        raise UsageError(f"--warmup {args.warmup}: a fraction of the updates, in [0, 1)")
     choose("readout", getattr(args, "readout", "latent"), READOUTS)
     choose("position_mode", getattr(args, "position_mode", "prepend"), POSITION_MODES)
     if args.cmd == "run":

@@ -38,6 +38,10 @@ def load(path, data_root=None):
         raise UsageError(f"--base {path}: not a readable checkpoint config ({type(e).__name__})") from None
     if cfg.model not in ("untied", "loop"):
         raise UsageError(f"--base {path}: ReFlux needs a Transformer++ checkpoint (untied or loop), not '{cfg.model}'")
+    saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
+    if "dataset" not in saved:  # e.g. latent_tokens.py pretrain's base: its data would be taken for stdlib
+        raise UsageError(f"--base {path}: not a train.py checkpoint (it records no --dataset, so the data it was "
+                         "trained on is unknown); ReFlux evaluates a train.py run's ckpt_best.pt")
     from models import build_model
     base = build_model(cfg)
     try:
@@ -45,7 +49,6 @@ def load(path, data_root=None):
     except RuntimeError as e:
         raise UsageError(f"--base {path}: weights do not fit its config ({str(e).splitlines()[0][:200]})") from None
     base.eval()
-    saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
     p = argparse.ArgumentParser()
     data_mod.add_arguments(p.add_argument)
     dargs = p.parse_args([])
@@ -187,6 +190,11 @@ def parse(argv):
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 0")
     if not 0 < a.xi < 1:
         raise UsageError(f"--xi {a.xi}: must lie in (0, 1)")
+    for flag in ("lr", "alpha_max"):
+        if not 0 < getattr(a, flag) < math.inf:
+            raise UsageError(f"--{flag} {getattr(a, flag)}: must be a finite number > 0")
+    if not 0 <= a.lam < math.inf:  # 0: no gate penalty
+        raise UsageError(f"--lam {a.lam}: must be a finite number >= 0")
     if not os.path.isfile(a.base):
         raise UsageError(f"--base: no checkpoint at {a.base}")
     if sweep:
@@ -361,3 +369,9 @@ def cli(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    print("error: reflux_cli.py has no command line of its own; use python reflux.py [sweep] "
+          "(python reflux.py --help)", file=sys.stderr)
+    sys.exit(2)

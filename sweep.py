@@ -11,7 +11,8 @@
 `<root>/<dataset>/<model>-K<depth>-s<seed>/` with the paper's protocol (matched non-embedding
 parameters, data order = seed, dev-selected checkpoint, test on it). A run with `summary.json` is
 skipped, one with only `ckpt_latest.pt` resumed; an existing run trained with other flags stops
-the sweep before anything starts. Flags after `--` go to every run (`--data_dir` to dmmath only).
+the sweep before anything starts. Flags after `--` go to every run (`--data_dir` to dmmath only,
+a model's own flags such as `--window` or `--n_core` only to the models that read them).
 `--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first. What
 `run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`.
 
@@ -113,7 +114,7 @@ SWEEP_SET_FLAGS = ("--model", "--depth", "--dataset", "--seed", "--data_seed", "
 def train_argv(root, ds, m, k, s, lr, extra):
     """The train.py flags of one grid run (without --resume)."""
     argv = ["--model", m, "--depth", str(k), "--dataset", ds, "--seed", str(s), "--data_seed", str(s),
-            "--out_dir", run_dir(root, ds, m, k, s, lr), "--quiet", *flags_for(ds, extra)]
+            "--out_dir", run_dir(root, ds, m, k, s, lr), "--quiet", *flags_for(ds, extra, m)]
     return argv + (["--learning_rate", lr] if lr else [])
 
 
@@ -124,27 +125,36 @@ def check_existing_run(out, argv):
     skipping or resuming it would mix settings in one grid cell."""
     import train
     from checkpoint import MACHINE_FLAGS
+    from config import MODEL_FLAGS
     start = [r for r in log_records(out) if r.get("event") == "start"]
     if not start:
         return
     saved = start[-1].get("args", {})
     requested = vars(train.resolve_args(train.parse_args(argv)))
-    for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS)):
+    unread = {f for f, users in MODEL_FLAGS.items() if requested["model"] not in users}  # (older sweeps passed them)
+    for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
             raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
                              "use another --root (or delete that run) to change a setting")
 
 
-def flags_for(dataset, extra):
-    """extra without --data_dir X unless dataset is dmmath (train.py accepts it only there)."""
-    out, skip = [], False
-    for i, f in enumerate(extra):
-        if skip:
-            skip = False
-        elif dataset != "dmmath" and f == "--data_dir":
-            skip = True
-        elif not (dataset != "dmmath" and f.startswith("--data_dir=")):
-            out.append(f)
+def flags_for(dataset, extra, model=None):
+    """extra without the flags train.py refuses for this run: --data_dir X unless dataset is dmmath,
+    and a model's own flag (config.MODEL_FLAGS: --window, --n_core, --plt_window, ...) unless model
+    reads it, so one sweep can compare models with a setting only some of them have."""
+    import train
+    from config import MODEL_FLAGS
+    actions = train.build_parser()._option_string_actions
+    out, i = [], 0
+    while i < len(extra):
+        f = extra[i]
+        action = actions.get(f.split("=", 1)[0])
+        n = 1 if action is None or "=" in f or action.nargs == 0 else 2  # the flag and its value
+        dest = action.dest if action is not None else None
+        if not (dest == "data_dir" and dataset != "dmmath"
+                or model is not None and dest in MODEL_FLAGS and model not in MODEL_FLAGS[dest]):
+            out += extra[i:i + n]
+        i += n
     return out
 
 
@@ -227,8 +237,18 @@ def check_run_flags(args, extra):
                          "--seeds/--datasets/--lrs/--root instead")
     if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in filter(None, args.lrs.split(","))):
         raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
+    from config import MODEL_FLAGS  # a model flag goes only to the models that read it (flags_for): one of them must
+    for flag in sorted(train.given_flags(extra) & set(MODEL_FLAGS)):
+        if not set(args.models.split(",")) & set(MODEL_FLAGS[flag]):
+            raise UsageError(f"-- --{flag}: no model of --models {args.models} reads it "
+                             f"(used by {', '.join(MODEL_FLAGS[flag])})")
     if known.size is not None and known.size not in TIERS:
         raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line "error: ..." and exit 2 (the __main__ block prints it), no usage block
+        raise UsageError(f"{message} (see python {self.prog} --help)")
 
 
 def main(argv=None):
@@ -237,25 +257,28 @@ def main(argv=None):
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--root", required=True)
-    r.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash")
-    r.add_argument("--depths", default="4")
-    r.add_argument("--seeds", type=int, default=1)
-    r.add_argument("--datasets", default="stdlib")
+    p = _Parser(prog="sweep.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,collect,plot,report}")
+    r = sub.add_parser("run", help="train the grid (flags after -- go to every train.py run)",
+                       usage="sweep.py run --root ROOT [options] [-- TRAIN.PY FLAGS]")
+    r.add_argument("--root", required=True, help="folder of the runs: <root>/<dataset>/<model>-K<depth>-s<seed>/")
+    r.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash",
+                   help="comma-separated train.py --model names (default: %(default)s)")
+    r.add_argument("--depths", default="4", help="comma-separated depths K (default: %(default)s)")
+    r.add_argument("--seeds", type=int, default=1, help="seeds 1..N per cell; data order = seed (default: %(default)s)")
+    r.add_argument("--datasets", default="stdlib",
+                   help="comma-separated train.py --dataset values (default: %(default)s)")
     r.add_argument("--lrs", default="", help="comma-separated peak learning rates (a learning-rate sweep)")
     r.add_argument("--jobs", type=int, default=1, help="train.py processes at once (threads split between them)")
-    c = sub.add_parser("collect")
-    c.add_argument("--root", required=True)
-    c.add_argument("--to", required=True)
-    g = sub.add_parser("plot")
-    g.add_argument("--root", required=True)
-    g.add_argument("--out", required=True)
-    q = sub.add_parser("report")
-    q.add_argument("--root", required=True)
-    q.add_argument("--out", default=None)
+    c = sub.add_parser("collect", help="copy each run's summary and curves into a folder small enough to commit")
+    c.add_argument("--root", required=True, help="the runs' folder (of sweep.py run)")
+    c.add_argument("--to", required=True, help="destination folder")
+    g = sub.add_parser("plot", help="loss-curve PNGs (needs matplotlib)")
+    g.add_argument("--root", required=True, help="the runs' folder (run or collected)")
+    g.add_argument("--out", required=True, help="folder the PNGs are written to")
+    q = sub.add_parser("report", help="markdown tables of the runs (--grid: the paper's tables and claims)")
+    q.add_argument("--root", required=True, help="the runs' folder (run or collected)")
+    q.add_argument("--out", default=None, help="also write the report to this file")
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "

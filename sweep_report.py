@@ -24,20 +24,24 @@ def mean_std(xs):
 
 
 # a run's settings, compared within a grid cell: these summary.json fields, the curves' tokens per
-# update, and (when the run folder has its log) every train.py flag but the seeds and machine flags
+# update, and (when the run folder has its log) every train.py flag but the seeds, machine flags and
+# the model flags its model does not read
 SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params", "test_split")
 
 
 def run_settings(run, summary):
     """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
     from checkpoint import MACHINE_FLAGS
+    from config import MODEL_FLAGS
     out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
     if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
         out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
     start = [r for r in log_records(run) if r.get("event") == "start"]
     if start:
-        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"}
-        out.update({f"--{k}": v for k, v in start[-1].get("args", {}).items() if k not in skip})
+        args = start[-1].get("args", {})
+        unread = {f for f, users in MODEL_FLAGS.items() if args.get("model") not in users}  # flags its model ignores
+        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"} | unread
+        out.update({f"--{k}": v for k, v in args.items() if k not in skip})
     return out
 
 
@@ -392,3 +396,9 @@ def replace_between_markers(path, markers, text):
         raise UsageError(f"--into {path}: no line {missing}; put the two marker lines where the report goes")
     with open(path, "w") as f:
         f.write(doc[:i + len(begin)] + text + doc[j:])
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    print("error: sweep_report.py has no command line of its own; "
+          "use python sweep.py report or python sweep.py plot (python sweep.py report --help)", file=sys.stderr)
+    sys.exit(2)

@@ -162,3 +162,10 @@ def _char_vocab(tmp, n_tok, chunk=1 << 24):
         del src
         os.remove(os.path.join(tmp, f"{s}.cp"))
     return dict(tokenizer="char", vocab_size=len(itos), dtype=dtype.name, itos=itos, unk_id=unk, eot_id=eot_id)
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    import sys
+    print("error: text_data.py has no command line of its own; "
+          "use python data.py --dataset PATH (python data.py --help)", file=sys.stderr)
+    sys.exit(2)

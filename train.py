@@ -47,10 +47,11 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
-from checkpoint import (BEST, LATEST, check_resume, load_checkpoint, remove_stale, restore, resume_args,
-                        save_checkpoints, strip_prefixes)
+from checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
+                        resume_args, save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, compile_regions
-from config import Dist, DebugDump, Log, autocast_ctx, model_config, resolve_args, tier_default
+from config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
+                    resolve_args, tier_default)
 from datacheck import load_data
 from evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model
@@ -149,7 +150,7 @@ def build_parser(suppress_defaults=False):
     a("--eval_windows", type=int, help="fixed dev/test windows evaluated; " + tier_default("eval_windows"))
     a("--eval_batch_size", type=int, default=8, help="windows per evaluation forward pass")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
-      "1,2,4,8,16,32 (shared-block models: the TANGO family, loop, gau, flash, parcae, rdm); default: none")
+      f"1,2,4,8,16,32 (shared-block models: {', '.join(SHARED_BLOCK)}); default: none")
     a("--em_samples", type=int, help="dmmath: problems per split scored by exact match; " + tier_default("em_samples"))
     a("--sample_tokens", type=int, default=80, help="length of the decoded sample printed at the end")
     a = group("system")
@@ -232,6 +233,7 @@ def setup(args, given):
     state. Returns (Run, checkpoint or None, resume overrides); UsageError on bad input; writes nothing."""
     dist = Dist.from_env()
     ckpt, changed = resume_args(args, given) if args.resume else (None, {})
+    check_model_flags(args.model, given)  # a flag this model ignores
     args = resolve_args(args, dist)  # tier defaults, device, validation (config.py)
     dist.start(args.device)
     data = load_data(args, dist)
@@ -243,6 +245,7 @@ def setup(args, given):
     if ckpt is not None:
         r.best_dev = check_resume(ckpt, cfg, data, args)
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
+        check_unfinished(ckpt, args)
         r.it = r.saved_at = ckpt["iter"]
     r.ctx = autocast_ctx(args)
     if args.compile:  # regional: each body's repeated unit (and the head) compiles once, whatever the depth

@@ -3,7 +3,8 @@
 1 sampling arguments, 2 loss over scored targets of the whole update, 3 random draws independent
 of the world size, 4 latent tokens on half-precision bases, 5 under-determined scaling-law fits,
 6 sweep settings, 7 BPE tests without the vocabulary, 8 leftovers (folders, train/eval mode),
-9 weight-decay exemptions, 10 CI installs the optional extras the tests use.
+9 weight-decay exemptions, 10 CI installs the optional extras the tests use, 11 a newcomer's pass
+(one-line errors from every command line, model flags checked before the data, flags a model ignores).
 """
 import contextlib
 import copy
@@ -13,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -479,3 +481,270 @@ def test_ci_installs_every_optional_extra_the_tests_import():
     installs = " ".join(line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
                         if "pip install" in line and not line.lstrip().startswith("#"))
     assert all(re.search(rf"\b{w}\b", installs) for w in wanted), (wanted, installs)
+
+
+# ============================================================================ 11. a newcomer's pass
+
+def run_cli(script, argv, monkeypatch, capsys):
+    """python SCRIPT ARGV in this process (runpy: the file's __main__ block, as on the command line);
+    returns (exit code, stdout, stderr)."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    capsys.readouterr()
+    code = 0
+    try:
+        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("script,argv,needle", [
+    ("train.py", ["--depth", "x"], "--depth"),
+    ("data.py", ["--num_proc", "x"], "--num_proc"),
+    ("sweep.py", [], "{run,collect,plot,report}"),
+    ("sweep.py", ["run", "--seeds", "x"], "--seeds"),
+    ("sweep.py", ["report"], "--root"),
+    ("bench.py", ["--depth", "x"], "--depth"),
+    ("bench.py", ["decode", "--depth", "x"], "--depth"),
+    ("flops.py", ["--depth", "x"], "--depth"),
+    ("flops.py", ["fit"], "runs"),
+    ("reflux.py", ["--xi", "x"], "--xi"),
+    ("reflux.py", ["sweep", "--base"], "--base"),
+    ("latent_tokens.py", ["--task", "summation"], "--base"),
+    ("latent_tokens.py", ["pretrain", "--steps", "x"], "--steps"),
+    ("latent_tokens.py", ["sweep", "--seeds", "x"], "--seeds"),
+])
+def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
+                                                                     capsys):
+    """A flag argparse rejects (a missing, mistyped or valueless one) is one line on stderr naming the
+    flag, exit code 2, for every command line (sweep.py and latent_tokens.py printed a usage block)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(script, argv, monkeypatch, capsys)
+    assert code == 2 and out == "", (code, out)
+    assert err.count("\n") == 1 and re.match(r"(\S+ )*error: ", err) and needle in err, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("latent_tokens.py", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+    ("latent_tokens.py", ["--base", "x.pt", "--task", "summation", "--warmup", "2"],
+     "--warmup 2.0: a fraction of the updates, in [0, 1)"),
+    ("latent_tokens.py", ["pretrain", "--lr", "nan"], "--lr nan: must be a finite number > 0"),
+    ("latent_tokens.py", ["sweep", "--base", "x.pt", "--grad_clip", "-1"],
+     "--grad_clip -1.0: must be a finite number >= 0 (0 = off)"),
+    ("reflux.py", ["--base", "x.pt", "--lr", "0"], "--lr 0.0: must be a finite number > 0"),
+    ("reflux.py", ["sweep", "--base", "x.pt", "--lam", "-1"], "--lam -1.0: must be a finite number >= 0"),
+    ("reflux.py", ["--base", "x.pt", "--alpha_max", "inf"], "--alpha_max inf: must be a finite number > 0"),
+])
+def test_float_flags_out_of_range_are_one_line_errors(script, argv, message, tmp_path, monkeypatch, capsys):
+    """latent_tokens.py and reflux.py took a negative or NaN learning rate, penalty or warmup and ran
+    with it (reported after loading the base, if at all); now the flag is named before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(script, argv, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", f"error: {message}\n")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--timeout", "0"], "--timeout 0.0: must be a finite number of seconds > 0"),
+    (["--step_budget", "nan"], "--step_budget nan: must be a finite number of seconds > 0"),
+    (["--peak_reps", "0"], "--peak_reps 0: must be >= 1"), (["--threads", "-1"], "--threads -1: must be >= 0"),
+    # reflux_rows raised this (naming an --edge 0:0 nobody gave, exit code 1) after every model's row
+    (["--quick", "--depth", "1"], "--depth 1: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes "
+                                  "block S's increment into an earlier block D)"),
+])
+def test_bench_flags_out_of_range(argv, message, capsys):
+    import bench
+    with pytest.raises(SystemExit) as e:
+        bench.parse(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == f"bench.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("module,command", [
+    ("latent_experiments.py", "python latent_tokens.py"), ("reflux_cli.py", "python reflux.py"),
+    ("bench_decode.py", "python bench.py decode"), ("sweep_report.py", "python sweep.py report"),
+    ("flops_fit.py", "python flops.py fit"), ("text_data.py", "python data.py"),
+])
+def test_a_module_of_another_command_names_that_command(module, command, monkeypatch, capsys):
+    """`python reflux_cli.py --help` (the modules split out of reflux.py, bench.py, sweep.py, flops.py
+    and data.py, and latent_experiments.py) printed nothing and exited 0; now one line names the command."""
+    code, out, err = run_cli(module, ["--help"], monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: {module} has no command line of its own; use {command}") and err.count("\n") == 1
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    (tmp_path / "text.txt").write_text("".join(f"line {i}: some text to tokenize\n" for i in range(400)))
+    return tmp_path / "text.txt"
+
+
+def train_main_fails(argv, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main([*argv, "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("model,flags,message", [
+    ("loop", ["--width", "100"], "--width 100: must be a positive multiple of 8 for --model loop"),
+    ("tango", ["--width", "130"], "--width 130: must be a positive multiple of 4 for --model tango"),
+    ("tango-3set", ["--depth", "2"], "--depth 2: TANGO with three gated-projection sets needs depth >= 3"),
+    ("parcae", ["--n_core", "0"], "--n_core 0 / --n_coda 2: need --n_core >= 1"),
+    ("rdm", ["--mu_rec", "-1"], "--mu_rec -1 / --mu_bwd 0: must be >= 1"),
+    ("gau", ["--gau_s", "40"], "--gau_s 40: must be a positive multiple of 32"),
+    ("depth-attn", ["--da_stride", "-2"], "--da_stride -2: must be >= -1"),
+    ("ponder", ["--jacobi", "-1"], "--jacobi -1: must be >= 0"),
+    ("lrt", ["--lrt_src", "9"], "--lrt_src 9: must be -1 (floor(2K/3)) or a block 0..7"),
+    ("lrt-think", ["--n_thoughts", "-1"], "--n_thoughts -1: must be >= 0"),
+    ("plt", ["--plt_window", "0"], "--plt_window 0: must be >= 1"),
+    ("loopfold", ["--fold", "0"], "--fold 0: must be >= 1"),
+    ("loopstack", ["--n_core", "0"], "--n_core 0: must be >= 1"),
+])
+def test_a_value_the_model_rejects_stops_the_run_before_the_data_is_prepared(model, flags, message, text_file,
+                                                                              capsys):
+    """The model is built (on the meta device) with the flag checks, so a bad model value is reported
+    in a second, not after the dataset was tokenized (a GPT-2 stdlib preparation takes minutes), and
+    neither --data_root nor --out_dir is created."""
+    root = text_file.parent
+    err = train_main_fails(["--model", model, *flags, "--dataset", str(text_file), "--tokenizer", "char",
+                            "--data_root", str(root / "data"), "--out_dir", str(root / "out")], capsys)
+    assert message in err
+    assert sorted(os.listdir(root)) == ["text.txt"]
+
+
+def test_a_flag_the_model_does_not_read_is_an_error(text_file, capsys):
+    """--model tango --plt_window 8 trained TANGO and silently ignored the flag (like --data_dir without
+    dmmath, which was already an error); every model flag with every model that does not read it."""
+    from config import MODEL_FLAGS
+    root = text_file.parent
+    parser = train.build_parser()
+    for flag, users in MODEL_FLAGS.items():
+        action = parser._option_string_actions[f"--{flag}"]
+        value = [] if action.nargs == 0 else [str(action.choices[0]) if action.choices else "2"]
+        for model in (m for m in REGISTRY if m not in users):
+            err = train_main_fails(["--model", model, f"--{flag}", *value, "--dataset", str(text_file),
+                                    "--data_root", str(root / "data"), "--out_dir", str(root / "out")], capsys)
+            listed = users[0] if len(users) == 1 else f"{', '.join(users[:-1])} or {users[-1]}"
+            assert err == f"error: --{flag}: only used with --model {listed}; --model {model} ignores it (drop the flag)\n"
+    assert sorted(os.listdir(root)) == ["text.txt"]
+    # the users of a flag accept it (the check itself; the runs are in the model tests)
+    from config import check_model_flags
+    for flag, users in MODEL_FLAGS.items():
+        for model in users:
+            check_model_flags(model, {flag, "depth", "model"})
+
+
+def test_sweep_gives_a_model_flag_only_to_the_models_that_read_it():
+    extra = ["--size", "tiny", "--window", "16", "--n_core=3", "--no-plt_shift", "--data_dir", "/d", "--lrt_src", "-1"]
+    assert sweep.flags_for("dmmath", extra) == extra  # no model given: only --data_dir is filtered
+    assert sweep.flags_for("stdlib", extra, "tango") == ["--size", "tiny"]
+    assert sweep.flags_for("stdlib", extra, "tango-windowed") == ["--size", "tiny", "--window", "16"]
+    assert sweep.flags_for("dmmath", extra, "plt") == ["--size", "tiny", "--n_core=3", "--no-plt_shift",
+                                                       "--data_dir", "/d"]
+    assert sweep.flags_for("stdlib", extra, "lrt") == ["--size", "tiny", "--lrt_src", "-1"]
+    # a model flag that no model of the sweep reads is refused before anything starts
+    with pytest.raises(UsageError, match=r"^-- --window: no model of --models loop,plt reads it \(used by tango-windowed\)$"):
+        sweep.main(["run", "--root", "unused", "--models", "loop,plt", "--", "--window", "16", "--n_core", "2"])
+    with pytest.raises(UsageError, match=r"^-- --plt_shift: no model of --models loop reads it"):
+        sweep.main(["run", "--root", "unused", "--models", "loop", "--", "--no-plt_shift"])
+
+
+# a value of each model flag other than BEHAVIOUR_CFG's, valid for every model
+CHANGED = dict(window=4, chunk=4, gau_s=64, mu_rec=2, mu_bwd=1, n_prelude=2, n_core=2, n_coda=2, da_stride=-1,
+               da_recent=1, n_thoughts=2, jacobi=2, jacobi_random=False, lrt_src=1, lrt_tgt=1, lrt_kv=True,
+               lrt_subsets=1, lrt_detach_init=True, plt_window=2, plt_shift=False, fold=1, fold_rank=4,
+               fold_layout="last")
+# depth 4: Depth-Attention's stride 2 leaves room for --da_recent; jacobi 1: training with
+# --no-jacobi_random differs from the U{2, 3} draw
+BEHAVIOUR_CFG = dict(n_embd=32, n_head=1, width=32, depth=4, block_size=8, jacobi=1)
+
+
+def behaviour(cfg):
+    """What a model does: its parameters' shapes, a seeded training step (logits and gradients)
+    and an evaluation forward, from the same initial seed."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x = torch.arange(8).view(1, 8)
+    out = [tuple(p.shape) for p in model.parameters()]
+    train.seed_random_draws(model.train(), 1337, 0, 0)
+    logits, loss = model(x, x)
+    loss.backward()
+    out += [logits.detach()] + [p.grad for p in model.parameters()]
+    with train.eval_mode(model), torch.no_grad():
+        out.append(model(x)[0])
+    return out
+
+
+def same(a, b):
+    def eq(u, v):
+        if torch.is_tensor(u) or torch.is_tensor(v):
+            return torch.is_tensor(u) and torch.is_tensor(v) and torch.equal(u, v)
+        return u == v
+    return len(a) == len(b) and all(eq(u, v) for u, v in zip(a, b))
+
+
+def test_model_flags_lists_exactly_the_models_each_flag_changes():
+    """config.MODEL_FLAGS (which models read a flag; the others refuse it) checked against the models:
+    changing the flag's value changes a model's parameters, training or evaluation iff it is listed."""
+    from config import MODEL_FLAGS
+    assert set(CHANGED) == set(MODEL_FLAGS)
+    for name in REGISTRY:
+        base = small_cfg(name, **BEHAVIOUR_CFG)
+        ref = behaviour(base)
+        changes = [f for f, v in CHANGED.items() if not same(ref, behaviour(replace(base, **{f: v})))]
+        assert changes == [f for f in CHANGED if name in MODEL_FLAGS[f]], name
+
+
+def test_reflux_refuses_a_checkpoint_without_training_flags_before_preparing_data(tmp_path, monkeypatch, capsys):
+    """A base written by latent_tokens.py pretrain (an untied Transformer++ without train.py's flags):
+    reflux.py took its dataset for the default stdlib, tokenized all of it into ./data (minutes) and
+    only then said the data differ; now one line, exit 2, nothing written."""
+    import reflux_cli
+    cfg = ModelConfig(model="untied", vocab_size=13, block_size=16, n_embd=32, n_head=1, depth=2, width=32)
+    torch.save({"model": build_model(cfg).state_dict(), "config": cfg.to_dict(),
+                "data": {"tokenizer": "task", "vocab_size": 13}}, tmp_path / "base.pt")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPT2_BPE_FILE", str(tmp_path / "missing.tiktoken"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        reflux_cli.cli(["--base", "base.pt"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: --base base.pt: not a train.py checkpoint (it records no --dataset, so "
+                                       "the data it was trained on is unknown); ReFlux evaluates a train.py run's "
+                                       "ckpt_best.pt\n")
+    assert os.listdir(tmp_path) == ["base.pt"]
+
+
+def test_sweep_resumes_a_root_whose_runs_got_flags_their_model_ignores(tmp_path, monkeypatch):
+    """Before flags_for sent --window to tango-windowed only, every run of `-- --window 16` recorded it;
+    the same command on that root must still find its loop run trained as asked (--window is not a loop setting)."""
+    root = tmp_path / "runs"
+    fake_run(root / "dmmath" / "loop-K2-s1", ["--model", "loop", "--depth", "2", "--dataset", "dmmath", "--seed", "1",
+                                              "--data_seed", "1", "--size", "tiny", "--window", "16"],
+             dict(SUMMARY, model="loop", seed=1))
+    started = []
+    monkeypatch.setattr(sweep, "prepare_data", lambda *a: started.append("prepare"))
+    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    assert sweep.main(["run", "--root", str(root), "--models", "loop,tango-windowed", "--depths", "2", "--datasets",
+                       "dmmath", "--", "--size", "tiny", "--window", "16"]) == 0
+    assert started[0] == "prepare" and len(started) == 2  # the loop run is done; tango-windowed trains, with --window
+    assert "tango-windowed" in started[1] and started[1][-2:] == ["--window", "16"]
+    with pytest.raises(UsageError, match="trained with --block_size 128, this sweep asks for --block_size 256"):
+        sweep.main(["run", "--root", str(root), "--models", "loop", "--depths", "2", "--datasets", "dmmath"])
+
+
+def test_sweep_report_cell_ignores_flags_the_model_does_not_read(tmp_path):
+    """A seed recorded with -- --window 16 (older sweeps passed it to every model) and a seed without
+    it are one loop cell; a loop setting that differs still splits it."""
+    root = tmp_path / "runs"
+    common = ["--model", "loop", "--depth", "2", "--dataset", "dmmath", "--size", "tiny"]
+    fake_run(root / "dmmath" / "a-s1", [*common, "--seed", "1", "--window", "16"], dict(SUMMARY, model="loop", seed=1))
+    fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2"], dict(SUMMARY, model="loop", seed=2))
+    assert "| loop | 2 | 2 |" in sweep_report.report(str(root))
+    fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--max_iters", "7"], dict(SUMMARY, model="loop", seed=2))
+    with pytest.raises(UsageError, match="a-s1 has --lr_decay_iters 120, .*a-s2 has --lr_decay_iters 7"):
+        sweep_report.report(str(root))

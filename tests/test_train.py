@@ -558,6 +558,9 @@ CASES = [
     ("ckpt_best_corrupt", ["--resume"], "ckpt_best.pt",
      [_write("out/ckpt_best.pt", lambda p: p.write_bytes(p.read_bytes()[:-100]))], "resume"),
     ("ckpt_max_iters_below", ["--resume", "--max_iters", "3"], "--max_iters", [], "resume"),
+    # a finished run: resuming it only evaluated again and replaced summary.json without its tokens/s
+    ("resume_finished", ["--resume"], "is finished (update 6 of --max_iters 6, summary.json written); give "
+     "--max_iters > 6", [], "resume"),
     ("ckpt_seed_conflict", ["--resume", "--seed", "5"], "--seed", [], "resume"),
 ]
 
