@@ -98,23 +98,23 @@ def exact_match(model, data, split, n_samples, device, ctx):
 
 
 def print_report(s, data, args):
+    row = lambda label, value: print(f"{label:<25}{value}")  # one aligned column of values
     print(f"\n== {args.model} depth {args.depth} on {args.dataset} ({args.size} tier) ==")
-    print(f"non-embedding params   {s['non_embedding_params']:,}")
-    print(f"unigram entropy (dev)  {s['unigram_dev']:.4f} nats/token   (baseline)")
-    print(f"dev NLL (best, upd {s['best_iter']}) {s['dev_nll']:.4f} nats/token")
-    print(f"test NLL ({data.test_split})    {s['test_nll']:.4f} nats/token")
+    row("non-embedding params", f"{s['non_embedding_params']:,}")
+    row("unigram entropy (dev)", f"{s['unigram_dev']:.4f} nats/token   (baseline)")
+    row(f"dev NLL (best, upd {s['best_iter']})", f"{s['dev_nll']:.4f} nats/token")
+    row(f"test NLL ({data.test_split})", f"{s['test_nll']:.4f} nats/token")
     if s["tok_per_s_median_last100"]:
-        print(f"throughput             {s['tok_per_s_median_last100']:.0f} tokens/s (median, last 100 updates)")
+        row("throughput", f"{s['tok_per_s_median_last100']:.0f} tokens/s (median, last 100 updates)")
     for split in data.meta.get("em_splits", []):
         n = min(args.em_samples, len(data.problems(split)))
-        print(f"exact match {split:12s} {s[f'exact_match_{split}']:.2%}  ({n} problems)")
+        row(f"exact match {split}", f"{s[f'exact_match_{split}']:.2%}  ({n} problems)")
     if "depth_sweep" in s:
         print("dev NLL by test-time depth: " + ", ".join(
             f"K={k}: {v:.4f}" for k, v in zip(s["depth_sweep"]["depths"], s["depth_sweep"]["dev_nll"])))
     if s["first_update_s"] is not None:
-        print(f"first update           {s['first_update_s']:.1f} s after start"
-              + (" (compile included)" if args.compile else ""))
-    print(f"wall time              {s['wall_s']:.0f} s")
+        row("first update", f"{s['first_update_s']:.1f} s after start" + (" (compile included)" if args.compile else ""))
+    row("wall time", f"{s['wall_s']:.0f} s")
 
 
 def print_sample(model, data, args, device, ctx):
