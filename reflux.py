@@ -389,6 +389,7 @@ class ReFluxLM(LM):
                              f"is a '{base.cfg.model}' model")
         self.cfg = base.cfg
         self.wte, self.norm_f = base.wte, base.norm_f
+        self.register_buffer("vocab_bias", base.vocab_bias, persistent=False)  # the head's -inf padding columns
         self.body = ReFluxBody(base.body, settings, router)
 
 
