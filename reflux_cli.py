@@ -227,6 +227,9 @@ def _setup(a):
     if a.threads:
         torch.set_num_threads(a.threads)
     base, data, saved = load(a.base, a.data_root)
+    if base.cfg.depth < 2:
+        raise UsageError(f"--base {a.base}: a ReFlux edge joins two blocks (source S > target D); "
+                         f"this base has {base.cfg.depth}")
     split = data.test_split if a.split == "test" else a.split
     if split not in ("dev", data.test_split):
         raise UsageError(f"--split {a.split}: dev or test")

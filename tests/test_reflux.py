@@ -442,6 +442,18 @@ def test_cli_bad_checkpoints(tmp_path, ckpt):
         reflux_cli.main(["--base", str(other)])
 
 
+def test_cli_refuses_a_one_block_base(tmp_path, ckpt):
+    """No edge joins two blocks of a depth-1 base: one line naming --base, not the default edge 0:0."""
+    ck = torch.load(ckpt[0], weights_only=True)
+    ck["config"]["depth"] = 1
+    ck["model"] = models.build_model(ModelConfig.from_dict(ck["config"])).state_dict()
+    one = tmp_path / "one.pt"
+    torch.save(ck, one)
+    for argv in (["--base", str(one)], ["sweep", "--base", str(one)]):
+        with pytest.raises(UsageError, match="a ReFlux edge joins two blocks .*; this base has 1$"):
+            reflux_cli.main(argv)
+
+
 def test_cli_exit_code_and_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         reflux_cli.cli(["--base", str(tmp_path / "missing.pt")])
