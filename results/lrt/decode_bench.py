@@ -2,7 +2,7 @@
 solved for untied K = 4), GPT-2 vocabulary, prompt 64, 32 timed tokens after 4 untimed, one thread.
 python results/lrt/decode_bench.py  (bench_decode.decode_row; prints markdown rows)"""
 import json, os, sys, torch
-sys.path.insert(0, ".")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 torch.set_num_threads(1)
 import bench
 import bench_decode
