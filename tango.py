@@ -442,7 +442,7 @@ class Tango(nn.Module):
                                 None if cache is None else cache.setdefault(k, {}))
         return x
 
-    @compiled_region  # the repeated unit; the gated set is an argument, so three sets share one graph
+    @compiled_region  # the repeated unit; the gated set is an argument, so three sets share its graphs
     def update(self, x, cos, sin, gset, cache=None):
         """One TANGO update y = (G * v) W_o for x: (B, T, d) with the GatedSet gset."""
         B, T, d = x.shape
