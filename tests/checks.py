@@ -1,6 +1,8 @@
 """Checks shared by the per-family test files (imported as `checks`; pytest puts tests/ on sys.path)."""
 import torch
 
+from common import rope_cos_sin
+
 # parallel loops (plt.py): one block per loop, so K = 3 loops are 3 block applications like the other
 # models (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)
 ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name in ("loopstack", "plt", "loopfold")}
@@ -13,3 +15,14 @@ def assert_causal(model, idx, t, vocab=61):
     with torch.no_grad():
         a, b = model(idx)[0], model(other)[0]
     assert torch.equal(a[:, :t], b[:, :t]) and (a[:, t:] - b[:, t:]).abs().max() > 1e-4
+
+
+def tokens(B=2, T=12, seed=1, vocab=61):
+    """Random token ids (B, T) in [0, vocab), from their own seeded generator."""
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def embed(m, idx):
+    """A body's inputs for idx (B, T): the embeddings and the RoPE tables of positions 0..T-1 in m's dtype."""
+    cos, sin = rope_cos_sin(torch.arange(idx.shape[1]), dtype=m.wte.weight.dtype)
+    return m.wte(idx), cos, sin

@@ -13,7 +13,7 @@ import flops
 import models
 import train
 from common import ModelConfig, UsageError
-from checks import assert_causal
+from checks import assert_causal, tokens
 
 TIED = {"depth-attn": "untied", "loop-depth-attn": "loop"}
 
@@ -29,10 +29,6 @@ def cfg(name="depth-attn", **kw):
 def build(c, seed=0, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
     return models.build_model(c, **kw).to(dtype).eval()
-
-
-def tokens(B=2, T=12, seed=1):
-    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 def test_candidate_sets():

@@ -3,11 +3,14 @@ reconstructed): off switches (W_m = 0), slot layout, exactness of the parallel t
 one slot per subset (= sequential reference = cached decoding) and at k = 1 (= the two-pass
 reference), causality, gradients in float64, parameter counts, MACs and flags."""
 
+import functools
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import checks
 import checkpoint
 import config
 import flops
@@ -15,7 +18,7 @@ import latent_recurrence as lr
 import models
 import train
 from common import VOCAB_MULTIPLE, ModelConfig, UsageError, rope_cos_sin
-from checks import assert_causal
+from checks import assert_causal, embed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 F64 = torch.float64
@@ -36,13 +39,7 @@ def build(c, seed=0, dtype=F64, w_m=0.3):
     return m
 
 
-def tokens(B=2, T=7, seed=1):
-    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def body_in(m, idx):
-    cos, sin = rope_cos_sin(torch.arange(idx.shape[1]), dtype=m.wte.weight.dtype)
-    return m.wte(idx), cos, sin
+tokens = functools.partial(checks.tokens, T=7)
 
 
 # ----------------------------------------------------------------------------- off switches
@@ -71,7 +68,7 @@ def test_lrt_think_with_zero_memory_map_is_a_two_slot_transformer():
         seq = torch.stack((x, m.body.thought[0].expand_as(x)), 2).reshape(2, 12, 64)
         cos, sin = rope_cos_sin(torch.arange(6).repeat_interleave(2), dtype=F64)
         want = base.body(seq, cos, sin)[:, 1::2]
-        torch.testing.assert_close(m.body(*body_in(m, idx)), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m.body(*embed(m, idx)), want, rtol=1e-12, atol=1e-12)
         assert (want - base.body(seq, cos, sin)[:, 0::2]).abs().max() > 1e-3  # the slots differ
 
 
@@ -112,7 +109,7 @@ def test_one_slot_per_subset_equals_sequential_reference_and_cached_decoding(nam
     m = build(cfg(name, lrt_kv=kv, lrt_subsets=2 * T))  # S <= 2T slots: one per subset
     idx = tokens(T=T)
     with torch.no_grad():
-        x, cos, sin = body_in(m, idx)
+        x, cos, sin = embed(m, idx)
         ref = lr.sequential_reference(m.body, x, cos, sin)
         torch.testing.assert_close(m.body(x, cos, sin), ref, rtol=1e-10, atol=1e-10)
         full = m(idx)[0]
@@ -132,7 +129,7 @@ def test_one_subset_equals_the_two_pass_reference(name):
     m = build(cfg(name, lrt_subsets=1))
     idx = tokens(T=6)
     with torch.no_grad():
-        x, cos, sin = body_in(m, idx)
+        x, cos, sin = embed(m, idx)
         two = lr.two_pass_reference(m.body, x, cos, sin)
         torch.testing.assert_close(m.body(x, cos, sin), two, rtol=1e-12, atol=1e-12)
         assert (two - lr.sequential_reference(m.body, x, cos, sin)).abs().max() > 1e-4
@@ -143,7 +140,7 @@ def test_sequential_reference_memory_by_hand():
     m = build(cfg(depth=1))
     idx = tokens(B=1, T=2)
     with torch.no_grad():
-        x, cos, sin = body_in(m, idx)
+        x, cos, sin = embed(m, idx)
         z0, _ = lr.with_memory(m.body, x[:, :1], cos[:, :, :1], sin[:, :, :1], None)
         m1 = m.body.mem_norm(z0[:, 0])
         x1 = x.clone()

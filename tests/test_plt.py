@@ -14,8 +14,8 @@ import flops
 import models
 import plt
 import train
-from common import ModelConfig, UsageError, causal_attention, rope_cos_sin
-from checks import assert_causal
+from common import ModelConfig, UsageError, causal_attention
+from checks import assert_causal, embed, tokens
 
 NAMES = ("loopstack", "plt", "loopfold")
 
@@ -38,15 +38,6 @@ def build(c, seed=0, dtype=torch.float32, scale=0.05, **kw):
         for p in m.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return m
-
-
-def tokens(B=2, T=12, seed=1):
-    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def embed(m, idx):
-    cos, sin = rope_cos_sin(torch.arange(idx.shape[1]), dtype=m.wte.weight.dtype)
-    return m.wte(idx), cos, sin
 
 
 # ----------------------------------------------------------------------------- decoding = training forward

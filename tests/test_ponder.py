@@ -2,9 +2,12 @@
 Jacobi exactness at N >= T - 1 against the sequential reference and cached decoding, the gap at
 small N, gradients in float64, parameter counts, causality, MACs and a bf16 training step."""
 
+import functools
+
 import pytest
 import torch
 
+import checks
 import checkpoint
 import config
 import flops
@@ -32,8 +35,7 @@ def build(c, seed=0, dtype=torch.float32, think_gain=None):
     return m
 
 
-def tokens(B=2, T=8, seed=1):
-    return torch.randint(0, 61, (B, T), generator=torch.Generator().manual_seed(seed))
+tokens = functools.partial(checks.tokens, T=8)
 
 
 def body_out(m, idx):

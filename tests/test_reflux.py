@@ -2,6 +2,7 @@
 against the hook-based per-position reference in float64, cached decoding against the full protocol,
 strict vs parallel prefill for stream, causality, the router (forced gates, frozen backbone, κ,
 parameters), the recirculation payload, MACs, the bench rows and the command line."""
+import functools
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import bench_decode
+import checks
 import flops
 import models
 import reflux as rf
@@ -32,8 +34,7 @@ def build(name="untied", seed=0, dtype=torch.float64):
     return models.build_model(cfg(name)).to(dtype).eval()
 
 
-def tokens(B=2, T=10, seed=1):
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+tokens = functools.partial(checks.tokens, T=10, vocab=V)
 
 
 def forced_router(lm, open_edge, alpha=0.25, block=3, dtype=torch.float64):
