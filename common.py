@@ -10,6 +10,7 @@ embedding, the tied head, the loss, cached generation and parameter counting liv
     out = model.generate(idx, max_new_tokens, temperature=1.0, top_k=None)
     model.num_params()                             # non-embedding parameters
 """
+import argparse
 import functools
 import inspect
 import numbers
@@ -23,6 +24,14 @@ import torch.nn.functional as F
 
 class UsageError(ValueError):
     """Bad user input (a flag, a file, a checkpoint). train.py prints str(e) on one line and exits 2."""
+
+
+class UsageParser(argparse.ArgumentParser):
+    """argparse for the command lines: a bad flag is a UsageError (one line "error: ...", exit code
+    2, printed by the command's main) instead of argparse's usage block."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see python {self.prog} --help)")
 
 
 HEAD_DIM = 32  # d_h = 32 everywhere (MATH.md glossary)

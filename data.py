@@ -31,7 +31,7 @@ import threading
 import numpy as np
 import torch
 
-from common import UsageError
+from common import UsageError, UsageParser
 
 TOKENIZERS = ("auto", "gpt2", "char")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -430,15 +430,10 @@ def flag_options(args):
                                           "hf_split_key", "hf_data_files")}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line "error: ..." and exit 2, like every other bad input
-        raise UsageError(f"{message} (see python data.py --help)")
-
-
 def main(argv=None):
     """python data.py --dataset NAME ...: prepare the dataset (or find it prepared) and print its
     folder, tokenizer and token counts per split. Bad input: one line on stderr, exit code 2."""
-    p = _Parser(description="Tokenize a dataset once into <data_root>/<name>/{<split>.bin, meta.json}.",
+    p = UsageParser(prog="data.py", description="Tokenize a dataset once into <data_root>/<name>/{<split>.bin, meta.json}.",
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p.add_argument)
     try:

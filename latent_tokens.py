@@ -71,7 +71,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import train as train_mod
-from common import UsageError
+from common import UsageError, UsageParser
 from latent_bases import make_backend
 from tasks import TASK_VOCAB, TASKS, encode_sample, get_task, test_set  # noqa: F401 (lt.TASK_VOCAB, as before)
 from train import TrainingError
@@ -499,13 +499,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line "error: ..." and exit 2 (main prints it), no usage block
-        raise UsageError(f"{message} (see python {self.prog} --help)")
-
-
 def _parser(prog, description):
-    return _Parser(prog=prog, description=description, formatter_class=_Help)
+    return UsageParser(prog=prog, description=description, formatter_class=_Help)
 
 
 def _base_flags(a):

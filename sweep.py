@@ -26,7 +26,6 @@ the curves (no version stamp: one matplotlib and pillow version write the same P
 same curves). This file runs and collects the grid; report and plot, which only read it, are in
 sweep_report.py.
 """
-import argparse
 import concurrent.futures
 import glob
 import json
@@ -38,7 +37,7 @@ import sys
 import threading
 import time
 
-from common import UsageError
+from common import UsageError, UsageParser
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _print_lock = threading.Lock()
@@ -246,18 +245,13 @@ def check_run_flags(args, extra):
         raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line "error: ..." and exit 2 (the __main__ block prints it), no usage block
-        raise UsageError(f"{message} (see python {self.prog} --help)")
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = _Parser(prog="sweep.py", description=__doc__.split("\n")[0])
+    p = UsageParser(prog="sweep.py", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,collect,plot,report}")
     r = sub.add_parser("run", help="train the grid (flags after -- go to every train.py run)",
                        usage="sweep.py run --root ROOT [options] [-- TRAIN.PY FLAGS]")

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import data as data_mod
 from checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
                         resume_args, save_checkpoints, strip_prefixes)
-from common import ModelConfig, UsageError, compile_regions
+from common import ModelConfig, UsageError, UsageParser, compile_regions
 from config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
                     resolve_args, tier_default)
 from datacheck import load_data
@@ -67,11 +67,6 @@ class TrainingError(RuntimeError):
 
 # ----------------------------------------------------------------------------- flags
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line "error: ..." and exit 2, like every other bad input
-        raise UsageError(f"{message} (see python train.py --help)")
-
-
 class _Help(argparse.HelpFormatter):
     """Appends '(default: X)' to a flag's help unless the help already says its default."""
     def _get_help_string(self, action):
@@ -82,7 +77,7 @@ class _Help(argparse.HelpFormatter):
 
 def build_parser(suppress_defaults=False):
     """The flag parser; suppress_defaults=True leaves unset flags out (to see which were given)."""
-    p = _Parser(description=__doc__.split("\n")[0], formatter_class=_Help)
+    p = UsageParser(prog="train.py", description=__doc__.split("\n")[0], formatter_class=_Help)
 
     def group(title):
         g = p.add_argument_group(title)
