@@ -151,7 +151,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
             q, k, v = _batched(q.to(acc)), _batched(k.to(acc)), _batched(v.to(dt))
             L, S = q.shape[2], k.shape[2]
             off = S - L
-            out = v.new_empty(*q.shape[:3], v.shape[-1])
+            out = v.new_empty(q.shape[0], L, q.shape[1], v.shape[-1]).transpose(1, 2)  # heads merge by a view
             lse = q.new_empty(q.shape[:3])
             for r0 in range(0, L, chunk):
                 r1 = min(r0 + chunk, L)
@@ -226,21 +226,31 @@ def windowed_reference(qs, kh, g, b, window):
     return torch.stack(out, 2)
 
 
+def _band(C, W, dtype, device):
+    """Additive window mask (C, C + W) of a chunk of C queries over its slice of C + W keys: 0 where
+    query row i sees key column j in its window (i < j <= i + W), -inf elsewhere."""
+    i = torch.arange(C, device=device).view(-1, 1)
+    j = torch.arange(C + W, device=device)
+    return torch.zeros(C, C + W, dtype=dtype, device=device).masked_fill_((j <= i) | (j > i + W), float("-inf"))
+
+
 class WindowedAttention(torch.autograd.Function):
     """Windowed TANGO average (L == S == T) in chunks of C query rows, saving for backward only q, k,
     g, b, the output and the row log-sum-exp (as ChunkedCausalAttention) and recomputing the rest.
-    q, k: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) -> (B, H, T, F/H) in g's compute dtype.
+    q, k: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) -> (B, H, T, F/H) in g's compute dtype, laid out
+    as (B, T, H, F/H) so that merging the heads back is a view.
 
     Query i has the logits: null b; window scores s_ij = q_i . k_j for i-W < j <= i; and one
     summary logit z_i = so_i + log n_i, so_i = q_i . unit(K_i), for its n_i = i-W+1 old sources
     j <= i-W (K_i: their key sum), whose value is their mean gate. So the summary adds
     exp(so_i - lse_i) x (sum of old gates) to the output: every old source gets the weight
     exp(so_i - lse_i). A chunk of queries [r0, r1) reads the key/gate slice [lo, r1),
-    lo = max(r0 - W, 0) (a view: gates are never copied): in its (C x (C + W)) weight tile the keys
-    j > i - W carry window weights and the keys j <= i - W the old-source weight; the old sources
-    before lo enter through a running gate sum (B, H, 1, F/H). Work O(T (C + W) (32 + F/H)) per
-    head, memory O(C (C + W)) per head besides inputs, output and the summary keys K (a cumulative
-    sum of k over T, recomputed in backward).
+    lo = max(r0 - W, 0) (a view: gates are never copied). Its scores come out of one matmul with the
+    window mask as its additive input (backward: with -lse folded in as an extra query/key column);
+    in its (C x (C + W)) weight tile the old keys j <= i - W then get the old-source weight, and the
+    old sources before lo enter through a running gate sum (B, H, 1, F/H). Work O(T (C + W) (32 + F/H))
+    per head, memory O(C (C + W)) per head besides inputs, output and the summary keys K (a
+    cumulative sum of k over T, recomputed in backward).
     """
 
     @staticmethod
@@ -254,41 +264,52 @@ class WindowedAttention(torch.autograd.Function):
         return unit, norm, so
 
     @staticmethod
-    def _tile(q, k, W, so, r0, r1):
-        """Logits of queries [r0, r1) for keys [lo, r1): window scores, so_i at old keys, -inf at
-        future keys; the mask of old keys; lo."""
-        lo = max(r0 - W, 0)
-        s = q[:, :, r0:r1] @ k[:, :, lo:r1].transpose(-1, -2)
-        i = torch.arange(r0, r1, device=q.device).view(-1, 1)
-        j = torch.arange(lo, r1, device=q.device)
-        old = j <= i - W
-        return torch.where(old, so[:, :, r0:r1, None], s.masked_fill_(j > i, float("-inf"))), old, lo
+    def _tiles(q, k, W, C, reverse=False):
+        """For each chunk of queries [r0, r1) (last to first if reverse): r0, r1, lo and its window
+        scores q[r0:r1] k[lo:r1]^T, -inf outside the window, (B, H, r1 - r0, r1 - lo)."""
+        B, H, T, D = q.shape
+        band = _band(C, W, q.dtype, q.device)
+        qb, kb = q.reshape(B * H, T, D), k.reshape(B * H, T, D)
+        for r0 in sorted(range(0, T, C), reverse=reverse):
+            r1, lo = min(r0 + C, T), max(r0 - W, 0)
+            mask = band[:r1 - r0, W - (r0 - lo):W + r1 - r0]
+            yield r0, r1, lo, torch.baddbmm(mask, qb[:, r0:r1], kb[:, lo:r1].transpose(-1, -2)).view(B, H, r1 - r0, r1 - lo)
+
+    @staticmethod
+    def _add_old_(p, e, r0, r1, lo, W):
+        """Give the old keys of a chunk's slice (j <= i - W, among its first r1 - r0 columns) the
+        old-source weight e (B, H, r1 - r0, 1) in the weight tile p, whose window mask left them 0."""
+        n = r1 - r0
+        if r1 > W:  # some query of the chunk has old sources
+            old = torch.ones(n, n, dtype=p.dtype, device=p.device).tril(r0 - lo - W)
+            p[..., :n].addcmul_(old, e)
 
     @staticmethod
     def forward(ctx, q, k, g, b, W, chunk):
         acc, dt = _acc_dtype(q), _gate_dtype(g)
         with _no_autocast(q):
-            q, k, g, b = _batched(q.to(acc)), _batched(k.to(acc)), _batched(g.to(dt)), b.to(acc)
+            q, k, g, b = q.to(acc).contiguous(), k.to(acc).contiguous(), _batched(g.to(dt)), b.to(acc)
             B, H, T, _ = q.shape
+            bh = b.view(1, H, 1, 1)
             so = WindowedAttention._summary(q, k, W)[2]
-            out = g.new_empty(B, H, T, g.shape[-1])
+            out = g.new_empty(B, T, H, g.shape[-1]).transpose(1, 2)  # heads merge by a view
             lse = q.new_empty(B, H, T)
             g_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of the gates before lo
             done = 0  # g_old holds gates [0, done)
-            for r0 in range(0, T, chunk):
-                r1 = min(r0 + chunk, T)
-                p, old, lo = WindowedAttention._tile(q, k, W, so, r0, r1)
+            for r0, r1, lo, p in WindowedAttention._tiles(q, k, W, chunk):
                 g_old += g[:, :, done:lo].to(acc).sum(2, keepdim=True)
                 done = lo
                 so_c = so[:, :, r0:r1, None]
-                m = torch.maximum(p.amax(-1, keepdim=True), torch.maximum(b.view(1, H, 1, 1), so_c))
-                p = p.sub_(m).exp_()  # unnormalized weights, each <= 1
+                m = torch.maximum(p.amax(-1, keepdim=True), torch.maximum(bh, so_c))
+                p = p.sub_(m).exp_()  # unnormalized window weights, each <= 1
                 e = (so_c - m).exp()  # weight of each old source, unnormalized
-                l = p.sum(-1, keepdim=True) + (b.view(1, H, 1, 1) - m).exp() + lo * e  # + null + old before lo
+                WindowedAttention._add_old_(p, e, r0, r1, lo, W)
+                l = p.sum(-1, keepdim=True) + (bh - m).exp() + lo * e  # + null + old before lo
                 lse[:, :, r0:r1] = (m + l.log())[..., 0]
-                o = (p.div_(l).to(dt) @ g[:, :, lo:r1]).to(acc)  # window and old sources in the slice
-                _add_matmul_(o, e / l, g_old)  # + old sources before lo
-                out[:, :, r0:r1] = o
+                o = out[:, :, r0:r1]
+                torch.matmul(p.div_(l).to(dt), g[:, :, lo:r1], out=o)  # window and old sources in the slice
+                if lo:
+                    o.addcmul_(e / l, g_old)  # + old sources before lo
         ctx.save_for_backward(q, k, g, b, out, lse)
         ctx.W, ctx.chunk = W, chunk
         return out
@@ -302,34 +323,34 @@ class WindowedAttention(torch.autograd.Function):
             B, H, T, _ = q.shape
             unit, norm, so = WindowedAttention._summary(q, k, W)
             dout = _batched(dout.to(dt))
+            delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
             w_null = torch.exp(b.view(1, H, 1, 1) - lse[..., None])  # null weight per query
-            dq, dk, dg = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, g))
-            dz = torch.zeros_like(so)  # gradient of the summary logit z_i
-            db = torch.zeros_like(b)
-            starts = list(range(0, T, chunk))
-            los = [max(r0 - W, 0) for r0 in starts]
-            d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_i dO_i over the chunks after c
-            for c in reversed(range(len(starts))):
-                r0 = starts[c]
-                r1 = min(r0 + chunk, T)
-                if c + 1 < len(starts):  # gates [lo_c, lo_c+1) are old sources before lo of chunks c+1, ...
-                    dg[:, :, los[c]:los[c + 1]] += d_old
-                p, old, lo = WindowedAttention._tile(q, k, W, so, r0, r1)
-                p = p.sub_(lse[:, :, r0:r1, None]).exp_()  # normalized weights
-                do = dout[:, :, r0:r1]
-                delta = (do.to(acc) * out[:, :, r0:r1].to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
-                db -= (w_null[:, :, r0:r1] * delta).sum((0, 2, 3))
-                _add_matmul_(dg[:, :, lo:r1], p.to(dt).transpose(-1, -2), do)  # window and old gates in the tile
-                e = (so[:, :, r0:r1, None] - lse[:, :, r0:r1, None]).exp()  # weight of each old source
-                _add_matmul_(d_old, e.transpose(-1, -2).to(dt), do)
-                ds = (do @ g[:, :, lo:r1].transpose(-1, -2)).to(acc).sub_(delta).mul_(p)
-                ds.masked_fill_(old, 0.0)  # window scores only
+            db = -(w_null * delta).sum((0, 2, 3))
+            e_old = (so - lse)[..., None].exp()  # weight of each old source per query (0 if none)
+            dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+            # dG in the layout of the merged heads where that costs nothing (B = 1), else per head
+            dg = torch.zeros(B, T, H, g.shape[-1], dtype=acc, device=g.device).transpose(1, 2) if B == 1 \
+                else torch.zeros(B, H, T, g.shape[-1], dtype=acc, device=g.device)
+            dz = torch.empty_like(delta)  # gradient of the summary logit z_i
+            qa = torch.cat((q, -lse[..., None]), -1)  # [q, -lse] . [k, 1] = s - lse: normalized logits
+            ka = F.pad(k, (0, 1), value=1.0)
+            d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_i dO_i over the chunks after this one
+            done = T  # d_old has been added to dg[done:]
+            for r0, r1, lo, p in WindowedAttention._tiles(qa, ka, W, chunk, reverse=True):
+                dg[:, :, lo:done] += d_old  # gates [lo, done) are old sources before lo of every later chunk
+                done = lo
+                p = p.exp_()  # normalized window weights
+                do, e = dout[:, :, r0:r1], e_old[:, :, r0:r1]
+                ds = (do @ g[:, :, lo:r1].transpose(-1, -2)).to(acc).sub_(delta[:, :, r0:r1]).mul_(p)  # window scores
                 # softmax gradients over all logits sum to 0: dz = -(null + window parts)
-                dz[:, :, r0:r1] = (w_null[:, :, r0:r1] * delta - ds.sum(-1, keepdim=True))[..., 0]
+                dz[:, :, r0:r1] = w_null[:, :, r0:r1] * delta[:, :, r0:r1] - ds.sum(-1, keepdim=True)
+                WindowedAttention._add_old_(p, e, r0, r1, lo, W)
+                _add_matmul_(dg[:, :, lo:r1], p.to(dt).transpose(-1, -2), do)  # window and old gates in the slice
+                _add_matmul_(d_old, e.transpose(-1, -2).to(dt), do)
                 dq[:, :, r0:r1] = ds @ k[:, :, lo:r1]
                 _add_matmul_(dk[:, :, lo:r1], ds.transpose(-1, -2), q[:, :, r0:r1])
             # so_i = q_i . unit(K_i), K_i = sum_{j <= i-W} k_j (dz_i = 0 where there are no old sources)
-            dz = dz.masked_fill(torch.arange(T, device=q.device) < W, 0.0)[..., None]
+            dz = dz.masked_fill(torch.arange(T, device=q.device).view(-1, 1) < W, 0.0)
             dq += dz * unit
             du = dz * q
             dK = (du - unit * (unit * du).sum(-1, keepdim=True)) / norm
@@ -453,7 +474,7 @@ class Tango(nn.Module):
         kh = apply_rope(F.normalize(heads(self.wk(u)), dim=-1), cos, sin)
         g = heads(F.silu(gset.wg(u)))  # (B, H, T, F/H)
         G = self.aggregate(qs, kh, g, cache)
-        return gset.wo(G.transpose(1, 2).reshape(B, T, -1) * gset.wv(u))
+        return gset.wo(G.transpose(1, 2).reshape(B, T, -1) * gset.wv(u))  # the fast paths lay G out so that this is a view
 
     def aggregate(self, qs, kh, g, cache):
         b = self.null

@@ -118,6 +118,19 @@ def test_fast_paths_save_only_inputs_output_and_lse(fast, monkeypatch):
     assert sum(saved) == expected
 
 
+@pytest.mark.parametrize("fast", ["tango", "tango-windowed"])
+def test_fast_paths_write_the_layout_of_merged_heads(fast, monkeypatch):
+    """Both fast paths return (B, H, T, F/H) laid out as (B, T, H, F/H), so the update's merge of
+    the heads, G.transpose(1, 2).reshape(B, T, F), is a view: no copy of the widest activation."""
+    monkeypatch.setattr(tango, "WINDOW_CHUNK", 8)
+    monkeypatch.setattr(tango, "ATTN_CHUNK", 8)
+    qs, kh, g, b = qkgb(B=2, H=3, T=37, fh=5)
+    G = tango_fast(qs, kh, g, b) if fast == "tango" else windowed_fast(qs, kh, g, b, 4)
+    assert G.shape == (2, 3, 37, 5) and G.transpose(1, 2).is_contiguous()
+    merged = G.transpose(1, 2).reshape(2, 37, 15)
+    assert merged.data_ptr() == G.data_ptr()
+
+
 def test_windowed_with_large_window_equals_full_tango(f64):
     full = randomize(build_model(small("tango")))
     win = build_model(small("tango-windowed", window=32))
