@@ -27,14 +27,18 @@ model at the tier's matched non-embedding parameter count (models.solve_width, a
 AdamW as in train.py (its weight-decay groups), random tokens, and times full training steps:
 forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
 max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
-row does the same number of tokens per step. That matters on CPU: glibc serves allocations above
-32 MiB (its largest mmap threshold) with fresh mmaps, whose pages fault in on every step, so per-
-token cost jumps once a step's intermediates cross that size (Windowed TANGO, cpu tier, one
-thread: 2.0 s for 2048 tokens, 7.1 s for 4096, 17x the minor page faults), and rows with
-different tokens per step would compare allocators, not architectures.
+row does the same number of tokens per step. On CPU the timed steps run with glibc's malloc told
+to keep freed memory for the next step (keep_freed_memory: no mmaps, no trimming), as PyTorch's
+CUDA caching allocator keeps it on the GPU. By default glibc serves every block above 32 MiB with
+a fresh mmap and unmaps it when freed, so a step's large tensors (the (B T) x V logits and their
+gradient, TANGO's (B, T, F) gates and averages, ...) start as fresh pages that fault in on first
+touch: on this project's CPU (a virtual machine) those faults took about half of every step's
+time, more for the models with more large tensors, so the table compared page faults more than
+architectures (results/README.md, "The CPU allocator", has both tables).
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
-            seconds, at least one), after --warmup untimed ones (the last is the memory measurement).
+            seconds, at least one), after --warmup untimed ones (the last is the memory measurement)
+            and, on CPU with --cpu_memory keep, two more in which the kept heap grows and settles.
 MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T, B T)
             = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
@@ -102,26 +106,59 @@ def _rss_kb(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters (malloc.h)
+GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX
+
+
 def _libc():
+    """glibc through ctypes, or None where the C library is not glibc (no mallopt / malloc_trim)."""
     try:
-        return ctypes.CDLL("libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def _cpu_step_memory(step):
+def keep_freed_memory():
+    """Have glibc's malloc keep freed memory for reuse (M_MMAP_MAX = 0: blocks come from the heap,
+    not from fresh mmaps; M_TRIM_THRESHOLD -1: the heap is never trimmed), so every
+    training step after the first reuses the pages of the one before instead of faulting in new
+    ones. RSS stays near the step's peak (measured: 1.3-2.4x the default's; not returned to the
+    system until exit). Numerics are unchanged. False (nothing done) where libc is not glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, -1)  # -1: never trim (mallopt(3))
+    return True
+
+
+def return_freed_memory():
+    """Undo keep_freed_memory (after an in-process configuration): mmaps on, glibc's dynamic
+    steady state of the thresholds (mmap 32 MiB, trim twice that), the kept memory returned."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
+        libc.malloc_trim(0)
+
+
+def _cpu_step_memory(step, keep):
     """Run step() once; return (MB of peak RSS above the RSS before it, method).
 
     glibc keeps freed memory for reuse (its mmap threshold grows to the size of freed blocks, up
-    to 32 MiB), so a plain RSS difference would miss memory that earlier steps left behind. So the
-    mmap threshold is pinned at 128 KiB and the heap trimmed before the step (every freed byte is
-    returned, every allocation during the step is counted), and afterwards the thresholds are set
-    to glibc's dynamic steady state (mmap 32 MiB, trim 64 MiB) for the timed steps.
+    to 32 MiB; keep_freed_memory keeps all of it), so a plain RSS difference would miss memory
+    that earlier steps left behind. So mmaps are on with the threshold pinned at 128 KiB and the
+    heap trimmed before the step (every freed byte is returned, every allocation during the step
+    is counted); afterwards keep_freed_memory() for the timed steps (keep), or glibc's dynamic
+    steady state (return_freed_memory; --cpu_memory return).
     """
     gc.collect()
     libc = _libc()
     if libc is not None:
-        libc.mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD
+        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 17)
         libc.malloc_trim(0)
     base = _rss_kb("VmRSS")
     try:
@@ -132,9 +169,7 @@ def _cpu_step_memory(step):
         method = "ru_maxrss (clear_refs unavailable: includes everything before the step)"
     step()
     peak = _rss_kb("VmHWM")
-    if libc is not None:
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's DEFAULT_MMAP_THRESHOLD_MAX
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD: twice that, as glibc's dynamic rule sets it
+    keep_freed_memory() if keep else return_freed_memory()
     return max(0, peak - base) / 1024, method
 
 
@@ -207,7 +242,10 @@ def child(spec):
         torch.cuda.synchronize()
         mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
     else:
-        mem_mb, method = _cpu_step_memory(step)
+        keep = spec.get("cpu_memory", "keep") == "keep"
+        mem_mb, method = _cpu_step_memory(step, keep)
+        for _ in range(2 if keep else 0):  # untimed: the heap the allocator now keeps grows and settles
+            step()
     first_step_s = first_step_s or time.perf_counter() - t_begin
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
@@ -421,6 +459,8 @@ def run_config_here(spec):
         row["status"] = "ok"
     except Exception as e:  # noqa: BLE001  (a failing model is a row, as in a subprocess)
         row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    finally:
+        return_freed_memory()
     return {**row, "wall_s": time.time() - t0, "load_after": loadavg()}
 
 
@@ -451,6 +491,9 @@ def parse(argv):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="autocast dtype and matmul-peak dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--cpu_memory", choices=("keep", "return"), default="keep",
+                   help="CPU timed steps: glibc keeps freed memory for the next step (keep, default; "
+                        "keep_freed_memory) or returns it, so large tensors fault in anew each step (return)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
     p.add_argument("--peak_n", type=int, default=0, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
     p.add_argument("--peak_reps", type=int, default=10, help="matmuls timed for the peak (best counts)")
@@ -535,7 +578,7 @@ def main(argv=None):
         spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
                 "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
                 "batch_tokens": a.batch_tokens, "steps": a.steps, "step_budget": a.step_budget,
-                "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads}
+                "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads, "cpu_memory": a.cpu_memory}
         if (model, comp) in failed:  # a larger T of a configuration that failed
             row = {**spec, "status": f"skipped ({failed[model, comp]})"}
         else:
@@ -555,7 +598,7 @@ def main(argv=None):
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
         "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,
         "steps": a.steps, "step_budget_s": a.step_budget, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
-        "quick": a.quick,
+        "quick": a.quick, "cpu_memory": None if a.device.startswith("cuda") else a.cpu_memory,
         "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
         "flops_convention": FLOPS_DEF, "mfu_reference": REFERENCE,
         "memory_definition": MEMORY_DEF_CUDA if a.device.startswith("cuda") else MEMORY_DEF_CPU,
@@ -571,7 +614,9 @@ def main(argv=None):
           f"~{meta['tier']['target']:,} non-embedding parameters), K={a.depth}, V={a.vocab_size}, "
           f"batch max(1, {a.batch_tokens} // T), median of up to {a.steps} timed steps (fewer past {a.step_budget:g} s) "
           f"after {a.warmup} warm-up; "
-          f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "
+          + ("" if a.device.startswith("cuda") else
+             f"CPU memory {a.cpu_memory} ({'freed memory kept for the next step' if a.cpu_memory == 'keep' else 'glibc default: fresh mmaps above 32 MiB'}); ")
+          + f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "
           f"max {meta['load_average_max_during']} during.\n\n"
           f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
           + table(rows) + "\n\nTargets (issue 6):\n\n" + targets_text(tg) + "\n"

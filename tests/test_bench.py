@@ -1,6 +1,11 @@
 """Smoke test of bench.py (not a timed test): a tiny run writes a table and JSON with the expected
-fields; the target arithmetic on hand-made rows."""
+fields; the target arithmetic on hand-made rows; the CPU allocator setting of the timed steps."""
 import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
 
 import bench
 
@@ -30,6 +35,31 @@ def test_tiny_run_writes_json_and_table(tmp_path):
     assert res["targets"]["three_set_vs_tango_tokens_per_s_2048"]["status"] == "n/a"  # needs T=2048
     md = (tmp_path / "b.md").read_text()
     assert "| tango | 32 | 2 | off |" in md and "Targets" in md
+    assert res["meta"]["cpu_memory"] == "keep" and "CPU memory keep (freed memory kept for the next step)" in md
+
+
+@pytest.mark.skipif(bench._libc() is None, reason="the C library is not glibc (no mallopt)")
+def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
+    """After keep_freed_memory a freed 64 MiB tensor stays resident (the next step reuses its pages
+    instead of faulting in new ones); glibc's default and return_freed_memory give it back. In a
+    fresh interpreter: the setting is per process."""
+    code = textwrap.dedent("""
+        import torch, bench
+        def kept_mb():  # MiB of a touched and freed 64 MiB tensor that stay resident
+            x = torch.ones(16 << 20)
+            with_x = bench._rss_kb("VmRSS")
+            del x
+            return 64 - (with_x - bench._rss_kb("VmRSS")) // 1024
+        default = kept_mb()
+        bench.keep_freed_memory()
+        kept = kept_mb()
+        bench.return_freed_memory()
+        print(default, kept, kept_mb())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=bench.os.path.dirname(bench.__file__))
+    assert out.returncode == 0, out.stderr
+    default, kept, returned = map(int, out.stdout.split())
+    assert kept >= 60 and default <= 4 and returned <= 4, (default, kept, returned)
 
 
 def _row(model, T, tps, mem, mfu, batch=1):
