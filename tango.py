@@ -307,7 +307,7 @@ class WindowedAttention(torch.autograd.Function):
                 l = p.sum(-1, keepdim=True) + (bh - m).exp() + lo * e  # + null + old before lo
                 lse[:, :, r0:r1] = (m + l.log())[..., 0]
                 o = out[:, :, r0:r1]
-                torch.matmul(p.div_(l).to(dt), g[:, :, lo:r1], out=o)  # window and old sources in the slice
+                o[...] = p.div_(l).to(dt) @ g[:, :, lo:r1]  # window and old sources in the slice
                 if lo:
                     o.addcmul_(e / l, g_old)  # + old sources before lo
         ctx.save_for_backward(q, k, g, b, out, lse)
