@@ -27,14 +27,10 @@ model at the tier's matched non-embedding parameter count (models.solve_width, a
 AdamW as in train.py (its weight-decay groups), random tokens, and times full training steps:
 forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
 max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
-row does the same number of tokens per step. On CPU the timed steps run with glibc's malloc told
-to keep freed memory for the next step (keep_freed_memory: no mmaps, no trimming), as PyTorch's
-CUDA caching allocator keeps it on the GPU. By default glibc serves every block above 32 MiB with
-a fresh mmap and unmaps it when freed, so a step's large tensors (the (B T) x V logits and their
-gradient, TANGO's (B, T, F) gates and averages, ...) start as fresh pages that fault in on first
-touch: on this project's CPU (a virtual machine) those faults took 25-50 % of every step's
-time, more for the models with more large tensors, so the table compared page faults more than
-architectures (results/README.md, "Windowed TANGO against Loop Transformer++", has both tables).
+row does the same number of tokens per step. On CPU the timed steps run with glibc's malloc
+keeping freed memory for the next step (cpu_memory.keep_freed_memory; --cpu_memory return for
+glibc's default, under which the page faults of each step's fresh large tensors took 25-50 % of a
+step on this project's CPU: results/README.md, "Windowed TANGO against Loop Transformer++").
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one), after --warmup untimed ones (the last is the memory measurement)
@@ -70,8 +66,6 @@ Outputs: a markdown table (printed, and --md, default results/bench/bench_<devic
 average, rows and targets.
 """
 import argparse
-import ctypes
-import gc
 import json
 import math
 import os
@@ -86,6 +80,7 @@ import torch
 import flops
 import models
 from common import ModelConfig, UsageError, compile_regions
+from cpu_memory import max_rss_mb, return_freed_memory, step_memory
 
 REFERENCE = "loop"  # the Transformer++ the MFU ratio is taken against (one block applied K times)
 DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
@@ -98,82 +93,6 @@ FLOPS_DEF = ("flops.train_flops: 6 x forward MACs per token (MATH.md, Cost; 2 FL
 
 
 # ============================================================================= child: one configuration
-def _rss_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt parameters (malloc.h)
-GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX
-
-
-def _libc():
-    """glibc through ctypes, or None where the C library is not glibc (no mallopt / malloc_trim)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-
-
-def keep_freed_memory():
-    """Have glibc's malloc keep freed memory for reuse (M_MMAP_MAX = 0: blocks come from the heap,
-    not from fresh mmaps; M_TRIM_THRESHOLD -1: the heap is never trimmed), so every training step
-    after the first two reuses the pages of the one before instead of faulting in new ones. RSS
-    stays near its high-water mark and nothing goes back to the system until exit
-    (results/bench/bench_cpu_window*.json, peak_rss_mb: 5.4-6.9 GB kept, 4.3-4.6 GB returned).
-    Numerics are unchanged. False (nothing done) where the C library is not glibc."""
-    libc = _libc()
-    if libc is None:
-        return False
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, -1)  # -1: never trim (mallopt(3))
-    return True
-
-
-def return_freed_memory():
-    """Undo keep_freed_memory (after an in-process configuration): mmaps on, glibc's dynamic
-    steady state of the thresholds (mmap 32 MiB, trim twice that), the kept memory returned."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
-        libc.malloc_trim(0)
-
-
-def _cpu_step_memory(step, keep):
-    """Run step() once; return (MB of peak RSS above the RSS before it, method).
-
-    glibc keeps freed memory for reuse (its mmap threshold grows to the size of freed blocks, up
-    to 32 MiB; keep_freed_memory keeps all of it), so a plain RSS difference would miss memory
-    that earlier steps left behind. So mmaps are on with the threshold pinned at 128 KiB and the
-    heap trimmed before the step (every freed byte is returned, every allocation during the step
-    is counted); afterwards keep_freed_memory() for the timed steps (keep), or glibc's dynamic
-    steady state (return_freed_memory; --cpu_memory return).
-    """
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 17)
-        libc.malloc_trim(0)
-    base = _rss_kb("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        method = "VmHWM after clear_refs"
-    except OSError:
-        method = "ru_maxrss (clear_refs unavailable: includes everything before the step)"
-    step()
-    peak = _rss_kb("VmHWM")
-    keep_freed_memory() if keep else return_freed_memory()
-    return max(0, peak - base) / 1024, method
-
-
 def child(spec):
     """Benchmark one configuration; returns a dict (printed as JSON on the last stdout line)."""
     t_begin = time.perf_counter()
@@ -244,7 +163,7 @@ def child(spec):
         mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
     else:
         keep = spec.get("cpu_memory", "keep") == "keep"
-        mem_mb, method = _cpu_step_memory(step, keep)
+        mem_mb, method = step_memory(step, keep)
         for _ in range(2 if keep else 0):  # untimed: the heap the allocator now keeps grows and settles
             step()
     first_step_s = first_step_s or time.perf_counter() - t_begin
@@ -266,13 +185,8 @@ def child(spec):
             "step_s": step_s, "step_times_s": times, "warmup_s": warmup_s, "first_step_s": first_step_s, "tokens_per_s": tokens / step_s,
             "ms_per_token": 1e3 * step_s / tokens, "model_flops_per_step": fl,
             "model_flops_per_token": fl / tokens, "achieved_flops_per_s": fl / step_s,
-            "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": _max_rss_mb(),
+            "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(),
             "final_loss": losses[-1]}
-
-
-def _max_rss_mb():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ============================================================================= parent
@@ -494,7 +408,7 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--cpu_memory", choices=("keep", "return"), default="keep",
                    help="CPU timed steps: glibc keeps freed memory for the next step (keep, default; "
-                        "keep_freed_memory) or returns it, so large tensors fault in anew each step (return)")
+                        "cpu_memory.keep_freed_memory) or returns it, so large tensors fault in anew each step (return)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
     p.add_argument("--peak_n", type=int, default=0, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
     p.add_argument("--peak_reps", type=int, default=10, help="matmuls timed for the peak (best counts)")

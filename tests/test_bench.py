@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 import bench
+import cpu_memory
 
 ROW_KEYS = {"model", "T", "batch", "compile", "status", "tokens_per_s", "ms_per_token", "peak_mem_mb", "mfu",
             "mfu_vs_ref", "model_flops_per_token", "step_times_s", "width", "non_embedding_params"}
@@ -38,22 +39,22 @@ def test_tiny_run_writes_json_and_table(tmp_path):
     assert res["meta"]["cpu_memory"] == "keep" and "CPU memory keep (freed memory kept for the next step)" in md
 
 
-@pytest.mark.skipif(bench._libc() is None, reason="the C library is not glibc (no mallopt)")
+@pytest.mark.skipif(cpu_memory._libc() is None, reason="the C library is not glibc (no mallopt)")
 def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
     """After keep_freed_memory a freed 64 MiB tensor stays resident (the next step reuses its pages
     instead of faulting in new ones); glibc's default and return_freed_memory give it back. In a
     fresh interpreter: the setting is per process."""
     code = textwrap.dedent("""
-        import torch, bench
+        import torch, cpu_memory
         def kept_mb():  # MiB of a touched and freed 64 MiB tensor that stay resident
             x = torch.ones(16 << 20)
-            with_x = bench._rss_kb("VmRSS")
+            with_x = cpu_memory.rss_kb("VmRSS")
             del x
-            return 64 - (with_x - bench._rss_kb("VmRSS")) // 1024
+            return 64 - (with_x - cpu_memory.rss_kb("VmRSS")) // 1024
         default = kept_mb()
-        bench.keep_freed_memory()
+        cpu_memory.keep_freed_memory()
         kept = kept_mb()
-        bench.return_freed_memory()
+        cpu_memory.return_freed_memory()
         print(default, kept, kept_mb())
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=bench.os.path.dirname(bench.__file__))
