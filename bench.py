@@ -29,8 +29,8 @@ forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
 max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
 row does the same number of tokens per step. On CPU the timed steps run with glibc's malloc
 keeping freed memory for the next step (cpu_memory.keep_freed_memory; --cpu_memory return for
-glibc's default, under which the page faults of each step's fresh large tensors took 25-50 % of a
-step on this project's CPU: results/README.md, "Windowed TANGO against Loop Transformer++").
+glibc's default, under which the page faults of each step's fresh large tensors took a fifth to
+a half of a step on this project's CPU: results/README.md, "Windowed TANGO against Loop Transformer++").
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one), after --warmup untimed ones (the last is the memory measurement)

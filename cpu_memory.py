@@ -4,7 +4,7 @@ one training step.
 glibc serves every block above 32 MiB with a fresh mmap and unmaps it when it is freed, so each
 training step's large tensors (the (B T) x V logits and their gradient, TANGO's (B, T, F) gates and
 averages) start as fresh pages that fault in on first touch; on this project's CPU (a virtual
-machine) those faults took 25-50 % of every step. bench.py times CPU steps after
+machine) those faults took a fifth to a half of every step. bench.py times CPU steps after
 keep_freed_memory() (the heap keeps freed memory for the next step, as PyTorch's caching allocator
 does on CUDA) unless --cpu_memory return; step_memory() measures one step's peak with every freed
 byte returned. Linux only (/proc/self); the malloc settings are skipped where the C library is not
@@ -42,7 +42,7 @@ def keep_freed_memory():
     not from fresh mmaps; M_TRIM_THRESHOLD -1: the heap is never trimmed), so every training step
     after the first two reuses the pages of the one before instead of faulting in new ones. RSS
     stays near its high-water mark and nothing goes back to the system until exit
-    (results/bench/bench_cpu_window*.json, peak_rss_mb: 5.4-6.9 GB kept, 4.3-4.6 GB returned).
+    (results/bench/bench_cpu_window*.json, peak_rss_mb: 5,384-6,824 MB kept, 4,322-4,606 MB returned).
     Numerics are unchanged. False (nothing done) where the C library is not glibc."""
     libc = _libc()
     if libc is None:
