@@ -15,7 +15,7 @@ import torch
 import flops
 import models
 from bench import _Parser, loadavg
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, not_a_command
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -183,7 +183,4 @@ def reflux_table(rows):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    import sys
-    print("error: bench_decode.py has no command line of its own; "
-          "use python bench.py decode or python bench.py --reflux (python bench.py decode --help)", file=sys.stderr)
-    sys.exit(2)
+    not_a_command("bench_decode.py", "python bench.py decode or python bench.py --reflux (python bench.py decode --help)")

@@ -34,6 +34,14 @@ class UsageParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see python {self.prog} --help)")
 
 
+def not_a_command(module, use):
+    """What a companion module run directly does (python text_data.py, ...): one line on stderr
+    naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""
+    import sys
+    print(f"error: {module} has no command line of its own; use {use}", file=sys.stderr)
+    sys.exit(2)
+
+
 HEAD_DIM = 32  # d_h = 32 everywhere (MATH.md glossary)
 VOCAB_MULTIPLE = 64  # the embedding/head has ceil(V / 64) * 64 rows (aligned matmul); rows >= V are padding
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, not_a_command
 from flops import RECURRENT_MODELS, _Parser, unrolled_params
 
 
@@ -274,7 +274,4 @@ def fit_main(argv):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    import sys
-    print("error: flops_fit.py has no command line of its own; "
-          "use python flops.py fit RUN ... (python flops.py fit --help)", file=sys.stderr)
-    sys.exit(2)
+    not_a_command("flops_fit.py", "python flops.py fit RUN ... (python flops.py fit --help)")

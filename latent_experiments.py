@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import train
 from checkpoint import clean_state_dict, save_atomic
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, not_a_command
 from latent_bases import load_base
 from latent_tokens import (LatentLM, Policy, _base_flags, _parser, _train_flags, choose, cosine_lr,
                            evaluate, fit, latent_params, parse, parse_policy, train_latents)
@@ -347,7 +347,4 @@ def main(argv):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    import sys
-    print("error: latent_experiments.py has no command line of its own; "
-          "use python latent_tokens.py [pretrain|sweep] (python latent_tokens.py --help)", file=sys.stderr)
-    sys.exit(2)
+    not_a_command("latent_experiments.py", "python latent_tokens.py [pretrain|sweep] (python latent_tokens.py --help)")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import data as data_mod
 from checkpoint import load_checkpoint
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, not_a_command
 from datacheck import check_data, data_signature
 from evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -375,6 +375,4 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    print("error: reflux_cli.py has no command line of its own; use python reflux.py [sweep] "
-          "(python reflux.py --help)", file=sys.stderr)
-    sys.exit(2)
+    not_a_command("reflux_cli.py", "python reflux.py [sweep] (python reflux.py --help)")

@@ -13,7 +13,7 @@ import re
 import statistics
 import sys
 
-from common import UsageError
+from common import UsageError, not_a_command
 from sweep import curves_of, log_records
 
 
@@ -32,15 +32,14 @@ SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params"
 def run_settings(run, summary):
     """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
     from checkpoint import MACHINE_FLAGS
-    from config import MODEL_FLAGS
+    from config import unread_model_flags
     out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
     if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
         out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
     start = [r for r in log_records(run) if r.get("event") == "start"]
     if start:
         args = start[-1].get("args", {})
-        unread = {f for f, users in MODEL_FLAGS.items() if args.get("model") not in users}  # flags its model ignores
-        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"} | unread
+        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"} | unread_model_flags(args.get("model"))
         out.update({f"--{k}": v for k, v in args.items() if k not in skip})
     return out
 
@@ -399,6 +398,4 @@ def replace_between_markers(path, markers, text):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    print("error: sweep_report.py has no command line of its own; "
-          "use python sweep.py report or python sweep.py plot (python sweep.py report --help)", file=sys.stderr)
-    sys.exit(2)
+    not_a_command("sweep_report.py", "python sweep.py report or python sweep.py plot (python sweep.py report --help)")

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from common import UsageError
+from common import UsageError, not_a_command
 from data import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of
 
 
@@ -165,7 +165,4 @@ def _char_vocab(tmp, n_tok, chunk=1 << 24):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    import sys
-    print("error: text_data.py has no command line of its own; "
-          "use python data.py --dataset PATH (python data.py --help)", file=sys.stderr)
-    sys.exit(2)
+    not_a_command("text_data.py", "python data.py --dataset PATH (python data.py --help)")
