@@ -52,14 +52,18 @@ MODEL_FLAGS = {
 }
 
 
+def unread_model_flags(model):
+    """The model flags (MODEL_FLAGS) that --model `model` ignores."""
+    return {flag for flag, users in MODEL_FLAGS.items() if model not in users}
+
+
 def check_model_flags(model, given):
     """UsageError for a model flag given explicitly (given: the flag names on the command line)
     that --model does not read (MODEL_FLAGS): it would be silently ignored."""
-    for flag in sorted(set(given) & set(MODEL_FLAGS)):
-        if model not in MODEL_FLAGS[flag]:
-            users = MODEL_FLAGS[flag]
-            users = users[0] if len(users) == 1 else f"{', '.join(users[:-1])} or {users[-1]}"
-            raise UsageError(f"--{flag}: only used with --model {users}; --model {model} ignores it (drop the flag)")
+    for flag in sorted(set(given) & unread_model_flags(model)):
+        users = MODEL_FLAGS[flag]
+        users = users[0] if len(users) == 1 else f"{', '.join(users[:-1])} or {users[-1]}"
+        raise UsageError(f"--{flag}: only used with --model {users}; --model {model} ignores it (drop the flag)")
 
 
 def tier_default(flag):

@@ -124,13 +124,13 @@ def check_existing_run(out, argv):
     skipping or resuming it would mix settings in one grid cell."""
     import train
     from checkpoint import MACHINE_FLAGS
-    from config import MODEL_FLAGS
+    from config import unread_model_flags
     start = [r for r in log_records(out) if r.get("event") == "start"]
     if not start:
         return
     saved = start[-1].get("args", {})
     requested = vars(train.resolve_args(train.parse_args(argv)))
-    unread = {f for f, users in MODEL_FLAGS.items() if requested["model"] not in users}  # (older sweeps passed them)
+    unread = unread_model_flags(requested["model"])  # (older sweeps passed them)
     for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
             raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
@@ -142,16 +142,16 @@ def flags_for(dataset, extra, model=None):
     and a model's own flag (config.MODEL_FLAGS: --window, --n_core, --plt_window, ...) unless model
     reads it, so one sweep can compare models with a setting only some of them have."""
     import train
-    from config import MODEL_FLAGS
+    from config import unread_model_flags
     actions = train.build_parser()._option_string_actions
+    unread = unread_model_flags(model) if model is not None else set()
     out, i = [], 0
     while i < len(extra):
         f = extra[i]
         action = actions.get(f.split("=", 1)[0])
         n = 1 if action is None or "=" in f or action.nargs == 0 else 2  # the flag and its value
         dest = action.dest if action is not None else None
-        if not (dest == "data_dir" and dataset != "dmmath"
-                or model is not None and dest in MODEL_FLAGS and model not in MODEL_FLAGS[dest]):
+        if not (dest == "data_dir" and dataset != "dmmath" or dest in unread):
             out += extra[i:i + n]
         i += n
     return out
