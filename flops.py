@@ -98,8 +98,9 @@ def forward_macs(cfg: ModelConfig, T: int) -> dict:
 def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     """MACs that FlopCounterMode / 2 reports for one batch-1 forward of the fast implementation.
 
-    The counter sees only matmuls (aten.mm/bmm); norms, RoPE, softmax, cumsum and elementwise
-    products are not counted. Run it with SDPA pinned to the math backend
+    The counter sees only matmuls (aten.mm/bmm; TANGO's fast paths also write chunks with the
+    in-place baddbmm_/addmm_, which need a custom_mapping, tests/test_flops.py); norms, RoPE,
+    softmax, cumsum and elementwise products are not counted. Run it with SDPA pinned to the math backend
     (torch.nn.attention.sdpa_kernel(SDPBackend.MATH)): there SDPA is two bmm's counted as full
     L x S products even when causal, so Transformer++ and GAU equal the convention. (On CPU the
     fused flash kernel has no FlopCounterMode formula in torch 2.13 and counts 0.) The

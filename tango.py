@@ -51,6 +51,7 @@ minutes and a full-prefix one about two, and neither then stepped faster than ea
 TANGO with three gated-projection sets: {W_g, W_v, W_o} set 1 for the first application, set 2
 for the middle ones, set 3 for the last; W_q, W_k, norm, tau, b shared. Needs K >= 3.
 """
+import functools
 import math
 
 import torch
@@ -117,17 +118,23 @@ def _batched(t):
     return t if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) else t.contiguous()
 
 
-def _bh(t):
-    """(B, H, ...) -> (B H, ...) as a view (also of a slice along T), for in-place batched matmuls."""
-    return t.view(-1, *t.shape[2:])
-
-
-def _add_matmul_(out, a, b):
-    """out += a @ b for (B, H, m, n) tensors, without a temporary when the dtypes agree."""
+def _matmul_into(out, a, b, beta=1.0):
+    """out = beta out + a @ b for (B, H, m, n) tensors, written in place one batch entry at a time,
+    so out, a and b may have any strides (the (B, T, H, F/H) layout of the gates included) and
+    nothing is copied; beta = 0 ignores out's old contents. Mixed dtypes go through a temporary."""
     if a.dtype == b.dtype == out.dtype:
-        _bh(out).baddbmm_(_bh(a), _bh(b))
+        for o, x, y in zip(out, a, b):
+            o.baddbmm_(x, y, beta=beta)
+    elif beta == 0:
+        out.copy_(a @ b)
     else:
         out += (a @ b).to(out.dtype)
+
+
+LOG2E = 1 / math.log(2)  # exp(x) = 2^(x log2 e)
+# The fast paths compute their weights as 2^x with x in base-2 units (queries scaled by LOG2E, the
+# log-sum-exp kept as log2): PyTorch's CPU exp takes a slow path for masked (-inf) entries, about
+# 6x the time of the rest of a tile on this project's machine (torch 2.13, AVX-512), exp2 does not.
 
 
 class ChunkedCausalAttention(torch.autograd.Function):
@@ -151,39 +158,41 @@ class ChunkedCausalAttention(torch.autograd.Function):
             q, k, v = _batched(q.to(acc)), _batched(k.to(acc)), _batched(v.to(dt))
             L, S = q.shape[2], k.shape[2]
             off = S - L
+            q2 = q * LOG2E  # scores in base-2 units (see LOG2E)
             out = v.new_empty(q.shape[0], L, q.shape[1], v.shape[-1]).transpose(1, 2)  # heads merge by a view
-            lse = q.new_empty(q.shape[:3])
+            lse2 = q.new_empty(q.shape[:3])  # log2 of each row's normalizer
             for r0 in range(0, L, chunk):
                 r1 = min(r0 + chunk, L)
-                p = ChunkedCausalAttention._scores(q, k, r0, r1, off)
+                p = ChunkedCausalAttention._scores(q2, k, r0, r1, off)
                 m = p.amax(-1, keepdim=True)
-                p = p.sub_(m).exp_()
+                p = p.sub_(m).exp2_()
                 l = p.sum(-1, keepdim=True)
-                lse[:, :, r0:r1] = (m + l.log())[..., 0]
-                out[:, :, r0:r1] = p.div_(l).to(dt) @ v[:, :, :r1 + off]  # normalized weights x values
-        ctx.save_for_backward(q, k, v, out, lse)
+                lse2[:, :, r0:r1] = (m + l.log2())[..., 0]
+                _matmul_into(out[:, :, r0:r1], p.div_(l).to(dt), v[:, :, :r1 + off], beta=0.0)  # normalized weights x values
+        ctx.save_for_backward(q, k, v, out, lse2)
         ctx.chunk = chunk
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse2 = ctx.saved_tensors
         with _no_autocast(q):
             acc, dt = q.dtype, v.dtype
             L, S = q.shape[2], k.shape[2]
             off = S - L
             dout = _batched(dout.to(dt))
+            q2 = q * LOG2E
             dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
             delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
             for r0 in range(0, L, ctx.chunk):
                 r1 = min(r0 + ctx.chunk, L)
                 n = r1 + off
-                p = ChunkedCausalAttention._scores(q, k, r0, r1, off).sub_(lse[:, :, r0:r1, None]).exp_()
+                p = ChunkedCausalAttention._scores(q2, k, r0, r1, off).sub_(lse2[:, :, r0:r1, None]).exp2_()
                 do = dout[:, :, r0:r1]
-                _add_matmul_(dv[:, :, :n], p.to(dt).transpose(-1, -2), do)  # dV += P^T dO
+                _matmul_into(dv[:, :, :n], p.to(dt).transpose(-1, -2), do)  # dV += P^T dO
                 ds = (do @ v[:, :, :n].transpose(-1, -2)).to(acc).sub_(delta[:, :, r0:r1]).mul_(p)  # P (dO V^T - delta)
                 dq[:, :, r0:r1] = ds @ k[:, :, :n]
-                _add_matmul_(dk[:, :, :n], ds.transpose(-1, -2), q[:, :, r0:r1])
+                _matmul_into(dk[:, :, :n], ds.transpose(-1, -2), q[:, :, r0:r1])
         return dq, dk, dv.to(dt), None
 
 
@@ -234,6 +243,14 @@ def _band(C, W, dtype, device):
     return torch.zeros(C, C + W, dtype=dtype, device=device).masked_fill_((j <= i) | (j > i + W), float("-inf"))
 
 
+@functools.lru_cache(maxsize=32)
+def _triangle(n, m, diagonal, upper, dtype, device):
+    """ones(n, m).triu(diagonal) if upper else .tril(diagonal), made once per shape: where a
+    chunk's tile holds old sources."""
+    ones = torch.ones(n, m, dtype=dtype, device=device)
+    return ones.triu(diagonal) if upper else ones.tril(diagonal)
+
+
 class WindowedAttention(torch.autograd.Function):
     """Windowed TANGO average (L == S == T) in chunks of C query rows, saving for backward only q, k,
     g, b, the output and the row log-sum-exp (as ChunkedCausalAttention) and recomputing the rest.
@@ -250,7 +267,7 @@ class WindowedAttention(torch.autograd.Function):
     in its (C x (C + W)) weight tile the old keys j <= i - W then get the old-source weight, and the
     old sources before lo enter through a running gate sum (B, H, 1, F/H). Work O(T (C + W) (32 + F/H))
     per head, memory O(C (C + W)) per head besides inputs, output and the summary keys K (a
-    cumulative sum of k over T, recomputed in backward).
+    cumulative sum of k over T, recomputed in backward). Logits are in base-2 units (see LOG2E).
     """
 
     @staticmethod
@@ -281,82 +298,109 @@ class WindowedAttention(torch.autograd.Function):
         old-source weight e (B, H, r1 - r0, 1) in the weight tile p, whose window mask left them 0."""
         n = r1 - r0
         if r1 > W:  # some query of the chunk has old sources
-            old = torch.ones(n, n, dtype=p.dtype, device=p.device).tril(r0 - lo - W)
-            p[..., :n].addcmul_(old, e)
+            p[..., :n].addcmul_(_triangle(n, n, r0 - lo - W, False, p.dtype, p.device), e)
 
     @staticmethod
     def forward(ctx, q, k, g, b, W, chunk):
         acc, dt = _acc_dtype(q), _gate_dtype(g)
         with _no_autocast(q):
-            q, k, g, b = q.to(acc).contiguous(), k.to(acc).contiguous(), _batched(g.to(dt)), b.to(acc)
+            q, k, g, b = q.to(acc).contiguous(), k.to(acc).contiguous(), g.to(dt), b.to(acc)
             B, H, T, _ = q.shape
-            bh = b.view(1, H, 1, 1)
-            so = WindowedAttention._summary(q, k, W)[2]
+            b2 = b.view(1, H, 1, 1) * LOG2E  # base-2 logits (LOG2E)
+            so2 = WindowedAttention._summary(q, k, W)[2][..., None] * LOG2E
+            floor = torch.maximum(b2, so2)  # each row's maximum is at least its null and summary logits
             out = g.new_empty(B, T, H, g.shape[-1]).transpose(1, 2)  # heads merge by a view
-            lse = q.new_empty(B, H, T)
+            lse2 = q.new_empty(B, H, T, 1)
             g_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of the gates before lo
             done = 0  # g_old holds gates [0, done)
-            for r0, r1, lo, p in WindowedAttention._tiles(q, k, W, chunk):
-                g_old += g[:, :, done:lo].to(acc).sum(2, keepdim=True)
-                done = lo
-                so_c = so[:, :, r0:r1, None]
-                m = torch.maximum(p.amax(-1, keepdim=True), torch.maximum(bh, so_c))
-                p = p.sub_(m).exp_()  # unnormalized window weights, each <= 1
-                e = (so_c - m).exp()  # weight of each old source, unnormalized
+            for r0, r1, lo, p in WindowedAttention._tiles(q * LOG2E, k, W, chunk):
+                if lo > done:
+                    g_old += g[:, :, done:lo].to(acc).sum(2, keepdim=True)
+                    done = lo
+                m = torch.maximum(p.amax(-1, keepdim=True), floor[:, :, r0:r1])
+                p = p.sub_(m).exp2_()  # unnormalized window weights, each <= 1
+                e = (so2[:, :, r0:r1] - m).exp2_()  # weight of each old source, unnormalized
                 WindowedAttention._add_old_(p, e, r0, r1, lo, W)
-                l = p.sum(-1, keepdim=True) + (bh - m).exp() + lo * e  # + null + old before lo
-                lse[:, :, r0:r1] = (m + l.log())[..., 0]
+                l = p.sum(-1, keepdim=True).add_((b2 - m).exp2_()).add_(e, alpha=lo)  # + null + old before lo
+                lse2[:, :, r0:r1] = m + l.log2()
+                r = l.reciprocal_()
+                p, e = p.mul_(r), e.mul_(r)  # normalized
                 o = out[:, :, r0:r1]
-                o[...] = p.div_(l).to(dt) @ g[:, :, lo:r1]  # window and old sources in the slice
+                _matmul_into(o, p.to(dt), g[:, :, lo:r1], beta=0.0)  # window and old sources in the slice
                 if lo:
-                    o.addcmul_(e / l, g_old)  # + old sources before lo
-        ctx.save_for_backward(q, k, g, b, out, lse)
+                    o.addcmul_(e, g_old)  # + old sources before lo
+        ctx.save_for_backward(q, k, g, b, out, lse2)
         ctx.W, ctx.chunk = W, chunk
         return out
 
     @staticmethod
+    def _key_tiles(qa, ka, W, C):
+        """Backward's tiles, one per chunk of keys [c0, c1), last to first: c0, c1, hi and the
+        normalized window weights of the queries that see those keys in their window, [c0, hi),
+        hi = min(c1 + W, T), transposed: (B, H, c1 - c0, hi - c0), 0 outside the window.
+        qa = [q log2 e, -lse2], ka = [k, 1], so that qa . ka = (s - lse) log2 e."""
+        B, H, T, D = qa.shape
+        j = torch.arange(C, device=qa.device).view(-1, 1)
+        i = torch.arange(C + W, device=qa.device)
+        band = torch.zeros(C, C + W, dtype=qa.dtype, device=qa.device).masked_fill_((i < j) | (i >= j + W), float("-inf"))
+        qb, kb = qa.reshape(B * H, T, D), ka.reshape(B * H, T, D)
+        for c0 in reversed(range(0, T, C)):
+            c1 = min(c0 + C, T)
+            hi = min(c1 + W, T)
+            s = torch.baddbmm(band[:c1 - c0, :hi - c0], kb[:, c0:c1], qb[:, c0:hi].transpose(-1, -2))
+            yield c0, c1, hi, s.exp2_().view(B, H, c1 - c0, hi - c0)
+
+    @staticmethod
     def backward(ctx, dout):
-        q, k, g, b, out, lse = ctx.saved_tensors
+        """Key by key chunk (FlashAttention-2's backward order, arXiv 2307.08691, section 3.1.2): each
+        chunk's gate and key gradients are written once, from the transposed tile of the queries that
+        see it; the queries' gradients accumulate. Old sources: a key chunk is old for its tile's
+        queries t >= j + W (weights in the tile) and for every query from hi on (a running sum)."""
+        q, k, g, b, out, lse2 = ctx.saved_tensors
         W, chunk = ctx.W, ctx.chunk
         with _no_autocast(q):
             acc, dt = q.dtype, g.dtype
             B, H, T, _ = q.shape
             unit, norm, so = WindowedAttention._summary(q, k, W)
-            dout = _batched(dout.to(dt))
+            dout = dout.to(dt)
+            w_null = (b.view(1, H, 1, 1) * LOG2E - lse2).exp2()  # null weight per query
+            e_old = (so[..., None] * LOG2E - lse2).exp2()  # weight of each old source per query (0 if none)
+            e_row = e_old.transpose(-1, -2)  # (B, H, 1, T)
+            dq, dk = torch.zeros_like(q), torch.empty_like(k)
+            dg = torch.empty(B, T, H, g.shape[-1], dtype=dt, device=g.device).transpose(1, 2)  # layout of the merged heads
             delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
-            w_null = torch.exp(b.view(1, H, 1, 1) - lse[..., None])  # null weight per query
-            db = -(w_null * delta).sum((0, 2, 3))
-            e_old = (so - lse)[..., None].exp()  # weight of each old source per query (0 if none)
-            dq, dk = torch.zeros_like(q), torch.zeros_like(k)
-            # dG in the layout of the merged heads where that costs nothing (B = 1), else per head
-            dg = torch.zeros(B, T, H, g.shape[-1], dtype=acc, device=g.device).transpose(1, 2) if B == 1 \
-                else torch.zeros(B, H, T, g.shape[-1], dtype=acc, device=g.device)
-            dz = torch.empty_like(delta)  # gradient of the summary logit z_i
-            qa = torch.cat((q, -lse[..., None]), -1)  # [q, -lse] . [k, 1] = s - lse: normalized logits
+            ds_sum = torch.zeros_like(lse2)  # window part of dz
+            qa = torch.cat((q * LOG2E, -lse2), -1)
             ka = F.pad(k, (0, 1), value=1.0)
-            d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_i dO_i over the chunks after this one
-            done = T  # d_old has been added to dg[done:]
-            for r0, r1, lo, p in WindowedAttention._tiles(qa, ka, W, chunk, reverse=True):
-                dg[:, :, lo:done] += d_old  # gates [lo, done) are old sources before lo of every later chunk
-                done = lo
-                p = p.exp_()  # normalized window weights
-                do, e = dout[:, :, r0:r1], e_old[:, :, r0:r1]
-                ds = (do @ g[:, :, lo:r1].transpose(-1, -2)).to(acc).sub_(delta[:, :, r0:r1]).mul_(p)  # window scores
-                # softmax gradients over all logits sum to 0: dz = -(null + window parts)
-                dz[:, :, r0:r1] = w_null[:, :, r0:r1] * delta[:, :, r0:r1] - ds.sum(-1, keepdim=True)
-                WindowedAttention._add_old_(p, e, r0, r1, lo, W)
-                _add_matmul_(dg[:, :, lo:r1], p.to(dt).transpose(-1, -2), do)  # window and old gates in the slice
-                _add_matmul_(d_old, e.transpose(-1, -2).to(dt), do)
-                dq[:, :, r0:r1] = ds @ k[:, :, lo:r1]
-                _add_matmul_(dk[:, :, lo:r1], ds.transpose(-1, -2), q[:, :, r0:r1])
+            d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_t dO_t over the queries t >= hi
+            top = T  # d_old holds queries [top, T)
+            for c0, c1, hi, p in WindowedAttention._key_tiles(qa, ka, W, chunk):
+                if hi < top:
+                    _matmul_into(d_old, e_row[:, :, :, hi:top].to(dt), dout[:, :, hi:top])
+                    top = hi
+                do = dout[:, :, c0:hi]
+                dp = torch.empty(p.shape, dtype=dt, device=p.device)
+                _matmul_into(dp, g[:, :, c0:c1], do.transpose(-1, -2), beta=0.0)
+                ds = dp.to(acc).sub_(delta[:, :, c0:hi].transpose(-1, -2)).mul_(p)  # gradient of the window scores, transposed
+                ds_sum[:, :, c0:hi] += ds.sum(-2)[..., None]
+                if hi - c0 > W:  # queries t >= j + W in the tile: the chunk's keys are old sources for them
+                    n = c1 - c0
+                    p[..., W:].addcmul_(_triangle(n, hi - c0 - W, 0, True, p.dtype, p.device), e_row[:, :, :, c0 + W:hi])
+                _matmul_into(dg[:, :, c0:c1], p.to(dt), do, beta=0.0)  # window and old queries in the tile
+                if top < T:
+                    dg[:, :, c0:c1] += d_old  # every query from hi on
+                _matmul_into(dk[:, :, c0:c1], ds, q[:, :, c0:hi], beta=0.0)
+                _matmul_into(dq[:, :, c0:hi], ds.transpose(-1, -2), k[:, :, c0:c1])
+            db = -(w_null * delta).sum((0, 2, 3))
+            # softmax gradients over all logits sum to 0: dz = -(null + window parts), z the summary logit
+            dz = (w_null * delta - ds_sum).masked_fill(torch.arange(T, device=q.device).view(-1, 1) < W, 0.0)
             # so_i = q_i . unit(K_i), K_i = sum_{j <= i-W} k_j (dz_i = 0 where there are no old sources)
-            dz = dz.masked_fill(torch.arange(T, device=q.device).view(-1, 1) < W, 0.0)
             dq += dz * unit
             du = dz * q
             dK = (du - unit * (unit * du).sum(-1, keepdim=True)) / norm
             if T > W:
                 dk[:, :, :T - W] += dK.flip(2).cumsum(2).flip(2)[:, :, W:]
-        return dq, dk, dg.to(dt), db, None, None
+        return dq, dk, dg, db, None, None
 
 
 WINDOW_CHUNK = 64  # query rows per chunk in WindowedAttention

@@ -1,7 +1,8 @@
 """Tests for flops.py: the TANGO paper's §4.1 MAC figures, CLI, and agreement with torch's FlopCounterMode.
 
-FlopCounterMode counts 2 FLOPs per MAC of every matmul (aten.mm/bmm); elementwise work (norms,
-RoPE, softmax, cumsum, gating) is not counted. SDPA on CPU: when the fused CPU flash kernel is
+FlopCounterMode counts 2 FLOPs per MAC of every matmul (aten.mm/bmm, and here also the in-place
+baddbmm_/addmm_ with which TANGO's fast paths write their chunks, registered through its
+custom_mapping); elementwise work (norms, RoPE, softmax, cumsum, gating) is not counted. SDPA on CPU: when the fused CPU flash kernel is
 chosen (aten._scaled_dot_product_flash_attention_for_cpu; e.g. Transformer++ with equal 32-dim
 q/k/v) torch 2.13's counter has no formula for it and counts 0, while shapes it rejects (TANGO's
 40-dim q/k with F/H-dim values) fall back to the math path and are counted. So every count here
@@ -17,6 +18,8 @@ flops.counter_expected_macs (not a tolerance):
   loop / untied / gau: none (SDPA and GAU's explicit matmuls are full T x T products).
 The reference TANGO path computes exactly the convention, so there the counter equals forward_macs.
 """
+import math
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -27,12 +30,20 @@ import models
 from common import ModelConfig
 
 
+def _matmul_flops(self_shape, a_shape, b_shape, out_shape=None, **kwargs):
+    """FLOPs of out += a @ b (2 per MAC, as the counter's own bmm/addmm formulas)."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+IN_PLACE = {torch.ops.aten.baddbmm_: _matmul_flops, torch.ops.aten.addmm_: _matmul_flops}
+
+
 def counted_macs(cfg, T, **body_kwargs):
     """FlopCounterMode total / 2 for one batch-1 forward of cfg at length T (SDPA on the math path)."""
     torch.manual_seed(0)
     model = models.build_model(cfg, **body_kwargs)
     idx = torch.randint(0, cfg.vocab_size, (1, T))
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, custom_mapping=IN_PLACE) as fc:
         model(idx)
     flops_total = fc.get_total_flops()
     assert flops_total % 2 == 0
