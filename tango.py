@@ -25,7 +25,8 @@ Windowed TANGO: sources in the window j in (i-W, i] get the scores above; all ol
 j <= i-W share one score tau_a <q^_i, unit(sum_{j<=i-W} k^_j)>, contribute exp(score) * sum g_j
 and mass exp(score) * n_old, n_old = i-W+1 (0-based). WindowedAttention computes it in chunks of
 C query rows, each reading one contiguous slice of W + C keys and gates (no copies), with a running
-sum for the older gates: cost O(T (W + C) (32 + F/H)) per head, time per token flat in T.
+sum for the older gates; its backward goes by chunks of C keys, each reading the W + C queries
+that see them: cost O(T (W + C) (32 + F/H)) per head, time per token flat in T.
 `windowed_reference` is the plain formula. Decoding keeps the last W-1 keys/gates plus two running
 sums. With W >= T it equals full-prefix TANGO.
 
@@ -119,10 +120,12 @@ def _batched(t):
 
 
 def _matmul_into(out, a, b, beta=1.0):
-    """out = beta out + a @ b for (B, H, m, n) tensors, written in place one batch entry at a time,
-    so out, a and b may have any strides (the (B, T, H, F/H) layout of the gates included) and
-    nothing is copied; beta = 0 ignores out's old contents. Mixed dtypes go through a temporary."""
-    if a.dtype == b.dtype == out.dtype:
+    """out = beta out + a @ b for (B, H, m, n) tensors. On CPU (or for B = 1) written in place one
+    batch entry at a time, so out, a and b may have any strides (the (B, T, H, F/H) layout of the
+    gates included) and nothing is copied; beta = 0 ignores out's old contents. On CUDA with B > 1,
+    or with mixed dtypes, one batched matmul into a temporary (there kernel launches cost more
+    than copies)."""
+    if a.dtype == b.dtype == out.dtype and (out.device.type == "cpu" or out.shape[0] == 1):
         for o, x, y in zip(out, a, b):
             o.baddbmm_(x, y, beta=beta)
     elif beta == 0:
@@ -263,9 +266,9 @@ class WindowedAttention(torch.autograd.Function):
     exp(so_i - lse_i) x (sum of old gates) to the output: every old source gets the weight
     exp(so_i - lse_i). A chunk of queries [r0, r1) reads the key/gate slice [lo, r1),
     lo = max(r0 - W, 0) (a view: gates are never copied). Its scores come out of one matmul with the
-    window mask as its additive input (backward: with -lse folded in as an extra query/key column);
-    in its (C x (C + W)) weight tile the old keys j <= i - W then get the old-source weight, and the
-    old sources before lo enter through a running gate sum (B, H, 1, F/H). Work O(T (C + W) (32 + F/H))
+    window mask as its additive input; in its (C x (C + W)) weight tile the old keys j <= i - W then
+    get the old-source weight, and the old sources before lo enter through a running gate sum
+    (B, H, 1, F/H). Backward goes the other way round (see backward). Work O(T (C + W) (32 + F/H))
     per head, memory O(C (C + W)) per head besides inputs, output and the summary keys K (a
     cumulative sum of k over T, recomputed in backward). Logits are in base-2 units (see LOG2E).
     """

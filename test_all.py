@@ -96,6 +96,26 @@ def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, 
         assert (a - b).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_matmul_into_equals_beta_out_plus_product(beta, mixed):
+    """tango._matmul_into, which writes the fast paths' chunk products: out = beta out + a @ b for
+    strided (B, H, m, n) views (the (B, T, H, F/H) layout of the gates; B = 2), in place on CPU,
+    through a temporary when out's dtype differs from the factors'; beta = 0 ignores NaN in out."""
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 7, 3, 5, generator=g, dtype=torch.float64).transpose(1, 2)  # (2, 3, 7, 5), strided
+    a = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(2, 9, 3, 5, generator=g, dtype=torch.float64).transpose(1, 2)[:, :, 2:6]  # a slice along T
+    if mixed:  # the products in the gates' dtype, out in float64 (e.g. bfloat16 products into a float32 sum)
+        a, b = a.float(), b.float()
+    if beta == 0:
+        out.fill_(float("nan"))
+    want = a.double() @ b.double() + (beta * out if beta else 0)
+    ptr = out.data_ptr()
+    tango._matmul_into(out, a, b, beta=beta)
+    assert out.data_ptr() == ptr and (out - want).abs().max() < (1e-6 if mixed else 1e-12)
+
+
 @pytest.mark.parametrize("fast", ["tango", "tango-windowed"])
 def test_fast_paths_save_only_inputs_output_and_lse(fast, monkeypatch):
     """What autograd keeps for backward from TANGO's averages: the inputs (queries, keys and gates;
