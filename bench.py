@@ -34,7 +34,9 @@ a half of a step on this project's CPU: results/README.md, "Windowed TANGO again
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one), after --warmup untimed ones (the last is the memory measurement)
-            and, on CPU with --cpu_memory keep, two more in which the kept heap grows and settles.
+            and, on CPU with --cpu_memory keep, more until the kept heap has stopped growing
+            (cpu_memory.settle_heap: two in a row fault in at most 1 MiB; at most 10; settle_steps
+            in the JSON).
 MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T, B T)
             = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
@@ -80,7 +82,7 @@ import torch
 import flops
 import models
 from common import ModelConfig, UsageError, compile_regions
-from cpu_memory import max_rss_mb, return_freed_memory, step_memory
+from cpu_memory import max_rss_mb, return_freed_memory, settle_heap, step_memory
 
 REFERENCE = "loop"  # the Transformer++ the MFU ratio is taken against (one block applied K times)
 DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
@@ -155,6 +157,7 @@ def child(spec):
         sync()
         first_step_s = first_step_s or time.perf_counter() - t_begin
     sync()
+    settle_steps = 0
     if dev.startswith("cuda"):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -164,8 +167,8 @@ def child(spec):
     else:
         keep = spec.get("cpu_memory", "keep") == "keep"
         mem_mb, method = step_memory(step, keep)
-        for _ in range(2 if keep else 0):  # untimed: the heap the allocator now keeps grows and settles
-            step()
+        first_step_s = first_step_s or time.perf_counter() - t_begin
+        settle_steps = settle_heap(step) if keep else 0  # untimed: until the kept heap stops growing
     first_step_s = first_step_s or time.perf_counter() - t_begin
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
@@ -185,7 +188,7 @@ def child(spec):
             "step_s": step_s, "step_times_s": times, "warmup_s": warmup_s, "first_step_s": first_step_s, "tokens_per_s": tokens / step_s,
             "ms_per_token": 1e3 * step_s / tokens, "model_flops_per_step": fl,
             "model_flops_per_token": fl / tokens, "achieved_flops_per_s": fl / step_s,
-            "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(),
+            "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
             "final_loss": losses[-1]}
 
 

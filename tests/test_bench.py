@@ -63,6 +63,21 @@ def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
     assert kept >= 60 and default <= 4 and returned <= 4, (default, kept, returned)
 
 
+@pytest.mark.parametrize("faults, ran", [([900, 0, 900, 0, 0, 0], 5),  # growth, calm, growth, then two calm steps
+                                          ([0, 0, 900], 2),  # calm from the start
+                                          ([900] * 12, 10)])  # never calm: stops at max_steps
+def test_settle_heap_steps_until_two_in_a_row_fault_in_at_most_a_mib(faults, ran):
+    """cpu_memory.settle_heap runs untimed steps until two consecutive ones fault in at most 256 new
+    pages (1 MiB), at most 10, and says how many ran (a fake step and page-fault counter)."""
+    count, steps = [0], []
+
+    def step():
+        count[0] += faults[len(steps)]
+        steps.append(1)
+
+    assert cpu_memory.settle_heap(step, faults=lambda: count[0]) == ran == len(steps)
+
+
 def _row(model, T, tps, mem, mfu, batch=1):
     return {"model": model, "T": T, "compile": False, "status": "ok", "batch": batch, "tokens_per_s": tps,
             "ms_per_token": 1e3 / tps, "peak_mem_mb": mem, "achieved_flops_per_s": mfu, "model_flops_per_token": 1.0}
