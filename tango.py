@@ -285,13 +285,13 @@ class WindowedAttention(torch.autograd.Function):
         return unit, norm, so
 
     @staticmethod
-    def _tiles(q, k, W, C, reverse=False):
-        """For each chunk of queries [r0, r1) (last to first if reverse): r0, r1, lo and its window
-        scores q[r0:r1] k[lo:r1]^T, -inf outside the window, (B, H, r1 - r0, r1 - lo)."""
+    def _tiles(q, k, W, C):
+        """For each chunk of queries [r0, r1): r0, r1, lo and its window scores q[r0:r1] k[lo:r1]^T,
+        -inf outside the window, (B, H, r1 - r0, r1 - lo)."""
         B, H, T, D = q.shape
         band = _band(C, W, q.dtype, q.device)
         qb, kb = q.reshape(B * H, T, D), k.reshape(B * H, T, D)
-        for r0 in sorted(range(0, T, C), reverse=reverse):
+        for r0 in range(0, T, C):
             r1, lo = min(r0 + C, T), max(r0 - W, 0)
             mask = band[:r1 - r0, W - (r0 - lo):W + r1 - r0]
             yield r0, r1, lo, torch.baddbmm(mask, qb[:, r0:r1], kb[:, lo:r1].transpose(-1, -2)).view(B, H, r1 - r0, r1 - lo)
