@@ -9,7 +9,10 @@ import os
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+BPE = os.path.abspath(os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken"))
+# absolute for the whole session: tests run train.py from other folders, and the README's test
+# command gives a path relative to the repository
+os.environ["GPT2_BPE_FILE"] = BPE
 
 
 def bpe_missing(path=BPE):
