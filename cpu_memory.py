@@ -7,8 +7,8 @@ averages) start as fresh pages that fault in on first touch; on this project's C
 machine) those faults took a fifth to a half of every step. bench.py times CPU steps after
 keep_freed_memory() (the heap keeps freed memory for the next step, as PyTorch's caching allocator
 does on CUDA) unless --cpu_memory return, after settle_heap() (untimed steps until that heap has
-stopped growing); step_memory() measures one step's peak with every freed byte returned. Linux only (/proc/self); the malloc settings are skipped where the C library is not
-glibc.
+stopped growing); step_memory() measures one step's peak with every freed byte returned. Linux
+only (/proc/self); the malloc settings are skipped where the C library is not glibc.
 """
 import ctypes
 import gc
@@ -102,8 +102,8 @@ def settle_heap(step, calm=2, max_steps=10, pages=256, faults=minor_faults):
     of 4 KiB pages: the kept heap has stopped growing), at most max_steps; returns how many ran.
     Under keep_freed_memory the heap grows for several steps: a freed block that a later, larger
     tensor (the (B T) x V logits) does not fit is kept, and the tensor goes to fresh pages; on this
-    project's CPU a 786 MB burst of faults came back every other step for up to 7 steps
-    (results/README.md, issue 12), so a fixed two settling steps left some in the timed ones."""
+    project's CPU bursts of faults the size of the logits came back every other step for up to 7
+    steps (results/README.md, issue 12), so a fixed two settling steps left some in the timed ones."""
     quiet = 0
     for n in range(1, max_steps + 1):
         before = faults()
