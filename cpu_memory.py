@@ -39,10 +39,11 @@ def _libc():
 
 def keep_freed_memory():
     """Have glibc's malloc keep freed memory for reuse (M_MMAP_MAX = 0: blocks come from the heap,
-    not from fresh mmaps; M_TRIM_THRESHOLD -1: the heap is never trimmed), so every training step
-    after the first two reuses the pages of the one before instead of faulting in new ones. RSS
-    stays near its high-water mark and nothing goes back to the system until exit
-    (results/bench/bench_cpu_window*.json, peak_rss_mb: 5,384-6,824 MB kept, 4,322-4,606 MB returned).
+    not from fresh mmaps; M_TRIM_THRESHOLD -1: the heap is never trimmed), so once the heap has
+    stopped growing (a few steps: settle_heap) every training step reuses the pages of the one
+    before instead of faulting in new ones. RSS stays near its high-water mark and nothing goes
+    back to the system until exit (results/bench/bench_cpu_window*.json, peak_rss_mb: 5,138-7,152
+    MB kept, 4,322-4,606 MB returned).
     Numerics are unchanged. False (nothing done) where the C library is not glibc."""
     libc = _libc()
     if libc is None:
