@@ -239,12 +239,15 @@ def windowed_reference(qs, kh, g, b, window):
     return torch.stack(out, 2)
 
 
-def _band(C, W, dtype, device):
-    """Additive window mask (C, C + W) of a chunk of C queries over its slice of C + W keys: 0 where
-    query row i sees key column j in its window (i < j <= i + W), -inf elsewhere."""
-    i = torch.arange(C, device=device).view(-1, 1)
-    j = torch.arange(C + W, device=device)
-    return torch.zeros(C, C + W, dtype=dtype, device=device).masked_fill_((j <= i) | (j > i + W), float("-inf"))
+def _band(C, W, dtype, device, by_keys=False):
+    """Additive window mask (C, C + W): 0 where a query sees a key in its window (query position
+    minus key position in [0, W)), -inf elsewhere. Rows: a chunk of C queries, columns their slice
+    of C + W keys starting W before the chunk (forward); by_keys: rows a chunk of C keys, columns
+    the C + W queries from the chunk's first position on (backward)."""
+    r = torch.arange(C, device=device).view(-1, 1)
+    c = torch.arange(C + W, device=device)
+    dist = c - r if by_keys else r - c + W  # query position - key position
+    return torch.zeros(C, C + W, dtype=dtype, device=device).masked_fill_((dist < 0) | (dist >= W), float("-inf"))
 
 
 @functools.lru_cache(maxsize=32)
@@ -344,9 +347,7 @@ class WindowedAttention(torch.autograd.Function):
         hi = min(c1 + W, T), transposed: (B, H, c1 - c0, hi - c0), 0 outside the window.
         qa = [q log2 e, -lse2], ka = [k, 1], so that qa . ka = (s - lse) log2 e."""
         B, H, T, D = qa.shape
-        j = torch.arange(C, device=qa.device).view(-1, 1)
-        i = torch.arange(C + W, device=qa.device)
-        band = torch.zeros(C, C + W, dtype=qa.dtype, device=qa.device).masked_fill_((i < j) | (i >= j + W), float("-inf"))
+        band = _band(C, W, qa.dtype, qa.device, by_keys=True)
         qb, kb = qa.reshape(B * H, T, D), ka.reshape(B * H, T, D)
         for c0 in reversed(range(0, T, C)):
             c1 = min(c0 + C, T)
@@ -368,8 +369,8 @@ class WindowedAttention(torch.autograd.Function):
             unit, norm, so = WindowedAttention._summary(q, k, W)
             dout = dout.to(dt)
             w_null = (b.view(1, H, 1, 1) * LOG2E - lse2).exp2()  # null weight per query
-            e_old = (so[..., None] * LOG2E - lse2).exp2()  # weight of each old source per query (0 if none)
-            e_row = e_old.transpose(-1, -2)  # (B, H, 1, T)
+            # weight of each old source per query (0 if none), as a row: (B, H, 1, T)
+            e_row = (so[..., None] * LOG2E - lse2).exp2().transpose(-1, -2)
             dq, dk = torch.zeros_like(q), torch.empty_like(k)
             dg = torch.empty(B, T, H, g.shape[-1], dtype=dt, device=g.device).transpose(1, 2)  # layout of the merged heads
             delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
