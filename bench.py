@@ -157,7 +157,7 @@ def child(spec):
         sync()
         first_step_s = first_step_s or time.perf_counter() - t_begin
     sync()
-    settle_steps = 0
+    keep = not dev.startswith("cuda") and spec.get("cpu_memory", "keep") == "keep"
     if dev.startswith("cuda"):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -165,11 +165,9 @@ def child(spec):
         torch.cuda.synchronize()
         mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
     else:
-        keep = spec.get("cpu_memory", "keep") == "keep"
         mem_mb, method = step_memory(step, keep)
-        first_step_s = first_step_s or time.perf_counter() - t_begin
-        settle_steps = settle_heap(step) if keep else 0  # untimed: until the kept heap stops growing
     first_step_s = first_step_s or time.perf_counter() - t_begin
+    settle_steps = settle_heap(step) if keep else 0  # untimed: until the kept heap stops growing
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
     while len(times) < spec["steps"] and (not times or sum(times) < spec["step_budget"]):
