@@ -24,11 +24,20 @@ computed by ChunkedCausalAttention in chunks of query rows (the FlashAttention r
 Windowed TANGO: sources in the window j in (i-W, i] get the scores above; all older sources
 j <= i-W share one score tau_a <q^_i, unit(sum_{j<=i-W} k^_j)>, contribute exp(score) * sum g_j
 and mass exp(score) * n_old, n_old = i-W+1 (0-based). WindowedAttention computes it in chunks of
-C query rows, each reading one contiguous slice of W + C keys and gates (no copies), with a running
-sum for the older gates; its backward goes by chunks of C keys, each reading the W + C queries
-that see them: cost O(T (W + C) (32 + F/H)) per head, time per token flat in T.
+C query rows, each reading one slice of W + C keys and gates (strided views, no copies), with
+running sums for the older gates; its backward goes by chunks of C keys, each reading the W + C
+queries that see them. Chunks of the same geometry run together as one batch of matmuls: cost
+O(T (W + C) (32 + F/H)) per head, time per token flat in T.
 `windowed_reference` is the plain formula. Decoding keeps the last W-1 keys/gates plus two running
 sums. With W >= T it equals full-prefix TANGO.
+
+Layout: the update computes the gates, the values and G per head group, (H, B T, F/H) in memory
+(one matmul per group, u W_g[a] with W_g[a] the group's d x F/H block; y = (G * v) W_o as the sum
+of the groups' (G * v)[a] W_o[a]), and both fast paths return their (B, H, T, F/H) output with
+the heads outermost in memory, so no F-wide activation is ever transposed or copied. With each
+group's rows contiguous, the chunk products of the averages run about 1.3x faster on this
+project's CPU than on the (B, T, H, F/H) layout of one (B T) x F matmul (results/README.md,
+issue 12).
 
 Memory: both fast paths save for backward only their inputs (queries, keys, gates, b), the output
 and one log-sum-exp per query, and recompute the weights in backward, so the activation memory of
@@ -120,14 +129,17 @@ def _batched(t):
 
 
 def _matmul_into(out, a, b, beta=1.0):
-    """out = beta out + a @ b for (B, H, m, n) tensors. On CPU (or for B = 1) written in place one
-    batch entry at a time, so out, a and b may have any strides (the (B, T, H, F/H) layout of the
-    gates included) and nothing is copied; beta = 0 ignores out's old contents. On CUDA with B > 1,
-    or with mixed dtypes, one batched matmul into a temporary (there kernel launches cost more
-    than copies)."""
-    if a.dtype == b.dtype == out.dtype and (out.device.type == "cpu" or out.shape[0] == 1):
-        for o, x, y in zip(out, a, b):
-            o.baddbmm_(x, y, beta=beta)
+    """out = beta out + a @ b for (..., m, n) tensors with the same leading dimensions. On CPU
+    (or with one leading entry) written in place one matrix batch at a time, so out, a and b may be
+    any strided views (overlapping windows of the gates included) and nothing is copied; beta = 0
+    ignores out's old contents. On CUDA with several entries, or with mixed dtypes, one batched
+    matmul into a temporary (there kernel launches cost more than copies)."""
+    if a.dtype == b.dtype == out.dtype and (out.device.type == "cpu" or out.shape[:-3].numel() == 1):
+        if out.dim() > 3:
+            for o, x, y in zip(out, a, b):
+                _matmul_into(o, x, y, beta)
+        else:
+            out.baddbmm_(a, b, beta=beta)
     elif beta == 0:
         out.copy_(a @ b)
     else:
@@ -163,7 +175,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
             L, S = q.shape[2], k.shape[2]
             off = S - L
             q2 = q * LOG2E  # scores in base-2 units (see LOG2E)
-            out = v.new_empty(q.shape[0], L, q.shape[1], v.shape[-1]).transpose(1, 2)  # heads merge by a view
+            out = v.new_empty(q.shape[1], q.shape[0], L, v.shape[-1]).transpose(0, 1)  # heads outermost (Layout)
             lse2 = q.new_empty(q.shape[:3])  # log2 of each row's normalizer
             for r0 in range(0, L, chunk):
                 r1 = min(r0 + chunk, L)
@@ -239,42 +251,78 @@ def windowed_reference(qs, kh, g, b, window):
     return torch.stack(out, 2)
 
 
-def _band(C, W, dtype, device, by_keys=False):
-    """Additive window mask (C, C + W): 0 where a query sees a key in its window (query position
-    minus key position in [0, W)), -inf elsewhere. Rows: a chunk of C queries, columns their slice
-    of C + W keys starting W before the chunk (forward); by_keys: rows a chunk of C keys, columns
-    the C + W queries from the chunk's first position on (backward)."""
-    r = torch.arange(C, device=device).view(-1, 1)
-    c = torch.arange(C + W, device=device)
-    dist = c - r if by_keys else r - c + W  # query position - key position
-    return torch.zeros(C, C + W, dtype=dtype, device=device).masked_fill_((dist < 0) | (dist >= W), float("-inf"))
+def _windows(x, start, stride, n, length):
+    """n windows of `length` rows of x (B, H, T, D), window c from row start + c stride, as a
+    (B, H, n, length, D) view (windows may overlap; nothing is copied)."""
+    B, H, T, D = x.shape
+    s = x.stride()
+    return x.as_strided((B, H, n, length, D), (s[0], s[1], stride * s[2], s[2], s[3]), x.storage_offset() + start * s[2])
 
 
-@functools.lru_cache(maxsize=32)
-def _triangle(n, m, diagonal, upper, dtype, device):
-    """ones(n, m).triu(diagonal) if upper else .tril(diagonal), made once per shape: where a
-    chunk's tile holds old sources."""
-    ones = torch.ones(n, m, dtype=dtype, device=device)
-    return ones.triu(diagonal) if upper else ones.tril(diagonal)
+def _groups(T, W, C, n_max, by_keys=False):
+    """WindowedAttention's tiles: chunks of C rows [r0, r0 + rows), each with the window of the
+    other side that it meets, in groups of one geometry. Yields (r0, n, rows, w0, ws, L): n chunks
+    from r0 (stride C), chunk c meeting rows [w0 + c ws, w0 + c ws + L).
+    Forward (rows are queries): the keys [r0 - W, r0 + C); by_keys (backward, rows are keys): the
+    queries [r0, r0 + C + W). Chunks away from the edges share that geometry with stride C and are
+    grouped up to n_max; a chunk at an edge (window clipped to [0, T), or fewer than C rows) is a
+    group of its own."""
+    groups = []
+    for r0 in range(0, T, C):
+        rows = min(C, T - r0)
+        if by_keys:
+            inner = rows == C and r0 + C + W <= T
+            w0, L = r0, min(r0 + rows + W, T) - r0
+        else:
+            inner = rows == C and r0 >= W
+            w0, L = max(r0 - W, 0), r0 + rows - max(r0 - W, 0)
+        last = groups[-1] if groups else None
+        if inner and last and last[5] and last[1] < n_max:
+            last[1] += 1
+        else:
+            groups.append([r0, 1, rows, w0, L, inner])
+    for r0, n, rows, w0, L, inner in groups:
+        yield r0, n, rows, w0, C if inner else 0, L
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(n, rows, L, off, step, W, by_keys, dtype, device):
+    """The masks of a group's (n, rows, L) tiles, from the distance query position - key position,
+    off + c step + (j - i if by_keys else i - j) for chunk c, row i, column j: the additive window
+    mask (0 for distances in [0, W), -inf elsewhere) and where the key is an old source of the
+    query (distance >= W; None if nowhere)."""
+    i = torch.arange(rows, device=device).view(1, rows, 1)
+    j = torch.arange(L, device=device).view(1, 1, L)
+    c = torch.arange(n, device=device).view(n, 1, 1)
+    dist = off + c * step + (j - i if by_keys else i - j)
+    band = torch.zeros(n, rows, L, dtype=dtype, device=device).masked_fill_((dist < 0) | (dist >= W), float("-inf"))
+    old = dist >= W
+    return band, old.to(dtype) if bool(old.any()) else None
 
 
 class WindowedAttention(torch.autograd.Function):
-    """Windowed TANGO average (L == S == T) in chunks of C query rows, saving for backward only q, k,
-    g, b, the output and the row log-sum-exp (as ChunkedCausalAttention) and recomputing the rest.
-    q, k: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) -> (B, H, T, F/H) in g's compute dtype, laid out
-    as (B, T, H, F/H) so that merging the heads back is a view.
+    """Windowed TANGO average (L == S == T), saving for backward only q, k, g, b, the output and the
+    row log-sum-exp (as ChunkedCausalAttention) and recomputing the rest. q, k: (B, H, T, 32),
+    g: (B, H, T, F/H), b: (H,) -> (B, H, T, F/H) in g's compute dtype, heads outermost in memory
+    (see "Layout").
 
     Query i has the logits: null b; window scores s_ij = q_i . k_j for i-W < j <= i; and one
     summary logit z_i = so_i + log n_i, so_i = q_i . unit(K_i), for its n_i = i-W+1 old sources
     j <= i-W (K_i: their key sum), whose value is their mean gate. So the summary adds
     exp(so_i - lse_i) x (sum of old gates) to the output: every old source gets the weight
-    exp(so_i - lse_i). A chunk of queries [r0, r1) reads the key/gate slice [lo, r1),
-    lo = max(r0 - W, 0) (a view: gates are never copied). Its scores come out of one matmul with the
-    window mask as its additive input; in its (C x (C + W)) weight tile the old keys j <= i - W then
-    get the old-source weight, and the old sources before lo enter through a running gate sum
-    (B, H, 1, F/H). Backward goes the other way round (see backward). Work O(T (C + W) (32 + F/H))
-    per head, memory O(C (C + W)) per head besides inputs, output and the summary keys K (a
-    cumulative sum of k over T, recomputed in backward). Logits are in base-2 units (see LOG2E).
+    exp(so_i - lse_i).
+
+    Forward by chunks of C queries [r0, r0 + C), each reading the slice of C + W keys and gates
+    [r0 - W, r0 + C) (clipped at 0): one (C x (C + W)) tile of scores with the window mask, where
+    the old keys of the slice (j <= i - W) then get the old-source weight; the old sources before
+    the slice enter through a sum of their gates. Backward by chunks of C keys [c0, c0 + C) (the
+    order of FlashAttention-2's backward, arXiv 2307.08691, section 3.1.2), each meeting the
+    C + W queries [c0, c0 + C + W) that see them: its gate and key gradients are written once; the
+    queries from c0 + C + W on see the whole chunk as old sources (one sum of e_t dO_t). Chunks
+    with the same geometry run together, as matmuls over strided windows of the gates (views, no
+    copies), in groups of about WINDOW_GROUP_ROWS rows (_groups). Work O(T (C + W) (32 + F/H))
+    per head, memory O(group (C + W)) besides inputs, output and the summary keys K (a cumulative
+    sum of k over T, recomputed in backward). Logits are in base-2 units (see LOG2E).
     """
 
     @staticmethod
@@ -288,117 +336,107 @@ class WindowedAttention(torch.autograd.Function):
         return unit, norm, so
 
     @staticmethod
-    def _tiles(q, k, W, C):
-        """For each chunk of queries [r0, r1): r0, r1, lo and its window scores q[r0:r1] k[lo:r1]^T,
-        -inf outside the window, (B, H, r1 - r0, r1 - lo)."""
-        B, H, T, D = q.shape
-        band = _band(C, W, q.dtype, q.device)
-        qb, kb = q.reshape(B * H, T, D), k.reshape(B * H, T, D)
-        for r0 in range(0, T, C):
-            r1, lo = min(r0 + C, T), max(r0 - W, 0)
-            mask = band[:r1 - r0, W - (r0 - lo):W + r1 - r0]
-            yield r0, r1, lo, torch.baddbmm(mask, qb[:, r0:r1], kb[:, lo:r1].transpose(-1, -2)).view(B, H, r1 - r0, r1 - lo)
-
-    @staticmethod
-    def _add_old_(p, e, r0, r1, lo, W):
-        """Give the old keys of a chunk's slice (j <= i - W, among its first r1 - r0 columns) the
-        old-source weight e (B, H, r1 - r0, 1) in the weight tile p, whose window mask left them 0."""
-        n = r1 - r0
-        if r1 > W:  # some query of the chunk has old sources
-            p[..., :n].addcmul_(_triangle(n, n, r0 - lo - W, False, p.dtype, p.device), e)
-
-    @staticmethod
     def forward(ctx, q, k, g, b, W, chunk):
         acc, dt = _acc_dtype(q), _gate_dtype(g)
         with _no_autocast(q):
             q, k, g, b = q.to(acc).contiguous(), k.to(acc).contiguous(), g.to(dt), b.to(acc)
             B, H, T, _ = q.shape
-            b2 = b.view(1, H, 1, 1) * LOG2E  # base-2 logits (LOG2E)
+            C, dev = chunk, q.device
+            q2, b2 = q * LOG2E, b.view(1, H, 1, 1, 1) * LOG2E  # base-2 logits (LOG2E)
             so2 = WindowedAttention._summary(q, k, W)[2][..., None] * LOG2E
-            floor = torch.maximum(b2, so2)  # each row's maximum is at least its null and summary logits
-            out = g.new_empty(B, T, H, g.shape[-1]).transpose(1, 2)  # heads merge by a view
+            floor = torch.maximum(b2[:, :, 0], so2)  # each row's maximum is at least its null and summary logits
+            out = g.new_empty(H, B, T, g.shape[-1]).transpose(0, 1)  # heads outermost (Layout)
             lse2 = q.new_empty(B, H, T, 1)
-            g_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of the gates before lo
-            done = 0  # g_old holds gates [0, done)
-            for r0, r1, lo, p in WindowedAttention._tiles(q * LOG2E, k, W, chunk):
-                if lo > done:
-                    g_old += g[:, :, done:lo].to(acc).sum(2, keepdim=True)
-                    done = lo
-                m = torch.maximum(p.amax(-1, keepdim=True), floor[:, :, r0:r1])
+            g_old, done = q.new_zeros(B, H, 1, g.shape[-1]), 0  # sum of the gates [0, done)
+            chunks = lambda t, r0, n, rows: t[:, :, r0:r0 + n * rows].unflatten(2, (n, rows))  # (B, H, n, rows, ...)
+            for r0, n, rows, w0, ws, L in _groups(T, W, C, max(1, WINDOW_GROUP_ROWS // (B * H * C))):
+                band, old = _masks(n, rows, L, r0 - w0, C - ws, W, False, acc, dev)
+                p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev).copy_(band)
+                _matmul_into(p, chunks(q2, r0, n, rows), _windows(k, w0, ws, n, L).transpose(-1, -2))  # window scores
+                m = torch.maximum(p.amax(-1, keepdim=True), chunks(floor, r0, n, rows))
                 p = p.sub_(m).exp2_()  # unnormalized window weights, each <= 1
-                e = (so2[:, :, r0:r1] - m).exp2_()  # weight of each old source, unnormalized
-                WindowedAttention._add_old_(p, e, r0, r1, lo, W)
-                l = p.sum(-1, keepdim=True).add_((b2 - m).exp2_()).add_(e, alpha=lo)  # + null + old before lo
-                lse2[:, :, r0:r1] = m + l.log2()
+                e = (chunks(so2, r0, n, rows) - m).exp2_()  # weight of each old source, unnormalized
+                if old is not None:
+                    p.addcmul_(old, e)  # the old keys in the slice
+                n_before = (w0 + ws * torch.arange(n, device=dev, dtype=acc)).view(n, 1, 1)  # old sources before the slice
+                l = p.sum(-1, keepdim=True).add_((b2 - m).exp2_()).addcmul_(e, n_before)
+                lse2[:, :, r0:r0 + n * rows] = (m + l.log2()).flatten(2, 3)
                 r = l.reciprocal_()
                 p, e = p.mul_(r), e.mul_(r)  # normalized
-                o = out[:, :, r0:r1]
-                _matmul_into(o, p.to(dt), g[:, :, lo:r1], beta=0.0)  # window and old sources in the slice
-                if lo:
-                    o.addcmul_(e, g_old)  # + old sources before lo
+                o = chunks(out, r0, n, rows)
+                _matmul_into(o, p.to(dt), _windows(g, w0, ws, n, L), beta=0.0)  # window and old sources in the slice
+                if w0 + ws * (n - 1) > 0:  # + old sources before each slice: sums of the gates [0, w0 + c ws)
+                    if w0 > done:
+                        g_old += g[:, :, done:w0].sum(2, keepdim=True, dtype=acc)
+                        done = w0
+                    sums = g_old.unsqueeze(2)
+                    if n > 1:
+                        blocks = g[:, :, w0:w0 + (n - 1) * ws].unflatten(2, (n - 1, ws)).sum(3, dtype=acc)
+                        sums = torch.cat((g_old, blocks), 2).cumsum(2)
+                        g_old, done = sums[:, :, -1:], w0 + (n - 1) * ws
+                        sums = sums.unsqueeze(3)
+                    o.addcmul_(e, sums)
         ctx.save_for_backward(q, k, g, b, out, lse2)
         ctx.W, ctx.chunk = W, chunk
         return out
 
     @staticmethod
-    def _key_tiles(qa, ka, W, C):
-        """Backward's tiles, one per chunk of keys [c0, c1), last to first: c0, c1, hi and the
-        normalized window weights of the queries that see those keys in their window, [c0, hi),
-        hi = min(c1 + W, T), transposed: (B, H, c1 - c0, hi - c0), 0 outside the window.
-        qa = [q log2 e, -lse2], ka = [k, 1], so that qa . ka = (s - lse) log2 e."""
-        B, H, T, D = qa.shape
-        band = _band(C, W, qa.dtype, qa.device, by_keys=True)
-        qb, kb = qa.reshape(B * H, T, D), ka.reshape(B * H, T, D)
-        for c0 in reversed(range(0, T, C)):
-            c1 = min(c0 + C, T)
-            hi = min(c1 + W, T)
-            s = torch.baddbmm(band[:c1 - c0, :hi - c0], kb[:, c0:c1], qb[:, c0:hi].transpose(-1, -2))
-            yield c0, c1, hi, s.exp2_().view(B, H, c1 - c0, hi - c0)
-
-    @staticmethod
     def backward(ctx, dout):
-        """Key by key chunk (FlashAttention-2's backward order, arXiv 2307.08691, section 3.1.2): each
-        chunk's gate and key gradients are written once, from the transposed tile of the queries that
-        see it; the queries' gradients accumulate. Old sources: a key chunk is old for its tile's
-        queries t >= j + W (weights in the tile) and for every query from hi on (a running sum)."""
+        """Key chunk by key chunk (see the class docstring), last to first: gate and key gradients
+        written once per chunk, query gradients and the window part of the summary gradient summed
+        into their rows; rowsum(dO * O) computed per group for its own rows before use."""
         q, k, g, b, out, lse2 = ctx.saved_tensors
-        W, chunk = ctx.W, ctx.chunk
+        W, C = ctx.W, ctx.chunk
         with _no_autocast(q):
-            acc, dt = q.dtype, g.dtype
+            acc, dt, dev = q.dtype, g.dtype, q.device
             B, H, T, _ = q.shape
             unit, norm, so = WindowedAttention._summary(q, k, W)
             dout = dout.to(dt)
             w_null = (b.view(1, H, 1, 1) * LOG2E - lse2).exp2()  # null weight per query
-            # weight of each old source per query (0 if none), as a row: (B, H, 1, T)
-            e_row = (so[..., None] * LOG2E - lse2).exp2().transpose(-1, -2)
-            dq, dk = torch.zeros_like(q), torch.empty_like(k)
-            dg = torch.empty(B, T, H, g.shape[-1], dtype=dt, device=g.device).transpose(1, 2)  # layout of the merged heads
-            delta = (dout.to(acc) * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
-            ds_sum = torch.zeros_like(lse2)  # window part of dz
-            qa = torch.cat((q * LOG2E, -lse2), -1)
+            e_all = (so[..., None] * LOG2E - lse2).exp2()  # weight of each old source per query (0 if none)
+            dq, dk, dg = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(g)
+            delta = torch.empty_like(lse2)  # rowsum(dO * O)
+            ds_sum = q.new_zeros(B, H, T)  # window part of dz
+            qa = torch.cat((q * LOG2E, -lse2), -1)  # qa . [k, 1] = (s - lse) log2 e
             ka = F.pad(k, (0, 1), value=1.0)
-            d_old = q.new_zeros(B, H, 1, g.shape[-1])  # sum of e_t dO_t over the queries t >= hi
-            top = T  # d_old holds queries [top, T)
-            for c0, c1, hi, p in WindowedAttention._key_tiles(qa, ka, W, chunk):
+            d_old, top = q.new_zeros(B, H, 1, g.shape[-1]), T  # sum of e_t dO_t over the queries [top, T)
+            chunks = lambda t, c0, n, rows: t[:, :, c0:c0 + n * rows].unflatten(2, (n, rows))
+            groups = list(_groups(T, W, C, max(1, WINDOW_GROUP_ROWS // (B * H * C)), by_keys=True))
+            for c0, n, rows, w0, ws, L in reversed(groups):
+                c1 = c0 + n * rows
+                delta[:, :, c0:c1] = (dout[:, :, c0:c1].to(acc) * out[:, :, c0:c1].to(acc)).sum(-1, keepdim=True)
+                band, old = _masks(n, rows, L, w0 - c0, ws - C, W, True, acc, dev)
+                p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev).copy_(band)
+                _matmul_into(p, chunks(ka, c0, n, rows), _windows(qa, w0, ws, n, L).transpose(-1, -2))
+                p.exp2_()  # normalized window weights, transposed: (keys, queries)
+                do = _windows(dout, w0, ws, n, L)
+                dp = torch.empty(B, H, n, L, rows, dtype=dt, device=dev)  # dO g^T, made (queries, keys): faster on CPU
+                _matmul_into(dp, do, chunks(g, c0, n, rows).transpose(-1, -2), beta=0.0)
+                ds = dp.transpose(-1, -2).to(acc).sub_(_windows(delta, w0, ws, n, L).transpose(-1, -2)).mul_(p)  # gradient of the window scores
+                rows_of = (w0 + ws * torch.arange(n, device=dev).view(n, 1) + torch.arange(L, device=dev)).flatten()  # the queries' rows
+                ds_sum.index_add_(2, rows_of, ds.sum(3).flatten(2))
+                if old is not None:  # queries t >= j + W in the tile: the chunk's keys are old sources for them
+                    p.addcmul_(old, _windows(e_all, w0, ws, n, L).transpose(-1, -2))
+                dg_c = chunks(dg, c0, n, rows)
+                _matmul_into(dg_c, p.to(dt), do, beta=0.0)  # window and old queries in the tile
+                # + every query t from the tile's end hi = w0 + c ws + L on: sums of e_t dO_t over [hi, T)
+                hi0, hi = w0 + L, w0 + ws * (n - 1) + L
                 if hi < top:
-                    _matmul_into(d_old, e_row[:, :, :, hi:top].to(dt), dout[:, :, hi:top])
+                    _matmul_into(d_old, e_all[:, :, hi:top].transpose(-1, -2).to(dt), dout[:, :, hi:top])
                     top = hi
-                do = dout[:, :, c0:hi]
-                dp = torch.empty(p.shape, dtype=dt, device=p.device)
-                _matmul_into(dp, g[:, :, c0:c1], do.transpose(-1, -2), beta=0.0)
-                ds = dp.to(acc).sub_(delta[:, :, c0:hi].transpose(-1, -2)).mul_(p)  # gradient of the window scores, transposed
-                ds_sum[:, :, c0:hi] += ds.sum(-2)[..., None]
-                if hi - c0 > W:  # queries t >= j + W in the tile: the chunk's keys are old sources for them
-                    n = c1 - c0
-                    p[..., W:].addcmul_(_triangle(n, hi - c0 - W, 0, True, p.dtype, p.device), e_row[:, :, :, c0 + W:hi])
-                _matmul_into(dg[:, :, c0:c1], p.to(dt), do, beta=0.0)  # window and old queries in the tile
+                sums = d_old.unsqueeze(2)
+                if n > 1:
+                    blocks = q.new_empty(B, H, n - 1, 1, g.shape[-1])
+                    _matmul_into(blocks, chunks(e_all, hi0, n - 1, ws).transpose(-1, -2).to(dt), chunks(dout, hi0, n - 1, ws), beta=0.0)
+                    sums = torch.cat((blocks, sums), 2).flip(2).cumsum(2).flip(2)
+                    d_old, top = sums[:, :, 0], hi0
                 if top < T:
-                    dg[:, :, c0:c1] += d_old  # every query from hi on
-                _matmul_into(dk[:, :, c0:c1], ds, q[:, :, c0:hi], beta=0.0)
-                _matmul_into(dq[:, :, c0:hi], ds.transpose(-1, -2), k[:, :, c0:c1])
+                    dg_c += sums
+                _matmul_into(chunks(dk, c0, n, rows), ds, _windows(q, w0, ws, n, L), beta=0.0)
+                dq.index_add_(2, rows_of, (ds.transpose(-1, -2) @ chunks(k, c0, n, rows)).flatten(2, 3))
             db = -(w_null * delta).sum((0, 2, 3))
             # softmax gradients over all logits sum to 0: dz = -(null + window parts), z the summary logit
-            dz = (w_null * delta - ds_sum).masked_fill(torch.arange(T, device=q.device).view(-1, 1) < W, 0.0)
+            dz = (w_null * delta - ds_sum[..., None]).masked_fill(torch.arange(T, device=dev).view(-1, 1) < W, 0.0)
             # so_i = q_i . unit(K_i), K_i = sum_{j <= i-W} k_j (dz_i = 0 where there are no old sources)
             dq += dz * unit
             du = dz * q
@@ -408,7 +446,8 @@ class WindowedAttention(torch.autograd.Function):
         return dq, dk, dg, db, None, None
 
 
-WINDOW_CHUNK = 64  # query rows per chunk in WindowedAttention
+WINDOW_CHUNK = 32  # rows per chunk in WindowedAttention
+WINDOW_GROUP_ROWS = 4096  # rows (over batch and heads) per group of chunks in WindowedAttention
 
 
 @torch.compiler.disable  # eager inside compiled regions (see "Compilation" above)
@@ -466,7 +505,7 @@ def windowed_prefill(qs, kh, g, b, window, cache):
 # ----------------------------------------------------------------------------- modules
 
 class GatedSet(nn.Module):
-    """One gated-projection set: W_g, W_v (d x F) and W_o (F x d)."""
+    """One gated-projection set: W_g, W_v (d x F) and W_o (F x d), used per head group (see heads)."""
 
     def __init__(self, d, width):
         super().__init__()
@@ -474,6 +513,13 @@ class GatedSet(nn.Module):
         self.wv = nn.Linear(d, width, bias=False)
         self.wo = nn.Linear(width, d, bias=False)
         self.wo.is_residual_out = True
+
+    def heads(self, H):
+        """W_g, W_v as (H, d, F/H) and W_o as (H, F/H, d): the blocks of gate channels
+        [a F/H, (a+1) F/H) that head a averages (views of the Linear weights, nothing copied)."""
+        d = self.wo.out_features
+        w_in = lambda lin: lin.weight.view(H, -1, d).transpose(1, 2)
+        return w_in(self.wg), w_in(self.wv), self.wo.weight.view(d, H, -1).permute(1, 2, 0)
 
 
 class Tango(nn.Module):
@@ -521,9 +567,14 @@ class Tango(nn.Module):
         heads = lambda t: t.view(B, T, H, -1).transpose(1, 2)
         qs = apply_rope(F.normalize(heads(self.wq(u)), dim=-1), cos, sin) * self.log_tau.exp().view(1, H, 1, 1)
         kh = apply_rope(F.normalize(heads(self.wk(u)), dim=-1), cos, sin)
-        g = heads(F.silu(gset.wg(u)))  # (B, H, T, F/H)
-        G = self.aggregate(qs, kh, g, cache)
-        return gset.wo(G.transpose(1, 2).reshape(B, T, -1) * gset.wv(u))  # the fast paths lay G out so that this is a view
+        # gates, values and G per head group, (H, B T, F/H): each group's channels contiguous for the
+        # averages (tango.py, "Layout"); y = (G * v) W_o is the sum of the groups' products
+        wg, wv, wo = gset.heads(H)
+        ue = u.reshape(1, B * T, d).expand(H, -1, -1)  # u for every group (a view)
+        g = F.silu(torch.bmm(ue, wg))
+        G = self.aggregate(qs, kh, g.view(H, B, T, -1).transpose(0, 1), cache)  # (B, H, T, F/H)
+        Gv = G.transpose(0, 1).reshape(H, B * T, -1) * torch.bmm(ue, wv)
+        return torch.bmm(Gv, wo).sum(0).view(B, T, d)
 
     def aggregate(self, qs, kh, g, cache):
         b = self.null

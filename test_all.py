@@ -139,16 +139,16 @@ def test_fast_paths_save_only_inputs_output_and_lse(fast, monkeypatch):
 
 
 @pytest.mark.parametrize("fast", ["tango", "tango-windowed"])
-def test_fast_paths_write_the_layout_of_merged_heads(fast, monkeypatch):
-    """Both fast paths return (B, H, T, F/H) laid out as (B, T, H, F/H), so the update's merge of
-    the heads, G.transpose(1, 2).reshape(B, T, F), is a view: no copy of the widest activation."""
+def test_fast_paths_write_heads_outermost(fast, monkeypatch):
+    """Both fast paths return (B, H, T, F/H) laid out as (H, B, T, F/H), so the update's per-group
+    view of G, G.transpose(0, 1).reshape(H, B T, F/H), is a view: no copy of the widest activation."""
     monkeypatch.setattr(tango, "WINDOW_CHUNK", 8)
     monkeypatch.setattr(tango, "ATTN_CHUNK", 8)
     qs, kh, g, b = qkgb(B=2, H=3, T=37, fh=5)
     G = tango_fast(qs, kh, g, b) if fast == "tango" else windowed_fast(qs, kh, g, b, 4)
-    assert G.shape == (2, 3, 37, 5) and G.transpose(1, 2).is_contiguous()
-    merged = G.transpose(1, 2).reshape(2, 37, 15)
-    assert merged.data_ptr() == G.data_ptr()
+    assert G.shape == (2, 3, 37, 5) and G.transpose(0, 1).is_contiguous()
+    per_group = G.transpose(0, 1).reshape(3, 2 * 37, 5)
+    assert per_group.data_ptr() == G.data_ptr()
 
 
 def test_windowed_with_large_window_equals_full_tango(f64):
@@ -180,7 +180,7 @@ def test_three_set_uses_first_middle_last_sets():
     model = build_model(small("tango-3set", depth=5))
     calls = []
     for i, s in enumerate(model.body.sets):
-        s.wg.register_forward_hook(lambda m, inp, out, i=i: calls.append(i))
+        s.heads = lambda H, i=i, heads=s.heads: calls.append(i) or heads(H)  # record which set each update uses
     model(torch.randint(0, 61, (1, 8)))
     assert calls == [0, 1, 1, 1, 2]
     with pytest.raises(UsageError, match="depth"):
