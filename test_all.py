@@ -81,19 +81,47 @@ def test_tango_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, chu
         assert (a - b).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("heads_outermost", [False, True])
+@pytest.mark.parametrize("group_rows", [1, 12, 4096])
 @pytest.mark.parametrize("chunk", [1, 3, 8, 64])
 @pytest.mark.parametrize("window", [1, 4, 7, 19, 40])
-def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, window, chunk):
-    """WindowedAttention (any query-chunk size) == the plain formula, outputs and gradients of
-    qs, kh, g, b. T = 19: W = 4 and 7 do not divide T and leave most queries with old sources
-    (T > 2 W), W = 1 has only the own token in the window, W >= T is full-prefix TANGO."""
+def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, window, chunk, group_rows, heads_outermost):
+    """WindowedAttention (any chunk size, chunks alone or in groups) == the plain formula, outputs
+    and gradients of qs, kh, g, b. T = 19: W = 4 and 7 do not divide T and leave most queries with
+    old sources (T > 2 W), W = 1 has only the own token in the window, W >= T is full-prefix TANGO.
+    B H = 6 rows per chunk row: group_rows 1 puts every chunk alone, 12 up to 2 chunks of 1 row
+    together, 4096 all. Gates (B, H, T, F/H) as given, or heads outermost as the update makes them."""
     monkeypatch.setattr(tango, "WINDOW_CHUNK", chunk)
+    monkeypatch.setattr(tango, "WINDOW_GROUP_ROWS", group_rows)
     args = qkgb()
+    if heads_outermost:
+        args[2] = args[2].detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
     out_f, out_r = windowed_fast(*args, window), windowed_reference(*args, window)
     assert (out_f - out_r).abs().max() < 1e-10
     w = torch.randn_like(out_f)
     for a, b in zip(torch.autograd.grad((out_f * w).sum(), args), torch.autograd.grad((out_r * w).sum(), args)):
         assert (a - b).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("T, W, C, n_max", [(19, 4, 3, 2), (100, 32, 8, 5), (64, 64, 8, 3), (7, 30, 4, 9), (50, 1, 1, 50)])
+def test_windowed_groups_cover_every_row_with_its_window(T, W, C, n_max):
+    """tango._groups: the chunks cover rows 0..T-1 once, in order, C rows each (fewer only at the
+    end), at most n_max per group, and each chunk meets exactly its window: keys [r0 - W, r1)
+    clipped at 0 (forward) or queries [r0, r1 + W) clipped at T (backward). Views from
+    tango._windows are those rows of the tensor, without a copy."""
+    x = torch.arange(T, dtype=torch.float64).view(1, 1, T, 1)
+    for by_keys in (False, True):
+        rows_seen = []
+        for r0, n, rows, w0, ws, L in tango._groups(T, W, C, n_max, by_keys=by_keys):
+            assert 1 <= n <= n_max and (n == 1 or rows == C)
+            windows = tango._windows(x, w0, ws, n, L)
+            assert windows.data_ptr() == x.data_ptr() + w0 * x.element_size()
+            for c in range(n):
+                a, z = r0 + c * C, r0 + c * C + rows
+                rows_seen += range(a, z)
+                want = range(a, min(z + W, T)) if by_keys else range(max(a - W, 0), z)
+                assert windows[0, 0, c, :, 0].tolist() == list(want)
+        assert rows_seen == list(range(T))
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])
@@ -114,6 +142,23 @@ def test_matmul_into_equals_beta_out_plus_product(beta, mixed):
     ptr = out.data_ptr()
     tango._matmul_into(out, a, b, beta=beta)
     assert out.data_ptr() == ptr and (out - want).abs().max() < (1e-6 if mixed else 1e-12)
+
+
+def test_matmul_into_reads_overlapping_windows_in_place():
+    """_matmul_into with 5-dim operands: chunk weights (B, H, n, m, L) times overlapping windows of
+    the gates (tango._windows, B = 2, H = 3, stride 4 < L = 9) into strided chunks of the output,
+    as WindowedAttention uses it: equal to the product of copies, nothing reallocated."""
+    g = torch.Generator().manual_seed(0)
+    gates = torch.randn(3, 2, 30, 5, generator=g, dtype=torch.float64).transpose(0, 1)  # heads outermost
+    a = torch.randn(2, 3, 4, 4, 9, generator=g, dtype=torch.float64)
+    out = torch.full((3, 2, 30, 5), float("nan"), dtype=torch.float64).transpose(0, 1)
+    win = tango._windows(gates, 2, 4, 4, 9)  # rows [2 + 4 c, 11 + 4 c), c < 4
+    want = a @ torch.stack([gates[:, :, 2 + 4 * c:11 + 4 * c] for c in range(4)], 2)
+    chunks = out[:, :, 8:24].unflatten(2, (4, 4))
+    ptr = out.data_ptr()
+    tango._matmul_into(chunks, a, win, beta=0.0)
+    assert out.data_ptr() == ptr and (chunks - want).abs().max() < 1e-12
+    assert out[:, :, :8].isnan().all() and out[:, :, 24:].isnan().all()  # nothing outside the chunks written
 
 
 @pytest.mark.parametrize("fast", ["tango", "tango-windowed"])
