@@ -35,14 +35,13 @@ Layout: the update computes the gates, the values and G per head group, (H, B T,
 (one matmul per group, u W_g[a] with W_g[a] the group's d x F/H block; y = (G * v) W_o as the sum
 of the groups' (G * v)[a] W_o[a]), and both fast paths return their (B, H, T, F/H) output with
 the heads outermost in memory, so no F-wide activation is ever transposed or copied. With each
-group's rows contiguous, the chunk products of the averages run about 1.3x faster on this
-project's CPU than on the (B, T, H, F/H) layout of one (B T) x F matmul (results/README.md,
-issue 12).
+group's rows contiguous, the chunk products of the averages run faster on this project's CPU than
+on the (B, T, H, F/H) layout of one (B T) x F matmul (results/README.md, issue 12).
 
 Memory: both fast paths save for backward only their inputs (queries, keys, gates, b), the output
 and one log-sum-exp per query, and recompute the weights in backward, so the activation memory of
 one update is O(B T (d + F)) and the transients O(B H C S) (full prefix: S = T keys per chunk of C
-rows) or O(B H C (C + W)) (windowed).
+rows) or O(max(B H C, R) (C + W)) (windowed, R = WINDOW_GROUP_ROWS rows per group of chunks).
 
 Precision (bfloat16 autocast): the custom autograd functions turn autocast off inside and choose
 every dtype themselves: queries, keys, scores, the running maximum / log-sum-exp, the normalizing
