@@ -7,7 +7,10 @@
     python bench.py --quick --device cpu --size tiny  # the same plan scaled down (T = 32 / 128, eager; in the suite)
 
 Each (model, block size T, compile) configuration runs in a fresh subprocess (`--timeout` caps
-it; a timed-out or failed row says so and the model's larger T are skipped). Compiled rows use
+it; a timed-out or failed row says so and the model's larger T are skipped). Configurations run
+block size by block size (every model at one T, then the next T), so the rows that the MFU ratio
+compares are measured minutes apart, not a whole model's sweep apart (a drift of the host's speed
+in between would move their ratio); the table lists them model by model. Compiled rows use
 train.py's regional compilation (common.compile_regions: each body's repeated unit and the head
 compile once); "first step s" is the seconds from the start of the configuration (model build)
 to the end of its first training step, compile included.
@@ -362,7 +365,7 @@ def plan(a):
         comp = a.device.startswith("cuda")
         return [(m, comp, short) for m in a.models] + [(m, comp, long) for m in QUICK_LONG if m in a.models]
     compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
-    return [(m, c, T) for m in a.models for c in compiles for T in a.block_sizes]
+    return [(m, c, T) for T in a.block_sizes for c in compiles for m in a.models]  # the models compared at one T run together
 
 
 def run_config_here(spec):
@@ -505,6 +508,7 @@ def main(argv=None):
         msg = (f"{row['tokens_per_s']:,.0f} tokens/s  {row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s "
                f"({row['wall_s']:.0f} s, load {row['load_before']})" if row["status"] == "ok" else row["status"])
         print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} {msg}", flush=True)
+    rows.sort(key=lambda r: (a.models.index(r["model"]), r["compile"], r["T"]))  # listed model by model
     add_ratios(rows, peak)
     tg = targets(rows)
     rf_rows = reflux_rows(a.size, a.depth, min(a.block_sizes), a.vocab_size) if a.reflux else None
