@@ -44,7 +44,7 @@ import sys
 
 import models
 from common import VOCAB_MULTIPLE, ModelConfig, UsageError
-from tango import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
+from tango_kernels import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
 PAPER_MACS = {"tango": 9.44e12, "tango-windowed": 1.90e12, "loop": 1.94e12, "untied": 0.85e12}
@@ -109,7 +109,7 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
         (common.VOCAB_MULTIPLE), so (Vp - V) d T more head MACs.
       tango, tango-3set: one causal attention over [null key, T keys] with 40-dim padded
         queries/keys: per application T (T+1) (40 H) score + T (T+1) F gate MACs.
-      tango-windowed: each chunk of C = tango.WINDOW_CHUNK queries [r0, r1) scores the keys
+      tango-windowed: each chunk of C = tango_kernels.WINDOW_CHUNK queries [r0, r1) scores the keys
         [max(r0 - W, 0), r1) and averages their gates: sum over chunks of (r1 - r0) (r1 - lo) (d + F)
         per application (window, old sources in the slice, and the masked future of the chunk).
       flash (T > C): T padded to Tp = ceil(T/C) C; local Tp C (s + e), global 2 Tp s e

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-import tango
+import tango_kernels
 import train
 from common import ModelConfig, UsageError
 from models import REGISTRY, TIERS, build_model, count_params, solve_width, width_multiple
-from tango import tango_fast, tango_reference, windowed_fast, windowed_reference
+from tango_kernels import tango_fast, tango_reference, windowed_fast, windowed_reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
@@ -70,7 +70,7 @@ def test_tango_reference_is_the_formula(f64):
 @pytest.mark.parametrize("chunk", [1, 4, 7, 256])
 def test_tango_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, chunk):
     """Memory-linear chunked attention (any query-chunk size) == the plain formula."""
-    monkeypatch.setattr(tango, "ATTN_CHUNK", chunk)
+    monkeypatch.setattr(tango_kernels, "ATTN_CHUNK", chunk)
     args = qkgb()
     out_f, out_r = tango_fast(*args), tango_reference(*args)
     assert (out_f - out_r).abs().max() < 1e-10
@@ -91,8 +91,8 @@ def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, 
     old sources (T > 2 W), W = 1 has only the own token in the window, W >= T is full-prefix TANGO.
     B H = 6 rows per chunk row: group_rows 1 puts every chunk alone, 12 up to 2 chunks of 1 row
     together, 4096 all. Gates (B, H, T, F/H) as given, or heads outermost as the update makes them."""
-    monkeypatch.setattr(tango, "WINDOW_CHUNK", chunk)
-    monkeypatch.setattr(tango, "WINDOW_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(tango_kernels, "WINDOW_CHUNK", chunk)
+    monkeypatch.setattr(tango_kernels, "WINDOW_GROUP_ROWS", group_rows)
     args = qkgb()
     if heads_outermost:
         args[2] = args[2].detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
@@ -105,16 +105,16 @@ def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, 
 
 @pytest.mark.parametrize("T, W, C, n_max", [(19, 4, 3, 2), (100, 32, 8, 5), (64, 64, 8, 3), (7, 30, 4, 9), (50, 1, 1, 50)])
 def test_windowed_groups_cover_every_row_with_its_window(T, W, C, n_max):
-    """tango._groups: the chunks cover rows 0..T-1 once, in order, C rows each (fewer only at the
+    """tango_kernels._groups: the chunks cover rows 0..T-1 once, in order, C rows each (fewer only at the
     end), at most n_max per group, and each chunk meets exactly its window: keys [r0 - W, r1)
     clipped at 0 (forward) or queries [r0, r1 + W) clipped at T (backward). Views from
-    tango._windows are those rows of the tensor, without a copy."""
+    tango_kernels._windows are those rows of the tensor, without a copy."""
     x = torch.arange(T, dtype=torch.float64).view(1, 1, T, 1)
     for by_keys in (False, True):
         rows_seen = []
-        for r0, n, rows, w0, ws, L in tango._groups(T, W, C, n_max, by_keys=by_keys):
+        for r0, n, rows, w0, ws, L in tango_kernels._groups(T, W, C, n_max, by_keys=by_keys):
             assert 1 <= n <= n_max and (n == 1 or rows == C)
-            windows = tango._windows(x, w0, ws, n, L)
+            windows = tango_kernels._windows(x, w0, ws, n, L)
             assert windows.data_ptr() == x.data_ptr() + w0 * x.element_size()
             for c in range(n):
                 a, z = r0 + c * C, r0 + c * C + rows
@@ -127,7 +127,7 @@ def test_windowed_groups_cover_every_row_with_its_window(T, W, C, n_max):
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_matmul_into_equals_beta_out_plus_product(beta, mixed):
-    """tango._matmul_into, which writes the fast paths' chunk products: out = beta out + a @ b for
+    """tango_kernels._matmul_into, which writes the fast paths' chunk products: out = beta out + a @ b for
     strided (B, H, m, n) views (the (B, T, H, F/H) layout of the gates; B = 2), in place on CPU,
     through a temporary when out's dtype differs from the factors'; beta = 0 ignores NaN in out."""
     g = torch.Generator().manual_seed(0)
@@ -140,23 +140,23 @@ def test_matmul_into_equals_beta_out_plus_product(beta, mixed):
         out.fill_(float("nan"))
     want = a.double() @ b.double() + (beta * out if beta else 0)
     ptr = out.data_ptr()
-    tango._matmul_into(out, a, b, beta=beta)
+    tango_kernels._matmul_into(out, a, b, beta=beta)
     assert out.data_ptr() == ptr and (out - want).abs().max() < (1e-6 if mixed else 1e-12)
 
 
 def test_matmul_into_reads_overlapping_windows_in_place():
     """_matmul_into with 5-dim operands: chunk weights (B, H, n, m, L) times overlapping windows of
-    the gates (tango._windows, B = 2, H = 3, stride 4 < L = 9) into strided chunks of the output,
+    the gates (tango_kernels._windows, B = 2, H = 3, stride 4 < L = 9) into strided chunks of the output,
     as WindowedAttention uses it: equal to the product of copies, nothing reallocated."""
     g = torch.Generator().manual_seed(0)
     gates = torch.randn(3, 2, 30, 5, generator=g, dtype=torch.float64).transpose(0, 1)  # heads outermost
     a = torch.randn(2, 3, 4, 4, 9, generator=g, dtype=torch.float64)
     out = torch.full((3, 2, 30, 5), float("nan"), dtype=torch.float64).transpose(0, 1)
-    win = tango._windows(gates, 2, 4, 4, 9)  # rows [2 + 4 c, 11 + 4 c), c < 4
+    win = tango_kernels._windows(gates, 2, 4, 4, 9)  # rows [2 + 4 c, 11 + 4 c), c < 4
     want = a @ torch.stack([gates[:, :, 2 + 4 * c:11 + 4 * c] for c in range(4)], 2)
     chunks = out[:, :, 8:24].unflatten(2, (4, 4))
     ptr = out.data_ptr()
-    tango._matmul_into(chunks, a, win, beta=0.0)
+    tango_kernels._matmul_into(chunks, a, win, beta=0.0)
     assert out.data_ptr() == ptr and (chunks - want).abs().max() < 1e-12
     assert out[:, :, :8].isnan().all() and out[:, :, 24:].isnan().all()  # nothing outside the chunks written
 
@@ -166,8 +166,8 @@ def test_fast_paths_save_only_inputs_output_and_lse(fast, monkeypatch):
     """What autograd keeps for backward from TANGO's averages: the inputs (queries, keys and gates;
     full-prefix: padded to 40 dims and with the null key/gate), the output and one log-sum-exp per
     query, nothing of size T x W or T x T (weights are recomputed in backward)."""
-    monkeypatch.setattr(tango, "WINDOW_CHUNK", 8)
-    monkeypatch.setattr(tango, "ATTN_CHUNK", 8)
+    monkeypatch.setattr(tango_kernels, "WINDOW_CHUNK", 8)
+    monkeypatch.setattr(tango_kernels, "ATTN_CHUNK", 8)
     B, H, T, fh = 2, 3, 37, 5
     qs, kh, g, b = qkgb(B=B, H=H, T=T, fh=fh)
     saved = []
@@ -187,8 +187,8 @@ def test_fast_paths_save_only_inputs_output_and_lse(fast, monkeypatch):
 def test_fast_paths_write_heads_outermost(fast, monkeypatch):
     """Both fast paths return (B, H, T, F/H) laid out as (H, B, T, F/H), so the update's per-group
     view of G, G.transpose(0, 1).reshape(H, B T, F/H), is a view: no copy of the widest activation."""
-    monkeypatch.setattr(tango, "WINDOW_CHUNK", 8)
-    monkeypatch.setattr(tango, "ATTN_CHUNK", 8)
+    monkeypatch.setattr(tango_kernels, "WINDOW_CHUNK", 8)
+    monkeypatch.setattr(tango_kernels, "ATTN_CHUNK", 8)
     qs, kh, g, b = qkgb(B=2, H=3, T=37, fh=5)
     G = tango_fast(qs, kh, g, b) if fast == "tango" else windowed_fast(qs, kh, g, b, 4)
     assert G.shape == (2, 3, 37, 5) and G.transpose(0, 1).is_contiguous()

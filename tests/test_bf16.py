@@ -1,7 +1,7 @@
 """bfloat16 autocast (issue 12): every model trains under it, and TANGO's averages keep their precision.
 
 TANGO's fast paths compute queries, keys, scores, their log-sum-exp and the normalizing sums in
-float32 and only the weight x gate products in bfloat16 (tango.py, "Precision"). The bar for
+float32 and only the weight x gate products in bfloat16 (tango_kernels.py, "Precision"). The bar for
 "precise enough" is PyTorch's own attention in bfloat16, measured here on the same kind of inputs.
 """
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tango
+import tango_kernels
 import train
 from checks import ONE_BLOCK_PER_LOOP
 from common import ModelConfig, RMSNorm
@@ -117,8 +117,8 @@ def sdpa_bf16_error():
 
 # (name, fast path, float64 reference); T = 300 with W = 64: several chunks, W does not divide T,
 # and most queries have old sources (T > 2 W)
-CASES = [("tango", tango.tango_fast, tango.tango_reference),
-         ("tango-windowed", lambda *a: tango.windowed_fast(*a, 64), lambda *a: tango.windowed_reference(*a, 64))]
+CASES = [("tango", tango_kernels.tango_fast, tango_kernels.tango_reference),
+         ("tango-windowed", lambda *a: tango_kernels.windowed_fast(*a, 64), lambda *a: tango_kernels.windowed_reference(*a, 64))]
 
 
 @pytest.mark.parametrize("name,fast,reference", CASES, ids=[c[0] for c in CASES])
@@ -127,8 +127,8 @@ def test_bf16_averages_as_precise_as_pytorch_attention(name, fast, reference, mo
     averaged gates are within 0.5 % (relative norm) of the float64 formula, as PyTorch's causal SDPA in
     bfloat16 is of its float64 result (about 0.3 %; scores in bfloat16 made TANGO 1.2-2 % off).
     Gradients of qs, kh, g and b: within 2 % (measured 0.2-0.7 %; SDPA's 0.3-0.4 %)."""
-    monkeypatch.setattr(tango, "ATTN_CHUNK", 128)  # several chunks at T = 300
-    monkeypatch.setattr(tango, "WINDOW_CHUNK", 48)
+    monkeypatch.setattr(tango_kernels, "ATTN_CHUNK", 128)  # several chunks at T = 300
+    monkeypatch.setattr(tango_kernels, "WINDOW_CHUNK", 48)
     sdpa_out, sdpa_grads = sdpa_bf16_error()
     assert sdpa_out < 0.005 and max(sdpa_grads) < 0.01  # the bar
     args, dout = inputs()
@@ -152,8 +152,8 @@ def test_bf16_scores_stay_float32():
     g = torch.tensor([[1.0], [0.0]]).view(1, 1, 2, 1).bfloat16()  # average = weight of key 0
     b = torch.zeros(1)
     with torch.autocast(**BF16):
-        out = tango.tango_fast(qs, kh, g, b)
-    exact = tango.tango_reference(qs.double(), kh.double(), g.double(), b.double())
+        out = tango_kernels.tango_fast(qs, kh, g, b)
+    exact = tango_kernels.tango_reference(qs.double(), kh.double(), g.double(), b.double())
     assert torch.equal(torch.tensor(9.99).bfloat16(), torch.tensor(10.0).bfloat16())
     assert (out.double() - exact).abs().max() < 2e-3
 

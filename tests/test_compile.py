@@ -68,7 +68,7 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
         seen, end, regions, variants, summary = compiled_run(mdm, data_root, tmp_path, monkeypatch, K)
         assert regions == ["LM.head", "Tango.update"]
         # training: one graph for the head, two for the TANGO update (before and after its eager
-        # fast path, tango.py "Compilation"); the first evaluation (no grad) as many again; the
+        # fast path, tango_kernels.py "Compilation"); the first evaluation (no grad) as many again; the
         # second evaluation, test NLL, exact-match decoding and the sample: none
         assert seen == [3, 6, 6, 6] and end == 6, (K, seen, end)
         assert variants == {"Tango.update": 2, "LM.head": 2}
@@ -83,13 +83,13 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
 def test_graphs_do_not_grow_with_the_context(name, monkeypatch):
     """A Python loop over the context traced into a compiled region is unrolled into its graph, so
     compile time grows with T (TANGO's fast paths loop over T / C query chunks: Windowed TANGO at
-    T = 4096 took about ten minutes to compile on CPU until they ran eagerly, tango.py
+    T = 4096 took about ten minutes to compile on CPU until they ran eagerly, tango_kernels.py
     "Compilation"). Every
     model's graphs, with every subgraph dynamo nests in them, hold as many nodes at T = 8 as at
     T = 32 (2 and 8 chunks of TANGO, FLASH, the windows)."""
-    import tango
-    monkeypatch.setattr(tango, "WINDOW_CHUNK", 4)
-    monkeypatch.setattr(tango, "ATTN_CHUNK", 4)
+    import tango_kernels
+    monkeypatch.setattr(tango_kernels, "WINDOW_CHUNK", 4)
+    monkeypatch.setattr(tango_kernels, "ATTN_CHUNK", 4)
     sizes = []
 
     def count_nodes(gm, example_inputs):
