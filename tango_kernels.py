@@ -272,16 +272,31 @@ def _groups(T, W, C, n_max, by_keys=False):
 @functools.lru_cache(maxsize=64)
 def _masks(n, rows, L, off, step, W, by_keys, dtype, device):
     """The masks of a group's (n, rows, L) tiles, from the distance query position - key position,
-    off + c step + (j - i if by_keys else i - j) for chunk c, row i, column j: the additive window
-    mask (0 for distances in [0, W), -inf elsewhere) and where the key is an old source of the
-    query (distance >= W; None if nowhere)."""
+    off + c step + (j - i if by_keys else i - j) for chunk c, row i, column j. Only the columns
+    where some distance lies outside the window [0, W) need them (for an inner group the first
+    and last C, the rest of the tile is in every row's window), so the masks come as a list of
+    (columns, band, old) for those runs of columns: columns a slice of [0, L), band the additive
+    window mask on them (0 for distances in [0, W), -inf elsewhere), old where the key is an old
+    source of the query (distance >= W; None if nowhere in the run)."""
     i = torch.arange(rows, device=device).view(1, rows, 1)
     j = torch.arange(L, device=device).view(1, 1, L)
     c = torch.arange(n, device=device).view(n, 1, 1)
     dist = off + c * step + (j - i if by_keys else i - j)
-    band = torch.zeros(n, rows, L, dtype=dtype, device=device).masked_fill_((dist < 0) | (dist >= W), float("-inf"))
-    old = dist >= W
-    return band, old.to(dtype) if bool(old.any()) else None
+    outside = (dist < 0) | (dist >= W)
+    cols = outside.flatten(0, 1).any(0).tolist()  # the columns that need a mask
+    runs, j0 = [], None
+    for j, masked in enumerate(cols + [False]):
+        if masked and j0 is None:
+            j0 = j
+        elif not masked and j0 is not None:
+            runs.append(slice(j0, j))
+            j0 = None
+    masks = []
+    for cs in runs:
+        band = torch.zeros(n, rows, cs.stop - cs.start, dtype=dtype, device=device).masked_fill_(outside[..., cs], float("-inf"))
+        old = dist[..., cs] >= W
+        masks.append((cs, band, old.to(dtype) if bool(old.any()) else None))
+    return masks
 
 
 class WindowedAttention(torch.autograd.Function):
@@ -333,14 +348,17 @@ class WindowedAttention(torch.autograd.Function):
             lse2 = q.new_empty(B, H, T, 1)
             g_old, done = q.new_zeros(B, H, 1, g.shape[-1]), 0  # sum of the gates [0, done)
             for r0, n, rows, w0, ws, L in _groups(T, W, C, max(1, WINDOW_GROUP_ROWS // (B * H * C))):
-                band, old = _masks(n, rows, L, r0 - w0, C - ws, W, False, acc, dev)
-                p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev).copy_(band)
-                _matmul_into(p, _chunks(q2, r0, n, rows), _windows(k, w0, ws, n, L).transpose(-1, -2))  # window scores
+                masks = _masks(n, rows, L, r0 - w0, C - ws, W, False, acc, dev)
+                p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev)
+                _matmul_into(p, _chunks(q2, r0, n, rows), _windows(k, w0, ws, n, L).transpose(-1, -2), beta=0.0)  # scores
+                for cs, band, _ in masks:
+                    p[..., cs] += band  # the window mask, on the columns that need one
                 m = torch.maximum(p.amax(-1, keepdim=True), _chunks(floor, r0, n, rows))
                 p = p.sub_(m).exp2_()  # unnormalized window weights, each <= 1
                 e = (_chunks(so2, r0, n, rows) - m).exp2_()  # weight of each old source, unnormalized
-                if old is not None:
-                    p.addcmul_(old, e)  # the old keys in the slice
+                for cs, _, old in masks:
+                    if old is not None:
+                        p[..., cs].addcmul_(old, e)  # the old keys in the slice
                 n_before = (w0 + ws * torch.arange(n, device=dev, dtype=acc)).view(n, 1, 1)  # old sources before the slice
                 l = p.sum(-1, keepdim=True).add_((b2 - m).exp2_()).addcmul_(e, n_before)
                 lse2[:, :, r0:r0 + n * rows] = (m + l.log2()).flatten(2, 3)
@@ -387,9 +405,11 @@ class WindowedAttention(torch.autograd.Function):
             for c0, n, rows, w0, ws, L in reversed(groups):
                 c1 = c0 + n * rows
                 delta[:, :, c0:c1] = (dout[:, :, c0:c1].to(acc) * out[:, :, c0:c1].to(acc)).sum(-1, keepdim=True)
-                band, old = _masks(n, rows, L, w0 - c0, ws - C, W, True, acc, dev)
-                p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev).copy_(band)
-                _matmul_into(p, _chunks(ka, c0, n, rows), _windows(qa, w0, ws, n, L).transpose(-1, -2))
+                masks = _masks(n, rows, L, w0 - c0, ws - C, W, True, acc, dev)
+                p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev)
+                _matmul_into(p, _chunks(ka, c0, n, rows), _windows(qa, w0, ws, n, L).transpose(-1, -2), beta=0.0)
+                for cs, band, _ in masks:
+                    p[..., cs] += band
                 p.exp2_()  # normalized window weights, transposed: (keys, queries)
                 do = _windows(dout, w0, ws, n, L)
                 dp = torch.empty(B, H, n, L, rows, dtype=dt, device=dev)  # dO g^T, made (queries, keys): faster on CPU
@@ -397,8 +417,9 @@ class WindowedAttention(torch.autograd.Function):
                 ds = dp.transpose(-1, -2).to(acc).sub_(_windows(delta, w0, ws, n, L).transpose(-1, -2)).mul_(p)  # gradient of the window scores
                 rows_of = (w0 + ws * torch.arange(n, device=dev).view(n, 1) + torch.arange(L, device=dev)).flatten()  # the queries' rows
                 ds_sum.index_add_(2, rows_of, ds.sum(3).flatten(2))
-                if old is not None:  # queries t >= j + W in the tile: the chunk's keys are old sources for them
-                    p.addcmul_(old, _windows(e_all, w0, ws, n, L).transpose(-1, -2))
+                for cs, _, old in masks:  # queries t >= j + W in the tile: the chunk's keys are old sources for them
+                    if old is not None:
+                        p[..., cs].addcmul_(old, _windows(e_all, w0, ws, n, L).transpose(-1, -2)[..., cs])
                 dg_c = _chunks(dg, c0, n, rows)
                 _matmul_into(dg_c, p.to(dt), do, beta=0.0)  # window and old queries in the tile
                 # + every query t from the tile's end hi = w0 + c ws + L on: sums of e_t dO_t over [hi, T)

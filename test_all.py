@@ -4,6 +4,7 @@ Run everything with `python -m pytest -q` (this file plus the per-issue test_*.p
 GPT-2 BPE comes from GPT2_BPE_FILE (defaulting to ../shared/data/gpt2.tiktoken); nothing downloads.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -122,6 +123,30 @@ def test_windowed_groups_cover_every_row_with_its_window(T, W, C, n_max):
                 want = range(a, min(z + W, T)) if by_keys else range(max(a - W, 0), z)
                 assert windows[0, 0, c, :, 0].tolist() == list(want)
         assert rows_seen == list(range(T))
+
+
+@pytest.mark.parametrize("T, W, C", [(70, 16, 8), (9, 4, 3), (40, 40, 8)])
+def test_windowed_masks_on_their_columns_are_the_whole_masks(T, W, C):
+    """tango_kernels._masks gives the window mask and the old-source mask only on the runs of columns
+    where some row needs one; put back into full tiles they are: -inf where the distance between
+    query and key positions lies outside [0, W), 0 elsewhere, and old sources where it is >= W."""
+    for by_keys in (False, True):
+        for r0, n, rows, w0, ws, L in tango_kernels._groups(T, W, C, 4, by_keys=by_keys):
+            band, old = torch.zeros(n, rows, L, dtype=torch.float64), torch.zeros(n, rows, L, dtype=torch.float64)
+            runs = tango_kernels._masks(n, rows, L, w0 - r0 if by_keys else r0 - w0, ws - C if by_keys else C - ws,
+                                        W, by_keys, torch.float64, torch.device("cpu"))
+            for cs, b, o in runs:
+                band[..., cs] = b
+                if o is not None:
+                    old[..., cs] = o
+            for c in range(n):
+                for i in range(rows):
+                    for j in range(L):
+                        query, key = (w0 + c * ws + j, r0 + c * C + i) if by_keys else (r0 + c * C + i, w0 + c * ws + j)
+                        dist = query - key
+                        assert band[c, i, j] == (0.0 if 0 <= dist < W else -math.inf)
+                        assert old[c, i, j] == float(dist >= W)
+            assert sum(cs.stop - cs.start for cs, _, _ in runs) < L or L <= 2 * C  # inner tiles: only 2 C columns
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])
