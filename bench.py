@@ -10,7 +10,10 @@ Each (model, block size T, compile) configuration runs in a fresh subprocess (`-
 it; a timed-out or failed row says so and the model's larger T are skipped). Configurations run
 block size by block size (every model at one T, then the next T), so the rows that the MFU ratio
 compares are measured minutes apart, not a whole model's sweep apart (a drift of the host's speed
-in between would move their ratio); the table lists them model by model. Compiled rows use
+in between would move their ratio); the table lists them model by model. --rounds R runs each
+block size's configurations R times, the order reversed every other round (A B C, C B A), and
+pools their timed steps, so that a drift during one block size moves the rows compared alike.
+Compiled rows use
 train.py's regional compilation (common.compile_regions: each body's repeated unit and the head
 compile once); "first step s" is the seconds from the start of the configuration (model build)
 to the end of its first training step, compile included.
@@ -36,7 +39,7 @@ glibc's default, under which the page faults of each step's fresh large tensors 
 a half of a step on this project's CPU: results/README.md, "Windowed TANGO against Loop Transformer++").
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
-            seconds, at least one), after --warmup untimed ones (the last is the memory measurement)
+            seconds, at least one; with --rounds, the steps of all rounds), after --warmup untimed ones (the last is the memory measurement)
             and, on CPU with --cpu_memory keep, more until the kept heap has stopped growing
             (cpu_memory.settle_heap: two in a row fault in at most 1 MiB; at most 10; settle_steps
             in the JSON).
@@ -71,6 +74,7 @@ Outputs: a markdown table (printed, and --md, default results/bench/bench_<devic
 average, rows and targets.
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -182,15 +186,20 @@ def child(spec):
         losses.append(loss.item())
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"non-finite loss {losses}")
-    step_s = statistics.median(times)
     tokens = B * T
     fl = flops.train_flops(cfg, T, tokens)
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
-            "step_s": step_s, "step_times_s": times, "warmup_s": warmup_s, "first_step_s": first_step_s, "tokens_per_s": tokens / step_s,
-            "ms_per_token": 1e3 * step_s / tokens, "model_flops_per_step": fl,
-            "model_flops_per_token": fl / tokens, "achieved_flops_per_s": fl / step_s,
+            "warmup_s": warmup_s, "first_step_s": first_step_s, "model_flops_per_step": fl, "model_flops_per_token": fl / tokens,
+            **timing(times, tokens, fl),
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
             "final_loss": losses[-1]}
+
+
+def timing(times, tokens, fl):
+    """The speed columns from the timed steps (seconds each) of a step of `tokens` tokens and fl model FLOPs."""
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s, "ms_per_token": 1e3 * step_s / tokens,
+            "achieved_flops_per_s": fl / step_s}
 
 
 # ============================================================================= parent
@@ -368,6 +377,31 @@ def plan(a):
     return [(m, c, T) for T in a.block_sizes for c in compiles for m in a.models]  # the models compared at one T run together
 
 
+def schedule(configs, rounds):
+    """plan()'s configurations with --rounds: each block size's configurations run `rounds` times,
+    the order reversed every other round (A B C, C B A, ...), so that a drift of the host's speed
+    while one block size runs moves the rows compared there alike. Yields (config, round)."""
+    for _, group in itertools.groupby(configs, key=lambda c: c[2]):
+        group = list(group)
+        for r in range(rounds):
+            for cfg in (group if r % 2 == 0 else group[::-1]):
+                yield cfg, r
+
+
+def merge_rounds(parts):
+    """One row from a configuration's rounds (in run order): the timed steps of all rounds pooled
+    (median over all), the largest peak memory, the first round's first-step time; the first
+    failed round's row if any failed."""
+    if len(parts) == 1 or any(p["status"] != "ok" for p in parts):
+        return next((p for p in parts if p["status"] != "ok"), parts[0])
+    row = {**parts[0], **timing([t for p in parts for t in p["step_times_s"]], parts[0]["tokens_per_step"],
+                                parts[0]["model_flops_per_step"])}
+    row.update(round_step_s=[p["step_s"] for p in parts], settle_steps=[p["settle_steps"] for p in parts],
+               peak_mem_mb=max(p["peak_mem_mb"] for p in parts), peak_rss_mb=max(p["peak_rss_mb"] for p in parts),
+               wall_s=sum(p["wall_s"] for p in parts), load_after=parts[-1]["load_after"], final_loss=parts[-1]["final_loss"])
+    return row
+
+
 def run_config_here(spec):
     """run_config in this process (--quick on CPU): no timeout, memory less isolated."""
     t0 = time.time()
@@ -402,6 +436,9 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=None, help="timed training steps per configuration (median; default 2, --quick 3 on CUDA, 1 on CPU)")
     p.add_argument("--step_budget", type=float, default=20,
                    help="stop timing once the timed steps took this many seconds (at least one step)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each configuration this many times, in reversed order every other round at each block "
+                        "size; --steps and --step_budget are split evenly over the rounds, the steps pooled")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps first, the last one measures memory (>= 1; compile: at least 2 used)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
@@ -448,7 +485,7 @@ def parse(argv):
     if not a.block_sizes or min(a.block_sizes) < 1:
         p.error("--block_sizes: need positive integers")
     a.batch_tokens = a.batch_tokens or max(max(a.block_sizes), 32768 if cuda else 0)
-    for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup", "peak_reps"):
+    for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup", "peak_reps", "rounds"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
     if a.reflux and a.depth < 2:  # checked here, not after every model's row
@@ -491,23 +528,25 @@ def main(argv=None):
     peak = matmul_peak(a.device, a.dtype, a.peak_n, a.peak_reps)
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({a.dtype}, {a.peak_n}^3, best of {a.peak_reps}, "
           f"{threads} threads); load average {load_start}", flush=True)
-    rows, failed = [], {}
+    parts, failed = {}, {}
     here = a.quick and not a.device.startswith("cuda")
-    for model, comp, T in plan(a):
+    for (model, comp, T), rnd in schedule(plan(a), a.rounds):
         spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
                 "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
-                "batch_tokens": a.batch_tokens, "steps": a.steps, "step_budget": a.step_budget,
+                "batch_tokens": a.batch_tokens, "steps": math.ceil(a.steps / a.rounds), "step_budget": a.step_budget / a.rounds,
                 "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads, "cpu_memory": a.cpu_memory}
-        if (model, comp) in failed:  # a larger T of a configuration that failed
+        if (model, comp) in failed:  # a larger T (or a later round) of a configuration that failed
             row = {**spec, "status": f"skipped ({failed[model, comp]})"}
         else:
             row = run_config_here(spec) if here else run_config(spec, a.timeout)
             if row["status"] != "ok":
                 failed[model, comp] = f"T={T} {row['status'].split(':')[0]}"
-        rows.append(row)
+        parts.setdefault((model, comp, T), []).append(row)
         msg = (f"{row['tokens_per_s']:,.0f} tokens/s  {row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s "
                f"({row['wall_s']:.0f} s, load {row['load_before']})" if row["status"] == "ok" else row["status"])
-        print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} {msg}", flush=True)
+        print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} "
+              + (f"round {rnd + 1}/{a.rounds} " if a.rounds > 1 else "") + msg, flush=True)
+    rows = [merge_rounds(p) for p in parts.values()]
     rows.sort(key=lambda r: (a.models.index(r["model"]), r["compile"], r["T"]))  # listed model by model
     add_ratios(rows, peak)
     tg = targets(rows)
@@ -517,7 +556,7 @@ def main(argv=None):
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
         "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,
-        "steps": a.steps, "step_budget_s": a.step_budget, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
+        "steps": a.steps, "step_budget_s": a.step_budget, "rounds": a.rounds, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
         "quick": a.quick, "cpu_memory": None if a.device.startswith("cuda") else a.cpu_memory,
         "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
         "flops_convention": FLOPS_DEF, "mfu_reference": REFERENCE,
@@ -533,7 +572,9 @@ def main(argv=None):
     md = (f"`{meta['command']}`\n\n{a.device}, {a.dtype}, {threads} threads, tier {a.size} (d={meta['tier']['d']}, "
           f"~{meta['tier']['target']:,} non-embedding parameters), K={a.depth}, V={a.vocab_size}, "
           f"batch max(1, {a.batch_tokens} // T), median of up to {a.steps} timed steps (fewer past {a.step_budget:g} s) "
-          f"after {a.warmup} warm-up; "
+          + (f"in {a.rounds} rounds (each configuration run {a.rounds} times, the order at each T reversed every other "
+             f"round, the steps pooled), each " if a.rounds > 1 else "")
+          + f"after {a.warmup} warm-up; "
           + ("" if a.device.startswith("cuda") else
              f"CPU memory {a.cpu_memory} ({'freed memory kept for the next step' if a.cpu_memory == 'keep' else 'glibc default: fresh mmaps above 32 MiB'}); ")
           + f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "

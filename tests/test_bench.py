@@ -19,7 +19,7 @@ TARGETS = {"tango_memory_exponent", "windowed_time_per_token_4096_vs_512",
 def test_tiny_run_writes_json_and_table(tmp_path):
     out = tmp_path / "b.json"
     rc = bench.main(["--models", "tango,loop", "--block_sizes", "32", "--vocab_size", "64", "--batch_tokens", "64",
-                     "--steps", "1", "--warmup", "1", "--peak_n", "128", "--peak_reps", "2", "--json", str(out)])
+                     "--steps", "2", "--rounds", "2", "--warmup", "1", "--peak_n", "128", "--peak_reps", "2", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["meta"]["peak_flops_per_s"] > 0 and res["meta"]["device"] == "cpu"
@@ -30,6 +30,9 @@ def test_tiny_run_writes_json_and_table(tmp_path):
         assert ROW_KEYS <= set(r)
         assert r["tokens_per_s"] > 0 and r["peak_mem_mb"] >= 0 and 0 < r["mfu"]
         assert r["batch"] == 2 and r["tokens_per_step"] == 64
+        # two rounds of one timed step each, pooled: the row's speed is their median
+        assert len(r["step_times_s"]) == 2 and r["round_step_s"] == r["step_times_s"]
+        assert r["step_s"] == sum(r["step_times_s"]) / 2 and r["tokens_per_s"] == 64 / r["step_s"]
     assert [r["mfu_vs_ref"] for r in res["rows"] if r["model"] == "loop"] == [1.0]
     assert set(res["targets"]) == TARGETS | {"compile"}
     assert res["targets"]["min_mfu_vs_transformer_pp"]["status"] in ("PASS", "MISS")
@@ -81,6 +84,26 @@ def test_settle_heap_steps_until_two_in_a_row_fault_in_at_most_a_mib(faults, ran
 def _row(model, T, tps, mem, mfu, batch=1):
     return {"model": model, "T": T, "compile": False, "status": "ok", "batch": batch, "tokens_per_s": tps,
             "ms_per_token": 1e3 / tps, "peak_mem_mb": mem, "achieved_flops_per_s": mfu, "model_flops_per_token": 1.0}
+
+
+def test_rounds_reverse_the_order_at_each_block_size():
+    configs = [("a", False, 32), ("b", False, 32), ("a", False, 64), ("b", False, 64)]
+    assert list(bench.schedule(configs, 1)) == [(c, 0) for c in configs]
+    assert [(m, T, r) for (m, _, T), r in bench.schedule(configs, 3)] == [
+        ("a", 32, 0), ("b", 32, 0), ("b", 32, 1), ("a", 32, 1), ("a", 32, 2), ("b", 32, 2),
+        ("a", 64, 0), ("b", 64, 0), ("b", 64, 1), ("a", 64, 1), ("a", 64, 2), ("b", 64, 2)]
+
+
+def test_merge_rounds_pools_steps_and_keeps_a_failure():
+    part = lambda times, mem, status="ok": {"status": status, "step_times_s": times, "step_s": sorted(times)[len(times) // 2],
+                                           "tokens_per_step": 100, "model_flops_per_step": 1e9, "peak_mem_mb": mem,
+                                           "peak_rss_mb": mem, "settle_steps": 2, "wall_s": 10.0, "load_after": 0.5,
+                                           "final_loss": 3.0, "first_step_s": 1.0}
+    row = bench.merge_rounds([part([1.0, 4.0, 5.0], 10), part([2.0, 3.0], 12)])
+    assert row["step_s"] == 3.0 and row["tokens_per_s"] == 100 / 3.0 and row["achieved_flops_per_s"] == 1e9 / 3.0
+    assert row["round_step_s"] == [4.0, 3.0] and row["peak_mem_mb"] == 12 and row["wall_s"] == 20.0
+    failed = {"status": "timeout", "wall_s": 300.0}
+    assert bench.merge_rounds([part([1.0], 10), failed]) is failed
 
 
 def test_targets_arithmetic():
