@@ -273,26 +273,20 @@ def _groups(T, W, C, n_max, by_keys=False):
 def _masks(n, rows, L, off, step, W, by_keys, dtype, device):
     """The masks of a group's (n, rows, L) tiles, from the distance query position - key position,
     off + c step + (j - i if by_keys else i - j) for chunk c, row i, column j. Only the columns
-    where some distance lies outside the window [0, W) need them (for an inner group the first
-    and last C, the rest of the tile is in every row's window), so the masks come as a list of
-    (columns, band, old) for those runs of columns: columns a slice of [0, L), band the additive
-    window mask on them (0 for distances in [0, W), -inf elsewhere), old where the key is an old
-    source of the query (distance >= W; None if nowhere in the run)."""
+    where some distance lies outside the window [0, W) need them: those before and after the
+    columns that are in every row's window (for an inner group the first and last C). So the masks
+    come as a list of at most two (columns, band, old): columns a slice of [0, L), band the
+    additive window mask on them (0 for distances in [0, W), -inf elsewhere), old where the key is
+    an old source of the query (distance >= W; None if nowhere in the slice)."""
     i = torch.arange(rows, device=device).view(1, rows, 1)
     j = torch.arange(L, device=device).view(1, 1, L)
     c = torch.arange(n, device=device).view(n, 1, 1)
     dist = off + c * step + (j - i if by_keys else i - j)
     outside = (dist < 0) | (dist >= W)
-    cols = outside.flatten(0, 1).any(0).tolist()  # the columns that need a mask
-    runs, j0 = [], None
-    for j, masked in enumerate(cols + [False]):
-        if masked and j0 is None:
-            j0 = j
-        elif not masked and j0 is not None:
-            runs.append(slice(j0, j))
-            j0 = None
+    inside = (~outside.flatten(0, 1).any(0)).nonzero().flatten().tolist()  # columns in every row's window:
+    a, z = (inside[0], inside[-1] + 1) if inside else (L, L)  # one interval, as dist is monotone in j
     masks = []
-    for cs in runs:
+    for cs in [cs for cs in (slice(0, a), slice(z, L)) if cs.stop > cs.start]:
         band = torch.zeros(n, rows, cs.stop - cs.start, dtype=dtype, device=device).masked_fill_(outside[..., cs], float("-inf"))
         old = dist[..., cs] >= W
         masks.append((cs, band, old.to(dtype) if bool(old.any()) else None))
@@ -395,9 +389,10 @@ class WindowedAttention(torch.autograd.Function):
             dout = dout.to(dt)
             w_null = (b.view(1, H, 1, 1) * LOG2E - lse2).exp2()  # null weight per query
             e_all = (so[..., None] * LOG2E - lse2).exp2()  # weight of each old source per query (0 if none)
-            dq, dk, dg = torch.zeros_like(q), torch.empty_like(k), torch.empty_like(g)
+            D = q.shape[-1]
+            dqs = q.new_zeros(B, H, T, D + 1)  # per query: dq from the window scores, and their sum (the window part of dz)
+            dk, dg = torch.empty_like(k), torch.empty_like(g)
             delta = torch.empty_like(lse2)  # rowsum(dO * O)
-            ds_sum = q.new_zeros(B, H, T)  # window part of dz
             qa = torch.cat((q * LOG2E, -lse2), -1)  # qa . [k, 1] = (s - lse) log2 e
             ka = F.pad(k, (0, 1), value=1.0)
             d_old, top = q.new_zeros(B, H, 1, g.shape[-1]), T  # sum of e_t dO_t over the queries [top, T)
@@ -416,7 +411,6 @@ class WindowedAttention(torch.autograd.Function):
                 _matmul_into(dp, do, _chunks(g, c0, n, rows).transpose(-1, -2), beta=0.0)
                 ds = dp.transpose(-1, -2).to(acc).sub_(_windows(delta, w0, ws, n, L).transpose(-1, -2)).mul_(p)  # gradient of the window scores
                 rows_of = (w0 + ws * torch.arange(n, device=dev).view(n, 1) + torch.arange(L, device=dev)).flatten()  # the queries' rows
-                ds_sum.index_add_(2, rows_of, ds.sum(3).flatten(2))
                 for cs, _, old in masks:  # queries t >= j + W in the tile: the chunk's keys are old sources for them
                     if old is not None:
                         p[..., cs].addcmul_(old, _windows(e_all, w0, ws, n, L).transpose(-1, -2)[..., cs])
@@ -436,10 +430,11 @@ class WindowedAttention(torch.autograd.Function):
                 if top < T:
                     dg_c += sums
                 _matmul_into(_chunks(dk, c0, n, rows), ds, _windows(q, w0, ws, n, L), beta=0.0)
-                dq.index_add_(2, rows_of, (ds.transpose(-1, -2) @ _chunks(k, c0, n, rows)).flatten(2, 3))
+                dqs.index_add_(2, rows_of, (ds.transpose(-1, -2) @ _chunks(ka, c0, n, rows)).flatten(2, 3))  # ka = [k, 1]
             db = -(w_null * delta).sum((0, 2, 3))
             # softmax gradients over all logits sum to 0: dz = -(null + window parts), z the summary logit
-            dz = (w_null * delta - ds_sum[..., None]).masked_fill(torch.arange(T, device=dev).view(-1, 1) < W, 0.0)
+            dq, ds_sum = dqs[..., :D], dqs[..., D:]
+            dz = (w_null * delta - ds_sum).masked_fill(torch.arange(T, device=dev).view(-1, 1) < W, 0.0)
             # so_i = q_i . unit(K_i), K_i = sum_{j <= i-W} k_j (dz_i = 0 where there are no old sources)
             dq += dz * unit
             du = dz * q
