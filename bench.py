@@ -13,10 +13,9 @@ compares are measured minutes apart, not a whole model's sweep apart (a drift of
 in between would move their ratio); the table lists them model by model. --rounds R runs each
 block size's configurations R times, the order reversed every other round (A B C, C B A), and
 pools their timed steps, so that a drift during one block size moves the rows compared alike.
-Compiled rows use
-train.py's regional compilation (common.compile_regions: each body's repeated unit and the head
-compile once); "first step s" is the seconds from the start of the configuration (model build)
-to the end of its first training step, compile included.
+Compiled rows use train.py's regional compilation (common.compile_regions: each body's repeated
+unit and the head compile once); "first step s" is the seconds from the start of the
+configuration (model build) to the end of its first training step, compile included.
 
 On CUDA the defaults are what a GPU user would run: the 70M tier, T = 2048 and 8192, at least
 32768 tokens per step, bf16 autocast, compiled and eager. --quick covers every model at T = 2048
@@ -39,10 +38,10 @@ glibc's default, under which the page faults of each step's fresh large tensors 
 a half of a step on this project's CPU: results/README.md, "Windowed TANGO against Loop Transformer++").
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
-            seconds, at least one; with --rounds, the steps of all rounds), after --warmup untimed ones (the last is the memory measurement)
-            and, on CPU with --cpu_memory keep, more until the kept heap has stopped growing
-            (cpu_memory.settle_heap: two in a row fault in at most 1 MiB; at most 10; settle_steps
-            in the JSON).
+            seconds, at least one; with --rounds, the steps of all rounds), after --warmup untimed
+            ones (the last is the memory measurement) and, on CPU with --cpu_memory keep, more
+            until the kept heap has stopped growing (cpu_memory.settle_heap: two in a row fault in
+            at most 1 MiB; at most 10; settle_steps in the JSON).
 MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T, B T)
             = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
