@@ -269,6 +269,11 @@ def _groups(T, W, C, n_max, by_keys=False):
         yield r0, n, rows, w0, C if inner else 0, L
 
 
+def _group_size(B, H, C):
+    """Chunks per group: about WINDOW_GROUP_ROWS rows over batch and heads, at least one chunk."""
+    return max(1, WINDOW_GROUP_ROWS // (B * H * C))
+
+
 @functools.lru_cache(maxsize=64)
 def _masks(n, rows, L, off, step, W, by_keys, dtype, device):
     """The masks of a group's (n, rows, L) tiles, from the distance query position - key position,
@@ -341,7 +346,7 @@ class WindowedAttention(torch.autograd.Function):
             out = g.new_empty(H, B, T, g.shape[-1]).transpose(0, 1)  # heads outermost (Layout)
             lse2 = q.new_empty(B, H, T, 1)
             g_old, done = q.new_zeros(B, H, 1, g.shape[-1]), 0  # sum of the gates [0, done)
-            for r0, n, rows, w0, ws, L in _groups(T, W, C, max(1, WINDOW_GROUP_ROWS // (B * H * C))):
+            for r0, n, rows, w0, ws, L in _groups(T, W, C, _group_size(B, H, C)):
                 masks = _masks(n, rows, L, r0 - w0, C - ws, W, False, acc, dev)
                 p = torch.empty(B, H, n, rows, L, dtype=acc, device=dev)
                 _matmul_into(p, _chunks(q2, r0, n, rows), _windows(k, w0, ws, n, L).transpose(-1, -2), beta=0.0)  # scores
@@ -396,7 +401,7 @@ class WindowedAttention(torch.autograd.Function):
             qa = torch.cat((q * LOG2E, -lse2), -1)  # qa . [k, 1] = (s - lse) log2 e
             ka = F.pad(k, (0, 1), value=1.0)
             d_old, top = q.new_zeros(B, H, 1, g.shape[-1]), T  # sum of e_t dO_t over the queries [top, T)
-            groups = list(_groups(T, W, C, max(1, WINDOW_GROUP_ROWS // (B * H * C)), by_keys=True))
+            groups = list(_groups(T, W, C, _group_size(B, H, C), by_keys=True))
             for c0, n, rows, w0, ws, L in reversed(groups):
                 c1 = c0 + n * rows
                 delta[:, :, c0:c1] = (dout[:, :, c0:c1].to(acc) * out[:, :, c0:c1].to(acc)).sum(-1, keepdim=True)
