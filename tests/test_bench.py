@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 import bench
+import bench_report
 import cpu_memory
 
 ROW_KEYS = {"model", "T", "batch", "compile", "status", "tokens_per_s", "ms_per_token", "peak_mem_mb", "mfu",
@@ -112,14 +113,14 @@ def test_targets_arithmetic():
             _row("tango-windowed", 512, 100, 5, 0.85), _row("tango-windowed", 4096, 70, 5, 0.85),  # 1/0.7 > 1.25
             _row("loop", 512, 100, 5, 1.0), _row("loop", 2048, 100, 5, 1.0), _row("loop", 4096, 100, 5, 1.0),
             {"model": "gau", "T": 512, "compile": False, "status": "timeout"}]
-    bench.add_ratios(rows, peak=1.0)
-    tg = bench.targets(rows)
+    bench_report.add_ratios(rows, peak=1.0)
+    tg = bench_report.targets(rows)
     assert abs(tg["tango_memory_exponent"]["value"] - 1.0) < 1e-9 and tg["tango_memory_exponent"]["status"] == "PASS"
     assert tg["windowed_time_per_token_4096_vs_512"]["status"] == "MISS"
     assert abs(tg["three_set_vs_tango_tokens_per_s_2048"]["value"] - 3.1) < 1e-9
     assert tg["three_set_vs_tango_tokens_per_s_2048"]["status"] == "PASS"
     assert tg["min_mfu_vs_transformer_pp"]["status"] == "PASS"  # lowest 0.85
-    assert "timeout" in bench.table(rows)
+    assert "timeout" in bench_report.table(rows)
 
 
 def test_quick_cpu_runs_every_model_and_the_long_four(tmp_path):
