@@ -34,6 +34,14 @@ class UsageParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see python {self.prog} --help)")
 
 
+class ExitParser(argparse.ArgumentParser):
+    """argparse for the tools' command lines: a bad flag is one line "PROG: error: ..." on stderr and
+    exit code 2, without argparse's usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def not_a_command(module, use):
     """What a companion module run directly does (python text_data.py, ...): one line on stderr
     naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""

@@ -47,7 +47,7 @@ def one_thread():
 def dmmath_sample():
     """The DeepMind Mathematics sample (../shared/data/dmmath beside this repository, train.py's
     default --data_dir); skips the test, with the reason, where a clone has no such folder."""
-    import dmmath
+    from harness import dmmath
     if not os.path.isdir(os.path.join(dmmath.DEFAULT, "train-easy")):
         pytest.skip(f"no DeepMind Mathematics sample at {os.path.normpath(dmmath.DEFAULT)} (train.py's default --data_dir)")
     return dmmath.DEFAULT

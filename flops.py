@@ -31,19 +31,18 @@ forward of the default ("fast") implementation; it differs from the convention o
 spelled out there. train_flops = 3 x forward x 2 FLOPs/MAC (backward ~ 2 x forward): 6 N D style.
 
 CLI: python flops.py --size 70M --depth 4 --block_size 8192 [--vocab_size 50257] [--window 256]
-     python flops.py fit RUN_DIR [RUN_DIR ...] [--law all|depth|training|unified]   (Parcae's fits)
+     python -m tools.flops_fit RUN_DIR [RUN_DIR ...] [--law all|depth|training|unified]   (Parcae's fits)
 
 Parcae / RDM (MATH.md, "Parcae and RDM"): forward MACs at cfg.depth recurrences
 (recurrent_forward_macs), unrolled parameter counts, effective training FLOPs (2 N1 + 6 N2) D, and
 the scaling-law fits of "Parcae: Scaling Laws For Stable Looped Language Models" (arXiv 2604.12946,
-§5.2 training law, §5.3 test-time and unified laws) in flops_fit.py.
+§5.2 training law, §5.3 test-time and unified laws) in tools/flops_fit.py.
 """
-import argparse
 import math
 import sys
 
 import models
-from common import VOCAB_MULTIPLE, ModelConfig, UsageError
+from common import VOCAB_MULTIPLE, ExitParser, ModelConfig, UsageError
 from tango_kernels import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -154,15 +153,9 @@ def parcae_effective_flops(N1: float, N2: float, D: float) -> float:
 PAPER_SETTING = {"size": "70M", "depth": 4, "block_size": 8192, "vocab_size": 50257, "window": 256}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit 2 (no usage block)
-        self.exit(2, f"flops.py: error: {message}\n")
-
-
 def _parse(argv):
-    p = _Parser(description="Analytical forward MACs per sequence (MATH.md, \"Cost\"). "
-                "`python flops.py fit RUN [RUN ...]` fits Parcae's scaling laws to run logs instead "
-                "(see python flops.py fit --help).")
+    p = ExitParser(prog="flops.py", description="Analytical forward MACs per sequence (MATH.md, \"Cost\"). "
+                "Parcae's scaling-law fits to run logs: python -m tools.flops_fit RUN [RUN ...].")
     p.add_argument("--size", default="70M", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K (>= 1)")
     p.add_argument("--block_size", type=int, default=8192, help="sequence length T (>= 1)")
@@ -184,11 +177,8 @@ def _sci(x):
 def main(argv=None):
     """Print one row per registered model: solved width, non-embedding params, forward MACs, and
     at the paper's setting (70M, K=4, T=8192, V=50257, W=256) the TANGO paper's §4.1 figure and the
-    difference. `python flops.py fit RUN ...` fits Parcae's scaling laws instead (flops_fit.fit_main)."""
+    difference."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["fit"]:
-        from flops_fit import fit_main
-        return fit_main(argv[1:])
     a = _parse(argv)
     d, H, target = models.TIERS[a.size]
     paper = vars(a) == PAPER_SETTING

@@ -51,18 +51,16 @@ reproduces the first r reference tokens iff the argmax at each of those r scored
 right (the policy sees only the prefix), so exact match and the Generation count equal greedy
 decoding's; --eval_mode generate runs the cached decoder. Tasks and metrics: tasks.py.
 
-    python latent_tokens.py --base CKPT --task summation --policy Comma_2
-    python latent_tokens.py --base CKPT --task repetition --policy Start_1+Comma_1 --groups rule
-    python latent_tokens.py --base CKPT --task generation --policy none        # frozen base alone
-    python latent_tokens.py pretrain --help; python latent_tokens.py sweep --help  # latent_experiments.py
+    python -m studies.latent_experiments --base CKPT --task summation --policy Comma_2
+    python -m studies.latent_experiments --base CKPT --task repetition --policy Start_1+Comma_1 --groups rule
+    python -m studies.latent_experiments --base CKPT --task generation --policy none        # frozen base alone
+    python -m studies.latent_experiments pretrain --help; python -m studies.latent_experiments sweep --help  # latent_experiments.py
 
 Bad input (unknown policy/task, missing checkpoint, ...): one line, exit code 2; a non-finite loss
 or gradient norm: one line, exit code 1.
 """
-import argparse
 import math
 import re
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,9 +69,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import train as train_mod
-from common import UsageError, UsageParser
-from latent_bases import make_backend
-from tasks import TASK_VOCAB, TASKS, encode_sample, get_task, test_set  # noqa: F401 (lt.TASK_VOCAB, as before)
+from common import UsageError
+from harness.latent_bases import make_backend
+from harness.tasks import encode_sample, test_set
 from train import TrainingError
 
 POSITION_MODES = ("prepend", "append", "increase")
@@ -486,109 +484,3 @@ def evaluate(llm, tok, task, level, n_test=256, batch_size=32, mode="tf"):
             stopped = bool(new) and new[-1] == tok.eos
             scores.append(task.score(s.query, tok.decode(new[:-1] if stopped else new), stopped))
     return float(np.mean(scores))
-
-
-# =============================================================================== command line
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's default in --help; a help text that says its default itself keeps its words."""
-
-    def _get_help_string(self, action):
-        if action.required or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _parser(prog, description):
-    return UsageParser(prog=prog, description=description, formatter_class=_Help)
-
-
-def _base_flags(a):
-    a("--base", required=True, help="a train.py-format checkpoint (ckpt_best.pt) or hf:FOLDER (a local Hugging Face model)")
-    a("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared CPU)")
-
-
-def _train_flags(a):
-    a("--n_train", type=int, default=4096, help="training samples (paper 4096)")
-    a("--epochs", type=int, default=10, help="epochs (paper 10)")
-    a("--batch_size", type=int, default=16, help="batch size (paper 16)")
-    a("--lr", type=float, default=5e-2, help="peak learning rate (paper 5e-2)")
-    a("--min_lr", type=float, default=5e-5, help="final learning rate of the cosine (paper 5e-5)")
-    a("--warmup", type=float, default=0.01, help="warmup fraction (paper 1 %%)")
-    a("--weight_decay", type=float, default=1e-4, help="AdamW weight decay (paper 1e-4)")
-    a("--grad_clip", type=float, default=1.0, help="gradient clipping (0 = off)")
-    a("--n_test", type=int, default=1024, help="test samples per level (paper 1024)")
-    a("--position_mode", default="prepend", help=f"one of {', '.join(POSITION_MODES)}")
-    a("--init", default="embedding", help="Z init: embedding (sampled rows of E) or normal (N(0, 0.02))")
-    a("--readout", default="latent", help="latent (the last latent predicts) or verbal (paper-literal ablation)")
-
-
-def parse(p, argv, cmd):
-    """Parsed and checked arguments of one command; args.command is the command line as typed."""
-    args = p.parse_args(argv[1:] if cmd != "run" else argv)
-    args.cmd, args.command = cmd, "python latent_tokens.py " + " ".join(argv)
-    check_args(args)
-    torch.set_num_threads(args.threads)
-    return args
-
-
-def run_parser():
-    p = _parser("latent_tokens.py", "Train latent tokens on a frozen base and evaluate them on a task")
-    p.epilog = "subcommands: 'pretrain' (a tiny base for the tasks), 'sweep' (the results table); each has --help"
-    a = p.add_argument
-    _base_flags(a)
-    a("--task", required=True, help=", ".join(TASKS))
-    a("--policy", default="Comma_2", help="Start_m, End_m, Comma_m, k_m, A+B, or none (the base alone)")
-    a("--groups", default="shared", help=f"{', '.join(GROUPINGS)} (function specialization)")
-    a("--marker", default=",", help="Comma_m marker token")
-    a("--eval_mode", default="tf", help="tf (teacher-forced greedy, exact and fast) or generate (cached decoding)")
-    a("--seed", type=int, default=0, help="torch and numpy seed")
-    a("--save", default=None, help="write the trained latents (Z, policy) here (default: not saved)")
-    a("--json", default=None, help="append the result as one JSON line here (default: not written)")
-    _train_flags(a)
-    return p
-
-
-def check_args(args):
-    for flag in ("n_train", "epochs", "batch_size", "n_test", "threads", "steps", "n_samples", "n_dev",
-                 "eval_interval", "depth"):
-        if getattr(args, flag, 1) < 1:
-            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    if not 0 < args.lr < math.inf:
-        raise UsageError(f"--lr {args.lr}: must be a finite number > 0")
-    for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
-        if not 0 <= getattr(args, flag, 0.0) < math.inf:
-            raise UsageError(f"--{flag} {getattr(args, flag)}: must be a finite number >= 0"
-                             + (" (0 = off)" if flag == "grad_clip" else ""))
-    if not 0 <= getattr(args, "warmup", 0.0) < 1:
-        raise UsageError(f"--warmup {args.warmup}: a fraction of the updates, in [0, 1)")
-    choose("readout", getattr(args, "readout", "latent"), READOUTS)
-    choose("position_mode", getattr(args, "position_mode", "prepend"), POSITION_MODES)
-    if args.cmd == "run":
-        get_task(args.task)
-        parse_policy(args.policy)
-        choose("groups", args.groups, GROUPINGS)
-        choose("eval_mode", args.eval_mode, ("tf", "generate"))
-    for t in getattr(args, "tasks", getattr(args, "task", "all")).split(","):
-        if t != "all":
-            get_task(t)
-    for p in getattr(args, "extra", []):
-        parse_policy(p)
-
-
-def main(argv=None):
-    """The command line; the commands' bodies are in latent_experiments.py (which imports this module)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        import latent_experiments
-        if argv and argv[0] in ("pretrain", "sweep"):
-            latent_experiments.main(argv)
-            return
-        latent_experiments.run(parse(run_parser(), argv, "run"))
-    except (UsageError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, UsageError) else 1)
-
-
-if __name__ == "__main__":
-    main()

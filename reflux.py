@@ -63,10 +63,10 @@ O(d) per open edge and position for the write and (d r + r |E|) per block of w t
 No write reaches the blocks below the lowest target, so the injected traversal starts there (from
 the record traversal's stream), and stream runs those blocks once over all rows, not per token.
 
-    python reflux.py --base out/ckpt_best.pt --schedule stream --edge 4:2 --alpha 0.2 --beta 0.9
-    python reflux.py --base CKPT --schedule sync --recirc --alpha 0.15            # the baseline
-    python reflux.py --base CKPT --router --block 16 --xi 0.6 --router_rank 64 --max_iters 200
-    python reflux.py sweep --base CKPT --json results/reflux/sweep.json
+    python -m studies.reflux_cli --base out/ckpt_best.pt --schedule stream --edge 4:2 --alpha 0.2 --beta 0.9
+    python -m studies.reflux_cli --base CKPT --schedule sync --recirc --alpha 0.15            # the baseline
+    python -m studies.reflux_cli --base CKPT --router --block 16 --xi 0.6 --router_rank 64 --max_iters 200
+    python -m studies.reflux_cli sweep --base CKPT --json results/reflux/sweep.json
 
 Bad input (flag, checkpoint, data): one line "error: ..." on stderr, exit code 2. Loading the checkpoint,
 evaluation, router training and the command line are in reflux_cli.py.
@@ -499,8 +499,3 @@ def reference_stream(lm, idx, settings, prompt_len=0):
                 for b in range(B):
                     rows[(s, d)][b][t + 1] = z[s][b, t] - (0 if settings.payload == "state" else z[d][b, t])
     return torch.cat(out, 1)
-
-
-if __name__ == "__main__":  # the command line lives in reflux_cli.py
-    from reflux_cli import cli
-    cli()

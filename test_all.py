@@ -438,8 +438,8 @@ def test_train_on_the_dmmath_sample_reports_exact_match(dmmath_sample, tmp_path,
 
 
 def test_readme_results_table_regenerates_from_committed_summaries():
-    """results/README.md's CPU-tier table is `python sweep.py report --root results/readme`, byte for byte."""
-    import sweep_report
+    """results/README.md's CPU-tier table is `python -m tools.sweep report --root results/readme`, byte for byte."""
+    from tools import sweep_report
     readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --root results/readme -->\n", "<!-- end of sweep report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
@@ -448,10 +448,10 @@ def test_readme_results_table_regenerates_from_committed_summaries():
 
 
 def test_readme_reproduction_grid_regenerates_from_committed_results():
-    """results/README.md's reproduction tables are `python sweep.py report --grid --root results/grid`,
+    """results/README.md's reproduction tables are `python -m tools.sweep report --grid --root results/grid`,
     byte for byte, from the committed summaries; every grid run is there (7 models x 2 datasets
     x (K in {4, 8} x 3 seeds + K = 16 x 1 seed)) and its plots are committed PNGs."""
-    import sweep_report
+    from tools import sweep_report
     readme = open(os.path.join(HERE, "results", "README.md")).read()
     begin, end = "<!-- sweep report --grid --root results/grid -->\n", "<!-- end of grid report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]

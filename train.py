@@ -47,18 +47,18 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
-from checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
+from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
                         resume_args, save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions
-from config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
+from harness.config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
                     resolve_args, tier_default)
-from datacheck import load_data
-from evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
+from harness.datacheck import load_data
+from harness.evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model
 # names other code uses as train.X (latent_tokens.py: save_atomic, eval_mode)
-from checkpoint import save_atomic  # noqa: F401,E402
-from config import TIER_DEFAULTS  # noqa: F401,E402
-from evaluation import eval_mode  # noqa: F401,E402
+from harness.checkpoint import save_atomic  # noqa: F401,E402
+from harness.config import TIER_DEFAULTS  # noqa: F401,E402
+from harness.evaluation import eval_mode  # noqa: F401,E402
 
 
 class TrainingError(RuntimeError):

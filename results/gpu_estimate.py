@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train  # noqa: E402
-from config import model_config  # noqa: E402
+from harness.config import model_config  # noqa: E402
 from models import build_model  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",

@@ -7,10 +7,9 @@ import textwrap
 
 import pytest
 
-import bench
-import bench_report
-import cpu_memory
-
+from tools import bench
+from tools import bench_report
+from tools import cpu_memory
 ROW_KEYS = {"model", "T", "batch", "compile", "status", "tokens_per_s", "ms_per_token", "peak_mem_mb", "mfu",
             "mfu_vs_ref", "model_flops_per_token", "step_times_s", "width", "non_embedding_params"}
 TARGETS = {"tango_memory_exponent", "windowed_time_per_token_4096_vs_512",
@@ -49,7 +48,8 @@ def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
     instead of faulting in new ones); glibc's default and return_freed_memory give it back. In a
     fresh interpreter: the setting is per process."""
     code = textwrap.dedent("""
-        import torch, cpu_memory
+        import torch
+        from tools import cpu_memory
         def kept_mb():  # MiB of a touched and freed 64 MiB tensor that stay resident
             x = torch.ones(16 << 20)
             with_x = cpu_memory.rss_kb("VmRSS")
@@ -61,7 +61,7 @@ def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
         cpu_memory.return_freed_memory()
         print(default, kept, kept_mb())
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=bench.os.path.dirname(bench.__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=bench.ROOT)
     assert out.returncode == 0, out.stderr
     default, kept, returned = map(int, out.stdout.split())
     assert kept >= 60 and default <= 4 and returned <= 4, (default, kept, returned)
@@ -124,7 +124,7 @@ def test_targets_arithmetic():
 
 
 def test_quick_cpu_runs_every_model_and_the_long_four(tmp_path):
-    """The suite runs `python bench.py --quick --device cpu --size tiny` (so the GPU command cannot rot)."""
+    """The suite runs `python -m tools.bench --quick --device cpu --size tiny` (so the GPU command cannot rot)."""
     out = tmp_path / "q.json"
     assert bench.main(["--quick", "--device", "cpu", "--size", "tiny", "--json", str(out)]) == 0
     res = json.loads(out.read_text())

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-import sweep
-import sweep_report
+from tools import sweep
+from tools import sweep_report
 import train
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -27,7 +27,7 @@ def readme():
 
 def fenced_commands(marker):
     """The commands of the fenced block right after the line `marker` in results/README.md, as
-    [(environment variables, argv after `python sweep.py`)]; every line is one `sweep.py` command."""
+    [(environment variables, argv after `python -m tools.sweep`)]; every line is one `sweep.py` command."""
     doc = readme()
     start = doc.index("```\n", doc.index(marker + "\n")) + 4
     cmds = []
@@ -39,8 +39,8 @@ def fenced_commands(marker):
         while re.fullmatch(r"[A-Z_]+=\S*", words[0]):
             k, v = words.pop(0).split("=", 1)
             env[k] = v
-        assert words[:2] == ["python", "sweep.py"], line
-        cmds.append((env, words[2:]))
+        assert words[:3] == ["python", "-m", "tools.sweep"], line
+        cmds.append((env, words[3:]))
     return cmds
 
 

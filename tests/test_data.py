@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import data
-import dmmath
-import text_data
+from harness import dmmath
+from harness import text_data
 from common import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import checkpoint
-import config
+from harness import checkpoint
+from harness import config
 import depth_attention as da
 import flops
 import models

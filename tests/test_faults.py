@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 
 import data as data_mod
-import flops_fit
+from tools import flops_fit
 import latent_tokens as lt
-import sweep
-import sweep_report
+from studies import latent_experiments
+from harness import tasks
+from tools import sweep
+from tools import sweep_report
 import train
 from common import ModelConfig, UsageError, sample_next
 from models import REGISTRY, build_model
@@ -280,17 +282,17 @@ def test_latent_table_and_adam_state_stay_float32(dtype):
 def test_latent_tokens_nonfinite_loss_exits_1(tmp_path, capsys):
     """A base whose forward gives NaN: the run stops with one line and exit code 1 (it went on and
     exited 0 with 0 % accuracy)."""
-    cfg = ModelConfig(model="loop", vocab_size=len(lt.TASK_VOCAB), block_size=64, n_embd=32, n_head=1, depth=1,
+    cfg = ModelConfig(model="loop", vocab_size=len(tasks.TASK_VOCAB), block_size=64, n_embd=32, n_head=1, depth=1,
                       width=64)
     model = build_model(cfg)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["norm_f.weight"].fill_(float("nan"))
     torch.save({"model": state, "config": cfg.to_dict(),
-                "data": {"tokenizer": "task", "vocab_size": len(lt.TASK_VOCAB), "itos": lt.TASK_VOCAB}},
+                "data": {"tokenizer": "task", "vocab_size": len(tasks.TASK_VOCAB), "itos": tasks.TASK_VOCAB}},
                tmp_path / "nan.pt")
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        lt.main(["--base", str(tmp_path / "nan.pt"), "--task", "summation", "--policy", "Comma_2",
+        latent_experiments.main(["--base", str(tmp_path / "nan.pt"), "--task", "summation", "--policy", "Comma_2",
                  "--n_train", "8", "--epochs", "1", "--n_test", "2"])
     err = capsys.readouterr().err
     assert e.value.code == 1
@@ -493,7 +495,11 @@ def run_cli(script, argv, monkeypatch, capsys):
     capsys.readouterr()
     code = 0
     try:
-        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+        if script.endswith(".py"):
+            runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+        else:  # python -m PACKAGE.MODULE, in a fresh module object as on the command line
+            monkeypatch.delitem(sys.modules, script, raising=False)
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
@@ -503,18 +509,18 @@ def run_cli(script, argv, monkeypatch, capsys):
 @pytest.mark.parametrize("script,argv,needle", [
     ("train.py", ["--depth", "x"], "--depth"),
     ("data.py", ["--num_proc", "x"], "--num_proc"),
-    ("sweep.py", [], "{run,collect,plot,report}"),
-    ("sweep.py", ["run", "--seeds", "x"], "--seeds"),
-    ("sweep.py", ["report"], "--root"),
-    ("bench.py", ["--depth", "x"], "--depth"),
-    ("bench.py", ["decode", "--depth", "x"], "--depth"),
+    ("tools.sweep", [], "{run,collect,plot,report}"),
+    ("tools.sweep", ["run", "--seeds", "x"], "--seeds"),
+    ("tools.sweep", ["report"], "--root"),
+    ("tools.bench", ["--depth", "x"], "--depth"),
+    ("tools.bench", ["decode", "--depth", "x"], "--depth"),
     ("flops.py", ["--depth", "x"], "--depth"),
-    ("flops.py", ["fit"], "runs"),
-    ("reflux.py", ["--xi", "x"], "--xi"),
-    ("reflux.py", ["sweep", "--base"], "--base"),
-    ("latent_tokens.py", ["--task", "summation"], "--base"),
-    ("latent_tokens.py", ["pretrain", "--steps", "x"], "--steps"),
-    ("latent_tokens.py", ["sweep", "--seeds", "x"], "--seeds"),
+    ("tools.flops_fit", [], "runs"),
+    ("studies.reflux_cli", ["--xi", "x"], "--xi"),
+    ("studies.reflux_cli", ["sweep", "--base"], "--base"),
+    ("studies.latent_experiments", ["--task", "summation"], "--base"),
+    ("studies.latent_experiments", ["pretrain", "--steps", "x"], "--steps"),
+    ("studies.latent_experiments", ["sweep", "--seeds", "x"], "--seeds"),
 ])
 def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
                                                                      capsys):
@@ -528,15 +534,15 @@ def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv,
 
 
 @pytest.mark.parametrize("script,argv,message", [
-    ("latent_tokens.py", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
-    ("latent_tokens.py", ["--base", "x.pt", "--task", "summation", "--warmup", "2"],
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--warmup", "2"],
      "--warmup 2.0: a fraction of the updates, in [0, 1)"),
-    ("latent_tokens.py", ["pretrain", "--lr", "nan"], "--lr nan: must be a finite number > 0"),
-    ("latent_tokens.py", ["sweep", "--base", "x.pt", "--grad_clip", "-1"],
+    ("studies.latent_experiments", ["pretrain", "--lr", "nan"], "--lr nan: must be a finite number > 0"),
+    ("studies.latent_experiments", ["sweep", "--base", "x.pt", "--grad_clip", "-1"],
      "--grad_clip -1.0: must be a finite number >= 0 (0 = off)"),
-    ("reflux.py", ["--base", "x.pt", "--lr", "0"], "--lr 0.0: must be a finite number > 0"),
-    ("reflux.py", ["sweep", "--base", "x.pt", "--lam", "-1"], "--lam -1.0: must be a finite number >= 0"),
-    ("reflux.py", ["--base", "x.pt", "--alpha_max", "inf"], "--alpha_max inf: must be a finite number > 0"),
+    ("studies.reflux_cli", ["--base", "x.pt", "--lr", "0"], "--lr 0.0: must be a finite number > 0"),
+    ("studies.reflux_cli", ["sweep", "--base", "x.pt", "--lam", "-1"], "--lam -1.0: must be a finite number >= 0"),
+    ("studies.reflux_cli", ["--base", "x.pt", "--alpha_max", "inf"], "--alpha_max inf: must be a finite number > 0"),
 ])
 def test_float_flags_out_of_range_are_one_line_errors(script, argv, message, tmp_path, monkeypatch, capsys):
     """latent_tokens.py and reflux.py took a negative or NaN learning rate, penalty or warmup and ran
@@ -555,20 +561,19 @@ def test_float_flags_out_of_range_are_one_line_errors(script, argv, message, tmp
                                   "block S's increment into an earlier block D)"),
 ])
 def test_bench_flags_out_of_range(argv, message, capsys):
-    import bench
+    from tools import bench
     with pytest.raises(SystemExit) as e:
         bench.parse(argv)
     assert e.value.code == 2 and capsys.readouterr().err == f"bench.py: error: {message}\n"
 
 
 @pytest.mark.parametrize("module,command", [
-    ("latent_experiments.py", "python latent_tokens.py"), ("reflux_cli.py", "python reflux.py"),
-    ("bench_decode.py", "python bench.py decode"), ("sweep_report.py", "python sweep.py report"),
-    ("flops_fit.py", "python flops.py fit"), ("text_data.py", "python data.py"),
+    ("tools/bench_decode.py", "python -m tools.bench decode"), ("tools/sweep_report.py", "python -m tools.sweep report"),
+    ("harness/text_data.py", "python data.py"),
 ])
 def test_a_module_of_another_command_names_that_command(module, command, monkeypatch, capsys):
-    """`python reflux_cli.py --help` (the modules split out of reflux.py, bench.py, sweep.py, flops.py
-    and data.py, and latent_experiments.py) printed nothing and exited 0; now one line names the command."""
+    """A module that belongs to another command, run directly with --help, exits 2 with one line naming
+    that command (instead of printing nothing and exiting 0)."""
     code, out, err = run_cli(module, ["--help"], monkeypatch, capsys)
     assert code == 2 and out == ""
     assert err.startswith(f"error: {module} has no command line of its own; use {command}") and err.count("\n") == 1
@@ -619,7 +624,7 @@ def test_a_value_the_model_rejects_stops_the_run_before_the_data_is_prepared(mod
 def test_a_flag_the_model_does_not_read_is_an_error(text_file, capsys):
     """--model tango --plt_window 8 trained TANGO and silently ignored the flag (like --data_dir without
     dmmath, which was already an error); every model flag with every model that does not read it."""
-    from config import MODEL_FLAGS
+    from harness.config import MODEL_FLAGS
     root = text_file.parent
     parser = train.build_parser()
     for flag, users in MODEL_FLAGS.items():
@@ -632,7 +637,7 @@ def test_a_flag_the_model_does_not_read_is_an_error(text_file, capsys):
             assert err == f"error: --{flag}: only used with --model {listed}; --model {model} ignores it (drop the flag)\n"
     assert sorted(os.listdir(root)) == ["text.txt"]
     # the users of a flag accept it (the check itself; the runs are in the model tests)
-    from config import check_model_flags
+    from harness.config import check_model_flags
     for flag, users in MODEL_FLAGS.items():
         for model in users:
             check_model_flags(model, {flag, "depth", "model"})
@@ -690,7 +695,7 @@ def same(a, b):
 def test_model_flags_lists_exactly_the_models_each_flag_changes():
     """config.MODEL_FLAGS (which models read a flag; the others refuse it) checked against the models:
     changing the flag's value changes a model's parameters, training or evaluation iff it is listed."""
-    from config import MODEL_FLAGS
+    from harness.config import MODEL_FLAGS
     assert set(CHANGED) == set(MODEL_FLAGS)
     for name in REGISTRY:
         base = small_cfg(name, **BEHAVIOUR_CFG)
@@ -703,7 +708,7 @@ def test_reflux_refuses_a_checkpoint_without_training_flags_before_preparing_dat
     """A base written by latent_tokens.py pretrain (an untied Transformer++ without train.py's flags):
     reflux.py took its dataset for the default stdlib, tokenized all of it into ./data (minutes) and
     only then said the data differ; now one line, exit 2, nothing written."""
-    import reflux_cli
+    from studies import reflux_cli
     cfg = ModelConfig(model="untied", vocab_size=13, block_size=16, n_embd=32, n_head=1, depth=2, width=32)
     torch.save({"model": build_model(cfg).state_dict(), "config": cfg.to_dict(),
                 "data": {"tokenizer": "task", "vocab_size": 13}}, tmp_path / "base.pt")

@@ -15,7 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import data  # noqa: E402
-import hf_data  # noqa: E402
+from harness import hf_data  # noqa: E402
 import train  # noqa: E402
 from common import UsageError  # noqa: E402
 

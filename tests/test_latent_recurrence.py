@@ -11,8 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import checks
-import checkpoint
-import config
+from harness import checkpoint
+from harness import config
 import flops
 import latent_recurrence as lr
 import models
@@ -252,7 +252,7 @@ def test_train_flags_reach_the_config():
 def test_bench_decode_rows_report_sequential_passes():
     """bench.py decode's rows for the section 9.4 models: one pass per token for lrt, n + 1 for
     lrt-think and PonderLM-2, and a positive median ms/token (the speed itself is benchmark output)."""
-    import bench_decode
+    from tools import bench_decode
     rows = [bench_decode.decode_row(m, "tiny", 2, 0, 4, 2, 1, vocab_size=61) for m in ("lrt", "lrt-think", "ponder")]
     assert [r["passes"] for r in rows] == [1, 2, 2]
     assert all(r["ms_per_token"] > 0 for r in rows)

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import latent_bases
-import latent_experiments
+from harness import latent_bases
+from studies import latent_experiments
 import latent_tokens as lt
 import models
-import tasks
+from harness import tasks
 from common import ModelConfig, UsageError
 
 B, C = 0, 9  # beginning token and marker (',') in the hand-built examples
@@ -330,7 +330,7 @@ def test_train_latents_is_adamw_on_z_by_hand():
 
 def run_cli(argv, capsys):
     with pytest.raises(SystemExit) as e:
-        lt.main(argv)
+        latent_experiments.main(argv)
     err = capsys.readouterr().err.strip()
     return e.value.code, err
 
@@ -354,7 +354,7 @@ def test_cli_errors(tmp_path, capsys):
 
 def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "base"
-    lt.main(["pretrain", "--out_dir", str(out), "--d", "32", "--depth", "1", "--steps", "3", "--eval_interval", "3",
+    latent_experiments.main(["pretrain", "--out_dir", str(out), "--d", "32", "--depth", "1", "--steps", "3", "--eval_interval", "3",
              "--n_samples", "30", "--n_dev", "6", "--n_test", "4"])
     ck = torch.load(out / "ckpt_best.pt", map_location="cpu", weights_only=True)
     assert set(ck) == {"model", "config", "data", "iter", "best_dev", "dev_nll"}
@@ -365,7 +365,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["ckpt_best.pt", "meta.json", "train.txt"]  # no temporary file left
     capsys.readouterr()
     js = tmp_path / "r.jsonl"
-    lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "repetition", "--policy", "Start_1+Comma_1",
+    latent_experiments.main(["--base", str(out / "ckpt_best.pt"), "--task", "repetition", "--policy", "Start_1+Comma_1",
              "--groups", "rule", "--n_train", "8", "--epochs", "1", "--n_test", "4", "--json", str(js),
              "--save", str(tmp_path / "z.pt")])
     text = capsys.readouterr().out
@@ -373,23 +373,23 @@ def test_cli_end_to_end(tmp_path, capsys):
     rec = json.loads(open(js).read())
     assert rec["latent_vectors"] == 2 and set(rec["metrics"]) == {"1-5", "6-7", "8-10"}
     assert torch.load(tmp_path / "z.pt", weights_only=True)["Z"].shape == (2, 1, 32)
-    lt.main(["pretrain", "--out_dir", str(tmp_path / "cbase"), "--vocab", "char", "--d", "32", "--depth", "1",
+    latent_experiments.main(["pretrain", "--out_dir", str(tmp_path / "cbase"), "--vocab", "char", "--d", "32", "--depth", "1",
              "--steps", "1", "--eval_interval", "1", "--n_samples", "6", "--n_dev", "3", "--n_test", "2"])
     base, tok = latent_bases.load_base(str(tmp_path / "cbase" / "ckpt_best.pt"))
     assert tok.kind == "char" and tok.itos == list(tasks.TASK_ALPHABET)
-    lt.main(["--base", str(out / "ckpt_best.pt"), "--task", "generation", "--policy", "none", "--n_test", "2",
+    latent_experiments.main(["--base", str(out / "ckpt_best.pt"), "--task", "generation", "--policy", "none", "--n_test", "2",
              "--eval_mode", "generate"])
     assert "equations" in capsys.readouterr().out
-    lt.main(["sweep", "--base", str(out / "ckpt_best.pt"), "--out_dir", str(tmp_path / "res"), "--tasks", "summation",
+    latent_experiments.main(["sweep", "--base", str(out / "ckpt_best.pt"), "--out_dir", str(tmp_path / "res"), "--tasks", "summation",
              "--seeds", "0", "1", "--n_train", "4", "--epochs", "1", "--n_test", "2"])
     table = open(tmp_path / "res" / "README_table.md").read()
     assert "frozen base alone" in table and "Comma_2** (paper's method)" in table and "(matched tokens)" in table
     runs = json.load(open(tmp_path / "res" / "results_summation.json"))
     assert len(runs) == 1 + 5 * 2
-    assert "python latent_tokens.py pretrain --out_dir" in table and "python latent_tokens.py sweep" in table
+    assert "python -m studies.latent_experiments pretrain --out_dir" in table and "python -m studies.latent_experiments sweep" in table
 
 
-@pytest.mark.parametrize("make", [lt.run_parser, latent_experiments.pretrain_parser,
+@pytest.mark.parametrize("make", [latent_experiments.run_parser, latent_experiments.pretrain_parser,
                                   latent_experiments.sweep_parser])
 def test_help_shows_every_default(make):
     p = make()
@@ -414,7 +414,7 @@ def test_committed_table_regenerates_from_its_runs():
 def test_load_base_reads_a_local_hugging_face_folder(tmp_path):
     """load_base('hf:DIR') loads a saved model and tokenizer offline; a folder without a model is a
     one-line UsageError naming --base."""
-    import latent_bases
+    from harness import latent_bases
     model = _tiny_hf("llama")
     tokenizers = pytest.importorskip("tokenizers", exc_type=ImportError)
     import transformers

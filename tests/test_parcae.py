@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import flops
-import flops_fit
+from tools import flops_fit
 import models
 import parcae
 from common import ModelConfig, rope_cos_sin
@@ -352,7 +352,7 @@ def test_fit_cli_reads_train_logs(tmp_path, capsys):
     r = flops_fit.read_run(str(tmp_path / "run1"))
     assert r["D"] == 200 * 4 * 2 * 32 and r["N"] == flops.unrolled_params(cfg) and r["mu_rec"] == 8
     out = tmp_path / "fits.json"
-    assert flops.main(["fit", str(tmp_path / "run0"), str(tmp_path / "run1"), "--law", "depth",
+    assert flops_fit.main([str(tmp_path / "run0"), str(tmp_path / "run1"), "--law", "depth",
                        "--restarts", "4", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert len(rows) == 2
@@ -360,7 +360,7 @@ def test_fit_cli_reads_train_logs(tmp_path, capsys):
         _rel_ok(row["params"], true)
     assert "depth" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        flops.main(["fit", str(tmp_path / "missing")])
+        flops_fit.main([str(tmp_path / "missing")])
     assert e.value.code == 2
 
 

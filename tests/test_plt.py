@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-import checkpoint
-import config
+from harness import checkpoint
+from harness import config
 import flops
 import models
 import plt
@@ -306,7 +306,7 @@ def test_sequential_passes():
 def test_loopstack_depth_sweep_and_other_loop_counts_refused():
     """--eval_depths: loopstack's loop count can change at evaluation (one R: N = 1 is R once);
     train.py refuses it for plt and loopfold, whose loop count is fixed at training."""
-    import evaluation
+    from harness import evaluation
     m = build(cfg("loopstack"))
     idx = tokens()
     with torch.no_grad():
@@ -371,7 +371,7 @@ def test_bench_decode_rows(tmp_path):
     """bench.py decode (not a timed test): one row per model with its sequential passes per token
     (loopstack N, PLT 1, LoopFold S) and N rows; the table and JSON are written."""
     import json
-    import bench
+    from tools import bench
     out = tmp_path / "d.json"
     assert bench.main(["decode", "--size", "tiny", "--depth", "5", "--width", "64", "--prompt", "4", "--tokens", "2",
                        "--warmup", "0", "--vocab_size", "64", "--json", str(out)]) == 0

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import checks
-import checkpoint
-import config
+from harness import checkpoint
+from harness import config
 import flops
 import models
 import ponder

@@ -10,14 +10,14 @@ import os
 import pytest
 import torch
 
-import bench_decode
+from tools import bench_decode
 import checks
 import flops
 import models
 import reflux as rf
-import reflux_cli
+from studies import reflux_cli
 from common import ModelConfig, UsageError
-from evaluation import evaluate
+from harness.evaluation import evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 MDM_SIZE = (60, 10)  # the module's mini DeepMind Mathematics (tests/conftest.py)
@@ -366,7 +366,7 @@ def test_bench_reflux_rows():
 def ckpt(data_root, mdm, tmp_path_factory):
     """A train.py-format checkpoint of a random tiny untied Transformer++ on the mini dmmath data."""
     import data as data_mod
-    from datacheck import data_signature
+    from harness.datacheck import data_signature
     folder = data_mod.prepare("dmmath", str(mdm), str(data_root))
     d = data_mod.Data(folder)
     torch.manual_seed(0)
@@ -406,7 +406,7 @@ def test_cli_router_and_sweep(ckpt, tmp_path, capsys):
              "--max_iters", "2", "--router_rank", "8", "--eval_windows", "2", "--json", str(out)])
     res = json.loads(out.read_text())
     assert len(res["grid"]) == 3 * 2 * 2 and set(res["best_single_edge"]) == set(rf.SCHEDULES)
-    assert set(res["router"]["per_schedule"]) == set(rf.SCHEDULES) and res["command"].startswith("python reflux.py sweep")
+    assert set(res["router"]["per_schedule"]) == set(rf.SCHEDULES) and res["command"].startswith("python -m studies.reflux_cli sweep")
     # the grid's batched evaluation equals one nll() per setting
     base, data, _ = reflux_cli.load(path)
     row = next(r for r in res["grid"] if r["schedule"] == "stream" and r["edge"] == "3:0" and r["alpha"] == 0.3)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import sweep
-import sweep_report
+from tools import sweep
+from tools import sweep_report
 from common import UsageError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -141,7 +141,7 @@ def test_collect_and_plot(tmp_path):
 
 def test_plot_without_matplotlib_is_a_one_line_error(tmp_path):
     fake_grid(str(tmp_path), TEST, seeds=(1,))
-    code = ("import sys; sys.modules['matplotlib'] = None; import sweep; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from tools import sweep; "
             f"sweep.main(['plot', '--root', {str(tmp_path)!r}, '--out', {str(tmp_path / 'p')!r}])")
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == \
@@ -205,7 +205,7 @@ def test_flags_for_sends_data_dir_to_dmmath_only():
     (["collect", "--root", "R", "--to", "S"], "error: --root R: no finished runs"),
 ])
 def test_bad_flags_are_one_line_errors_before_any_run(tmp_path, monkeypatch, capsys, argv, message):
-    """In process (sweep.main raises the UsageError that `python sweep.py` prints as one line with
+    """In process (sweep.main raises the UsageError that `python -m tools.sweep` prints as one line with
     exit code 2, tested once in a real process below)."""
     monkeypatch.chdir(tmp_path)
     argv = [str(tmp_path / a) if a in ("R", "S") else a for a in argv]
@@ -218,8 +218,8 @@ def test_bad_flags_are_one_line_errors_before_any_run(tmp_path, monkeypatch, cap
 
 
 def test_bad_flag_in_a_real_process_exits_2(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(HERE, "sweep.py"), "run", "--root", str(tmp_path / "R"),
-                        "--seeds", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "tools.sweep", "run", "--root", str(tmp_path / "R"), "--seeds", "0"],
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE}, capture_output=True, text=True, timeout=120)
     assert (p.returncode, p.stderr, p.stdout) == (2, "error: --seeds 0: must be >= 1\n", "")
     assert os.listdir(tmp_path) == []
 

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-import tasks
+from harness import tasks
 from common import UsageError
 
 TOK = tasks.task_tokenizer()

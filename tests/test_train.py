@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from harness import checkpoint
 import data as data_mod
 import train
 from common import ModelConfig

@@ -247,8 +247,8 @@ def test_width_flag_sets_the_block_shape_without_solving():
     """--width F skips the solver (equal block shape): untied, d = 64, K = 2, F = 952 gives the
     literal count 33,088 + 384 * 952 = 398,656 of the docstring above; a width that is not a
     multiple of the model's granularity (8; TANGO: its n_head) is a UsageError naming --width."""
-    import checkpoint
-    import config
+    from harness import checkpoint
+    from harness import config
     args = train.parse_args(["--model", "untied", "--depth", "2", "--size", "tiny", "--width", "952"])
     cfg, target = config.model_config(args, 61)
     assert (cfg.width, target) == (952, 400_000)
@@ -337,7 +337,7 @@ def test_restore_sets_every_rng_state():
 
     import numpy as np
 
-    import checkpoint
+    from harness import checkpoint
     from models import build_model
     model = build_model(ModelConfig(model="loop", vocab_size=61, block_size=16, n_embd=32, n_head=1, depth=1, width=8))
     opt = torch.optim.AdamW(model.parameters())

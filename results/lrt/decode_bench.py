@@ -4,8 +4,8 @@ python results/lrt/decode_bench.py  (bench_decode.decode_row; prints markdown ro
 import json, os, sys, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 torch.set_num_threads(1)
-import bench
-import bench_decode
+from tools import bench
+from tools import bench_decode
 rows = []
 for m, K, kw in [("untied", 4, {}), ("untied", 8, {}), ("ponder", 4, dict(n_thoughts=1)), ("lrt", 4, {}), ("lrt", 8, {}),
                  ("lrt-think", 4, {})]:

@@ -1,6 +1,6 @@
-"""Inference benchmarks, the two `bench.py` commands beside the training-step table: `python bench.py
+"""Inference benchmarks, the two `bench.py` commands beside the training-step table: `python -m tools.bench
 decode ...` (batch-1 greedy cached decoding: ms/token and sequential passes per token, decode_main)
-and the --reflux rows of `python bench.py` (ReFlux schedules of reflux.py against the base,
+and the --reflux rows of `python -m tools.bench` (ReFlux schedules of reflux.py against the base,
 reflux_rows). They time forward passes without gradients, so they share nothing with bench.py's
 subprocess-per-configuration training steps but its argument parser and load average; bench.py
 imports this module when one of them is asked for.
@@ -14,12 +14,12 @@ import torch
 
 import flops
 import models
-from bench import _Parser, loadavg
-from common import ModelConfig, UsageError, not_a_command
+from tools.cpu_memory import loadavg
+from common import ExitParser, ModelConfig, UsageError, not_a_command
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
-# python bench.py decode --models loopstack,plt,loopfold --size cpu --depth 4 [--width F]
+# python -m tools.bench decode --models loopstack,plt,loopfold --size cpu --depth 4 [--width F]
 # Greedy cached decoding at batch 1 (the latency the parallel-loop methods target): a random prompt
 # is prefilled, then --tokens tokens are decoded one at a time (LM.forward with the cache, argmax);
 # ms/token is the median over the decoded tokens after --warmup untimed ones. "passes" is the
@@ -77,9 +77,9 @@ def decode_table(rows):
 
 
 def decode_main(argv):
-    """python bench.py decode ...: one row per model (see the section comment); prints a markdown
+    """python -m tools.bench decode ...: one row per model (see the section comment); prints a markdown
     table and writes --json (default results/bench/decode_<device>.json) and its .md."""
-    p = _Parser(prog="bench.py decode", description="Batch-1 cached decoding latency and sequential passes per token.")
+    p = ExitParser(prog="bench.py decode", description="Batch-1 cached decoding latency and sequential passes per token.")
     p.add_argument("--models", default="loopstack,plt,loopfold", help="comma-separated registry names")
     p.add_argument("--size", default="cpu", help=f"tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="N loops (K applications for other models)")
@@ -116,7 +116,7 @@ def decode_main(argv):
         except UsageError as e:
             p.exit(2, f"bench.py decode: error: {e}\n")
         print(f"  {m:<15} {rows[-1]['ms_per_token']:.2f} ms/token, {rows[-1]['passes']} passes", flush=True)
-    command = "python bench.py decode " + " ".join(argv)
+    command = "python -m tools.bench decode " + " ".join(argv)
     md = (f"`{command}`\n\n{a.device}, {torch.get_num_threads()} threads, tier {a.size}, batch 1, prompt {a.prompt}, "
           f"{a.tokens} timed tokens after {a.warmup} untimed; load average {loadavg()}.\n\n" + decode_table(rows) + "\n")
     print("\n" + md)
@@ -183,4 +183,4 @@ def reflux_table(rows):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    not_a_command("bench_decode.py", "python bench.py decode or python bench.py --reflux (python bench.py decode --help)")
+    not_a_command("tools/bench_decode.py", "python -m tools.bench decode or python -m tools.bench --reflux (python -m tools.bench decode --help)")

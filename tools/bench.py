@@ -1,10 +1,10 @@
 """Training-step speed, peak memory and MFU of every model at matched parameters (issue 6).
 
-    python bench.py                                   # CPU: all models, T = 256..4096, eager
-    python bench.py --models tango,tango-3set,loop --block_sizes 512,2048
-    python bench.py --device cuda                     # 70M tier, T = 2048 and 8192, bf16, compiled and eager
-    python bench.py --quick --device cuda             # every model at T = 2048 compiled, four at T = 8192
-    python bench.py --quick --device cpu --size tiny  # the same plan scaled down (T = 32 / 128, eager; in the suite)
+    python -m tools.bench                                   # CPU: all models, T = 256..4096, eager
+    python -m tools.bench --models tango,tango-3set,loop --block_sizes 512,2048
+    python -m tools.bench --device cuda                     # 70M tier, T = 2048 and 8192, bf16, compiled and eager
+    python -m tools.bench --quick --device cuda             # every model at T = 2048 compiled, four at T = 8192
+    python -m tools.bench --quick --device cpu --size tiny  # the same plan scaled down (T = 32 / 128, eager; in the suite)
 
 Each (model, block size T, compile) configuration runs in a fresh subprocess (`--timeout` caps
 it; a timed-out or failed row says so and the model's larger T are skipped). Configurations run
@@ -66,13 +66,12 @@ tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the sa
 --reflux (on with --quick): inference ms/token of the ReFlux schedules of reflux.py (base, sync,
 stream2, stream) on a random untied Transformer++ at the smallest block size (bench_decode.reflux_rows):
 the full-sequence protocol and cached decoding, with flops.reflux_forward_macs's MACs ratio beside them.
-`python bench.py decode ...` (batch-1 cached decoding latency) is in bench_decode.py too.
+`python -m tools.bench decode ...` (batch-1 cached decoding latency) is in bench_decode.py too.
 
 Outputs: a markdown table (printed, and --md, default results/bench/bench_<device>.md) and JSON
 (--json, default results/bench/bench_<device>.json) with the settings, definitions, load
 average, rows and targets.
 """
-import argparse
 import itertools
 import json
 import math
@@ -87,10 +86,11 @@ import torch
 
 import flops
 import models
-from common import ModelConfig, UsageError, compile_regions
-from bench_report import REFERENCE, add_ratios, table, targets, targets_text
-from cpu_memory import max_rss_mb, return_freed_memory, settle_heap, step_memory
+from common import ExitParser, ModelConfig, UsageError, compile_regions
+from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
+from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
 
 MEMORY_DEF_CPU = ("peak RSS during one training step (forward, backward, clip, AdamW step) minus RSS just "
@@ -202,14 +202,6 @@ def timing(times, tokens, fl):
 
 
 # ============================================================================= parent
-def loadavg():
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except OSError:
-        return None
-
-
 def matmul_peak(device, dtype, n, reps):
     """Best FLOPs/s of reps n x n x n matmuls (2 n^3 FLOPs each) in dtype on device."""
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -230,12 +222,12 @@ def matmul_peak(device, dtype, n, reps):
 
 def run_config(spec, timeout):
     """Run one configuration in a fresh interpreter; returns its row (status 'ok', 'timeout' or 'error: ...')."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "tools.bench", "--_child", json.dumps(spec)]
     load0 = loadavg()
     t0 = time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
+                           cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {**spec, "status": "timeout", "wall_s": time.time() - t0, "load_before": load0, "load_after": loadavg()}
     row = {**spec, "wall_s": time.time() - t0, "load_before": load0, "load_after": loadavg()}
@@ -247,11 +239,6 @@ def run_config(spec, timeout):
         err = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
         row["status"] = "error: " + err[:300]
     return row
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"bench.py: error: {message}\n")
 
 
 QUICK_LONG = ("tango", "tango-windowed", "tango-3set", "loop")  # --quick: the models also run at the long T
@@ -309,7 +296,7 @@ def run_config_here(spec):
 
 
 def parse(argv):
-    p = _Parser(description="Training-step throughput, peak memory and MFU at matched parameters (issue 6).")
+    p = ExitParser(prog="bench.py", description="Training-step throughput, peak memory and MFU at matched parameters (issue 6).")
     p.add_argument("--models", default=",".join(models.REGISTRY), help="comma-separated registry names (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="every model at T = 2048 compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop "
@@ -407,7 +394,7 @@ def main(argv=None):
     if argv[:1] == ["--_child"]:
         print(json.dumps(child(json.loads(argv[1]))))
         return 0
-    from bench_decode import decode_main, reflux_rows, reflux_table  # the inference benchmarks
+    from tools.bench_decode import decode_main, reflux_rows, reflux_table  # the inference benchmarks
     if argv[:1] == ["decode"]:
         return decode_main(argv[1:])
     a = parse(argv)
@@ -443,7 +430,7 @@ def main(argv=None):
     tg = targets(rows)
     rf_rows = reflux_rows(a.size, a.depth, min(a.block_sizes), a.vocab_size) if a.reflux else None
     meta = {
-        "command": "python bench.py " + " ".join(argv), "device": a.device, "dtype": a.dtype, "threads": threads,
+        "command": "python -m tools.bench " + " ".join(argv), "device": a.device, "dtype": a.dtype, "threads": threads,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
         "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from config import Dist
+from harness.config import Dist
 
 
 @contextlib.contextmanager

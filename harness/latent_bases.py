@@ -16,9 +16,9 @@ import inspect
 
 import torch
 
-from checkpoint import load_checkpoint
+from harness.checkpoint import load_checkpoint
 from common import LM, ModelConfig, UsageError
-from tasks import CharTokenizer, Tokenizer
+from harness.tasks import CharTokenizer, Tokenizer
 
 
 class OwnBackend:

@@ -1,4 +1,4 @@
-"""The reports of `python sweep.py report` and `python sweep.py plot`: markdown tables from the
+"""The reports of `python -m tools.sweep report` and `python -m tools.sweep plot`: markdown tables from the
 summary.json files a grid left (report; the learning-rate table, lr_report), the TANGO paper's
 section 4.1 tables and claims recomputed on them (grid_report, --grid), the block of a markdown
 file they are written into in place (--into: report_markers, replace_between_markers) and the
@@ -14,7 +14,31 @@ import statistics
 import sys
 
 from common import UsageError, not_a_command
-from sweep import curves_of, log_records
+
+
+def log_records(run):
+    """The JSON records of <run>/log.jsonl (train.py's log), [] when there is none."""
+    if not os.path.exists(os.path.join(run, "log.jsonl")):
+        return []
+    with open(os.path.join(run, "log.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def curves_of(run):
+    """A run folder's curves: {"tokens_per_update", "eval": [[update, dev NLL], ...], "train":
+    [[update, loss], ...]}, from its curves.json (collected) or else from its log.jsonl (a resumed
+    run logs redone updates twice; the last record of an update wins)."""
+    if os.path.exists(os.path.join(run, "curves.json")):
+        with open(os.path.join(run, "curves.json")) as f:
+            return json.load(f)
+    recs = log_records(run)
+    start = [r for r in recs if r.get("event") == "start"]
+    a = start[-1]["args"] if start else {}
+    pairs = lambda event, key, nd: [list(p) for p in sorted(
+        {r["iter"]: round(r[key], nd) for r in recs if r.get("event") == event}.items())]
+    return {"tokens_per_update": a.get("batch_size", 0) * a.get("block_size", 0)
+            * a.get("gradient_accumulation_steps", 0),
+            "eval": pairs("eval", "dev_nll", 5), "train": pairs("train", "loss", 4)}
 
 
 def mean_std(xs):
@@ -31,8 +55,8 @@ SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params"
 
 def run_settings(run, summary):
     """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
-    from checkpoint import MACHINE_FLAGS
-    from config import unread_model_flags
+    from harness.checkpoint import MACHINE_FLAGS
+    from harness.config import unread_model_flags
     out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
     if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
         out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
@@ -398,4 +422,4 @@ def replace_between_markers(path, markers, text):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    not_a_command("sweep_report.py", "python sweep.py report or python sweep.py plot (python sweep.py report --help)")
+    not_a_command("tools/sweep_report.py", "python -m tools.sweep report or python -m tools.sweep plot (python -m tools.sweep report --help)")

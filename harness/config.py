@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as tdist
 
-from checkpoint import trim_log
+from harness.checkpoint import trim_log
 from common import ModelConfig, UsageError
 from models import REGISTRY, TIERS, build_model, solve_width, width_multiple
 

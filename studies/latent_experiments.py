@@ -4,16 +4,19 @@ and evaluates them; `pretrain` trains a tiny base on the tasks' in-distribution 
 uses Llama-3.2-1B); `sweep` runs every task x method x seed and writes the results table. They are
 the bodies of latent_tokens.py's commands:
 
-    python latent_tokens.py --base CKPT --task summation --policy Comma_2      # run
-    python latent_tokens.py pretrain --task all --out_dir out/latent_base      # tiny base, ~6 CPU min
-    python latent_tokens.py sweep --base out/latent_base/ckpt_best.pt --out_dir results/latent_tokens \\
+    python -m studies.latent_experiments --base CKPT --task summation --policy Comma_2      # run
+    python -m studies.latent_experiments pretrain --task all --out_dir out/latent_base      # tiny base, ~6 CPU min
+    python -m studies.latent_experiments sweep --base out/latent_base/ckpt_best.pt --out_dir results/latent_tokens \\
         --n_train 1024 --epochs 3 --n_test 256 --ablate_readout
 
 They train through latent_tokens.fit (the one training loop); pretrain writes its checkpoint
 with checkpoint.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
 """
+import argparse
 import json
+import math
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -22,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 import train
-from checkpoint import clean_state_dict, save_atomic
-from common import ModelConfig, UsageError, not_a_command
-from latent_bases import load_base
-from latent_tokens import (LatentLM, Policy, _base_flags, _parser, _train_flags, choose, cosine_lr,
-                           evaluate, fit, latent_params, parse, parse_policy, train_latents)
-from tasks import TASK_ALPHABET, TASKS, CharTokenizer, encode_sample, get_task, task_tokenizer
+from train import TrainingError
+from harness.checkpoint import clean_state_dict, save_atomic
+from common import ModelConfig, UsageError, UsageParser
+from harness.latent_bases import load_base
+from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
+                           latent_params, parse_policy, train_latents)
+from harness.tasks import TASK_ALPHABET, TASKS, CharTokenizer, encode_sample, get_task, task_tokenizer
 
 
 # =============================================================================== one run
@@ -299,7 +303,7 @@ def make_table(runs):
 # =============================================================================== command line
 
 def pretrain_parser():
-    p = _parser("latent_tokens.py pretrain", "a tiny base trained on the tasks' in-distribution data "
+    p = _parser("-m studies.latent_experiments pretrain", "a tiny base trained on the tasks' in-distribution data "
                                              "(writes train.txt, meta.json, ckpt_best.pt)")
     a = p.add_argument
     a("--task", default="all", help="all or a comma list of " + ", ".join(TASKS))
@@ -324,7 +328,7 @@ def pretrain_parser():
 
 
 def sweep_parser():
-    p = _parser("latent_tokens.py sweep", "the results table: every task x method x seed")
+    p = _parser("-m studies.latent_experiments sweep", "the results table: every task x method x seed")
     a = p.add_argument
     _base_flags(a)
     a("--out_dir", default="results/latent_tokens", help="results_TASK.json and README_table.md go here")
@@ -337,14 +341,109 @@ def sweep_parser():
     return p
 
 
-def main(argv):
-    """`pretrain ...` or `sweep ...` (argv[0]); called by latent_tokens.main, which reports errors."""
-    if argv[0] == "pretrain":
-        pretrain(parse(pretrain_parser(), argv, "pretrain"))
-    else:
-        args = parse(sweep_parser(), argv, "sweep")
-        sweep(args, *load_base(args.base))
+# =============================================================================== command line
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help; a help text that says its default itself keeps its words."""
+
+    def _get_help_string(self, action):
+        if action.required or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
-if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    not_a_command("latent_experiments.py", "python latent_tokens.py [pretrain|sweep] (python latent_tokens.py --help)")
+def _parser(prog, description):
+    return UsageParser(prog=prog, description=description, formatter_class=_Help)
+
+
+def _base_flags(a):
+    a("--base", required=True, help="a train.py-format checkpoint (ckpt_best.pt) or hf:FOLDER (a local Hugging Face model)")
+    a("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared CPU)")
+
+
+def _train_flags(a):
+    a("--n_train", type=int, default=4096, help="training samples (paper 4096)")
+    a("--epochs", type=int, default=10, help="epochs (paper 10)")
+    a("--batch_size", type=int, default=16, help="batch size (paper 16)")
+    a("--lr", type=float, default=5e-2, help="peak learning rate (paper 5e-2)")
+    a("--min_lr", type=float, default=5e-5, help="final learning rate of the cosine (paper 5e-5)")
+    a("--warmup", type=float, default=0.01, help="warmup fraction (paper 1 %%)")
+    a("--weight_decay", type=float, default=1e-4, help="AdamW weight decay (paper 1e-4)")
+    a("--grad_clip", type=float, default=1.0, help="gradient clipping (0 = off)")
+    a("--n_test", type=int, default=1024, help="test samples per level (paper 1024)")
+    a("--position_mode", default="prepend", help=f"one of {', '.join(POSITION_MODES)}")
+    a("--init", default="embedding", help="Z init: embedding (sampled rows of E) or normal (N(0, 0.02))")
+    a("--readout", default="latent", help="latent (the last latent predicts) or verbal (paper-literal ablation)")
+
+
+def parse(p, argv, cmd):
+    """Parsed and checked arguments of one command; args.command is the command line as typed."""
+    args = p.parse_args(argv[1:] if cmd != "run" else argv)
+    args.cmd, args.command = cmd, "python -m studies.latent_experiments " + " ".join(argv)
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def run_parser():
+    p = _parser("-m studies.latent_experiments", "Train latent tokens on a frozen base and evaluate them on a task")
+    p.epilog = "subcommands: 'pretrain' (a tiny base for the tasks), 'sweep' (the results table); each has --help"
+    a = p.add_argument
+    _base_flags(a)
+    a("--task", required=True, help=", ".join(TASKS))
+    a("--policy", default="Comma_2", help="Start_m, End_m, Comma_m, k_m, A+B, or none (the base alone)")
+    a("--groups", default="shared", help=f"{', '.join(GROUPINGS)} (function specialization)")
+    a("--marker", default=",", help="Comma_m marker token")
+    a("--eval_mode", default="tf", help="tf (teacher-forced greedy, exact and fast) or generate (cached decoding)")
+    a("--seed", type=int, default=0, help="torch and numpy seed")
+    a("--save", default=None, help="write the trained latents (Z, policy) here (default: not saved)")
+    a("--json", default=None, help="append the result as one JSON line here (default: not written)")
+    _train_flags(a)
+    return p
+
+
+def check_args(args):
+    for flag in ("n_train", "epochs", "batch_size", "n_test", "threads", "steps", "n_samples", "n_dev",
+                 "eval_interval", "depth"):
+        if getattr(args, flag, 1) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if not 0 < args.lr < math.inf:
+        raise UsageError(f"--lr {args.lr}: must be a finite number > 0")
+    for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
+        if not 0 <= getattr(args, flag, 0.0) < math.inf:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: must be a finite number >= 0"
+                             + (" (0 = off)" if flag == "grad_clip" else ""))
+    if not 0 <= getattr(args, "warmup", 0.0) < 1:
+        raise UsageError(f"--warmup {args.warmup}: a fraction of the updates, in [0, 1)")
+    choose("readout", getattr(args, "readout", "latent"), READOUTS)
+    choose("position_mode", getattr(args, "position_mode", "prepend"), POSITION_MODES)
+    if args.cmd == "run":
+        get_task(args.task)
+        parse_policy(args.policy)
+        choose("groups", args.groups, GROUPINGS)
+        choose("eval_mode", args.eval_mode, ("tf", "generate"))
+    for t in getattr(args, "tasks", getattr(args, "task", "all")).split(","):
+        if t != "all":
+            get_task(t)
+    for p in getattr(args, "extra", []):
+        parse_policy(p)
+
+
+def main(argv=None):
+    """The command line: `pretrain ...`, `sweep ...` (argv[0]) or one run."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "pretrain":
+            pretrain(parse(pretrain_parser(), argv, "pretrain"))
+        elif argv and argv[0] == "sweep":
+            args = parse(sweep_parser(), argv, "sweep")
+            sweep(args, *load_base(args.base))
+        else:
+            run(parse(run_parser(), argv, "run"))
+    except (UsageError, TrainingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,8 @@
 """ReFlux experiments: load a frozen Transformer++ checkpoint, evaluate ReFlux against it, calibrate
-the router, and the command line of `python reflux.py` (one run) and `python reflux.py sweep` (edges
+the router, and the command line of `python -m studies.reflux_cli` (one run) and `python -m studies.reflux_cli sweep` (edges
 x α x β per schedule, then the router). The model (write operator, schedules, router, ReFluxBody)
 and its equations are in reflux.py; this module holds what drives it on real data, so that reflux.py
-reads as the method alone. reflux.py's `__main__` calls cli() here: the documented command lines
-are unchanged. Bad input raises UsageError (cli: one line "error: ..." on stderr, exit code 2).
+reads as the method alone. Bad input raises UsageError (cli: one line "error: ..." on stderr, exit code 2).
 """
 import argparse
 import contextlib
@@ -19,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import data as data_mod
-from checkpoint import load_checkpoint
-from common import ModelConfig, UsageError, not_a_command
-from datacheck import check_data, data_signature
-from evaluation import eval_mode, evaluate
+from harness.checkpoint import load_checkpoint
+from common import ModelConfig, UsageError
+from harness.datacheck import check_data, data_signature
+from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
 
 # =============================================================================== loading, evaluation, router training
@@ -159,7 +158,7 @@ def _common(p):
 
 def parse(argv):
     sweep = argv[:1] == ["sweep"]
-    p = _Parser(prog="reflux.py" + (" sweep" if sweep else ""),
+    p = _Parser(prog="-m studies.reflux_cli" + (" sweep" if sweep else ""),
                 description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.")
     _common(p)
     if sweep:
@@ -353,7 +352,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse(argv)
     res = run_sweep(a) if a.sweep else run_one(a)
-    res["command"] = "python reflux.py " + " ".join(argv)
+    res["command"] = "python -m studies.reflux_cli " + " ".join(argv)
     if a.json:
         if os.path.dirname(a.json):
             os.makedirs(os.path.dirname(a.json), exist_ok=True)
@@ -374,5 +373,5 @@ def cli(argv=None):
         sys.exit(2)
 
 
-if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    not_a_command("reflux_cli.py", "python reflux.py [sweep] (python reflux.py --help)")
+if __name__ == "__main__":
+    cli()

@@ -14,8 +14,7 @@ import re
 import shutil
 import threading
 
-import data
-import text_data
+from harness import text_data, token_files
 from common import UsageError
 
 HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # they read --hf_data_files
@@ -120,7 +119,7 @@ def _check_hub(dataset, name):
     if constants.HF_HUB_OFFLINE:
         return
     box = []
-    thread = threading.Thread(target=lambda: box.append(data._try(HfApi().dataset_info, name)), daemon=True)
+    thread = threading.Thread(target=lambda: box.append(token_files._try(HfApi().dataset_info, name)), daemon=True)
     thread.start()
     thread.join(HUB_TIMEOUT)
     offline = ("without network use a local copy: hf:FOLDER (saved with save_to_disk) or "

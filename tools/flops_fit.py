@@ -1,17 +1,17 @@
 """Scaling-law fits of "Parcae: Scaling Laws For Stable Looped Language Models" (arXiv 2604.12946,
 §5.2 training law, §5.3 test-time depth law and unified law) to train.py runs: fit_depth_law,
 fit_training_law, fit_unified_law (Huber loss on log NLL, L-BFGS from many initializations),
-read_run (N, D and dev NLL of one run's log.jsonl), fit_runs, and `python flops.py fit RUN ...`
-(fit_main). flops.py keeps the analytical MAC and FLOP formulas the fits take N and D from
-(unrolled_params); these fits are numerical optimization, so they live here, and flops.main
-imports fit_main for the `fit` command. Bad input raises UsageError (the CLI: one line, exit 2).
+read_run (N, D and dev NLL of one run's log.jsonl), fit_runs, and the command line
+`python -m tools.flops_fit RUN ...` (main). flops.py keeps the analytical MAC and FLOP formulas the
+fits take N and D from (unrolled_params). Bad input raises UsageError (the CLI: one line, exit 2).
 """
 import math
+import sys
 
 import torch
 
-from common import ModelConfig, UsageError, not_a_command
-from flops import RECURRENT_MODELS, _Parser, unrolled_params
+from common import ExitParser, ModelConfig, UsageError
+from flops import RECURRENT_MODELS, unrolled_params
 
 
 # ----------------------------------------------------------------------------- scaling-law fits
@@ -246,10 +246,10 @@ def fit_runs(runs, law="all", restarts=32):
     return out
 
 
-def fit_main(argv):
-    """python flops.py fit RUN [RUN ...] [--law all|depth|training|unified] [--restarts R] [--out F]"""
+def main(argv=None):
+    """python -m tools.flops_fit RUN [RUN ...] [--law all|depth|training|unified] [--restarts R] [--out F]"""
     import json
-    p = _Parser(prog="flops.py fit", description="Fit Parcae's scaling laws to train.py run logs.")
+    p = ExitParser(prog="tools.flops_fit", description="Fit Parcae's scaling laws to train.py run logs.")
     p.add_argument("runs", nargs="+", help="run directories (or their log.jsonl)")
     p.add_argument("--law", default="all", choices=("all", "depth", "training", "unified"))
     p.add_argument("--restarts", type=int, default=64, help="L-BFGS restarts (best grid points)")
@@ -260,7 +260,7 @@ def fit_main(argv):
     try:
         rows = fit_runs([read_run(r) for r in a.runs], a.law, a.restarts)
     except UsageError as e:
-        p.exit(2, f"flops.py fit: error: {e}\n")
+        p.exit(2, f"tools.flops_fit: error: {e}\n")
     for row in rows:
         if "params" in row:
             vals = "  ".join(f"{k}={v:.4g}" for k, v in row["params"].items())
@@ -273,5 +273,5 @@ def fit_main(argv):
     return 0
 
 
-if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    not_a_command("flops_fit.py", "python flops.py fit RUN ... (python flops.py fit --help)")
+if __name__ == "__main__":
+    sys.exit(main())

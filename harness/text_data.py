@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from common import UsageError, not_a_command
-from data import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of
+from harness.token_files import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of
 
 
 def _read_text(path):
@@ -165,4 +165,4 @@ def _char_vocab(tmp, n_tok, chunk=1 << 24):
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
-    not_a_command("text_data.py", "python data.py --dataset PATH (python data.py --help)")
+    not_a_command("harness/text_data.py", "python data.py --dataset PATH (python data.py --help)")

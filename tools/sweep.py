@@ -1,11 +1,11 @@
 """Run a grid of train.py runs and report them as markdown tables and loss-curve plots.
 
-    python sweep.py run --root runs/readme --models tango,loop --depths 4 --seeds 1 --datasets stdlib
-    python sweep.py report --root runs/readme [--out table.md]
-    python sweep.py collect --root runs/grid --to results/grid      # small JSON copies to commit
-    python sweep.py report --grid --root results/grid               # the paper-style tables
-    python sweep.py report --grid --root results/chargrid --into results/README.md   # ... written in place
-    python sweep.py plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
+    python -m tools.sweep run --root runs/readme --models tango,loop --depths 4 --seeds 1 --datasets stdlib
+    python -m tools.sweep report --root runs/readme [--out table.md]
+    python -m tools.sweep collect --root runs/grid --to results/grid      # small JSON copies to commit
+    python -m tools.sweep report --grid --root results/grid               # the paper-style tables
+    python -m tools.sweep report --grid --root results/chargrid --into results/README.md   # ... written in place
+    python -m tools.sweep plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
 
 `run` trains every (dataset, model, depth, seed) as its own train.py process in
 `<root>/<dataset>/<model>-K<depth>-s<seed>/` with the paper's protocol (matched non-embedding
@@ -38,8 +38,9 @@ import threading
 import time
 
 from common import UsageError, UsageParser
+from tools.sweep_report import curves_of, log_records
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
 _print_lock = threading.Lock()
 
 
@@ -77,7 +78,7 @@ def cmd_run(args, extra):
         if os.path.exists(os.path.join(out, "summary.json")):
             say(f"[{i}/{len(grid)}] {out}: done, skipped", log)
             return 0
-        cmd = [sys.executable, os.path.join(HERE, "train.py"), *train_argv(args.root, ds, m, k, s, lr, extra)]
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *train_argv(args.root, ds, m, k, s, lr, extra)]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
         say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), log)
@@ -123,8 +124,8 @@ def check_existing_run(out, argv):
     train.py's own defaults are filled in (machine flags such as --out_dir or --device aside):
     skipping or resuming it would mix settings in one grid cell."""
     import train
-    from checkpoint import MACHINE_FLAGS
-    from config import unread_model_flags
+    from harness.checkpoint import MACHINE_FLAGS
+    from harness.config import unread_model_flags
     start = [r for r in log_records(out) if r.get("event") == "start"]
     if not start:
         return
@@ -142,7 +143,7 @@ def flags_for(dataset, extra, model=None):
     and a model's own flag (config.MODEL_FLAGS: --window, --n_core, --plt_window, ...) unless model
     reads it, so one sweep can compare models with a setting only some of them have."""
     import train
-    from config import unread_model_flags
+    from harness.config import unread_model_flags
     actions = train.build_parser()._option_string_actions
     unread = unread_model_flags(model) if model is not None else set()
     out, i = [], 0
@@ -165,35 +166,10 @@ def prepare_data(datasets, extra):
         data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root, **data.flag_options(a))
 
 
-def log_records(run):
-    """The JSON records of <run>/log.jsonl (train.py's log), [] when there is none."""
-    if not os.path.exists(os.path.join(run, "log.jsonl")):
-        return []
-    with open(os.path.join(run, "log.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def train_flags(extra):
     """The train.py flags in extra, with train.py's own defaults (its parser, so the two agree)."""
     import train
     return train.build_parser().parse_known_args(extra)[0]
-
-
-def curves_of(run):
-    """A run folder's curves: {"tokens_per_update", "eval": [[update, dev NLL], ...], "train":
-    [[update, loss], ...]}, from its curves.json (collected) or else from its log.jsonl (a resumed
-    run logs redone updates twice; the last record of an update wins)."""
-    if os.path.exists(os.path.join(run, "curves.json")):
-        with open(os.path.join(run, "curves.json")) as f:
-            return json.load(f)
-    recs = log_records(run)
-    start = [r for r in recs if r.get("event") == "start"]
-    a = start[-1]["args"] if start else {}
-    pairs = lambda event, key, nd: [list(p) for p in sorted(
-        {r["iter"]: round(r[key], nd) for r in recs if r.get("event") == event}.items())]
-    return {"tokens_per_update": a.get("batch_size", 0) * a.get("block_size", 0)
-            * a.get("gradient_accumulation_steps", 0),
-            "eval": pairs("eval", "dev_nll", 5), "train": pairs("train", "loss", 4)}
 
 
 def cmd_collect(root, to):
@@ -236,7 +212,7 @@ def check_run_flags(args, extra):
                          "--seeds/--datasets/--lrs/--root instead")
     if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in filter(None, args.lrs.split(","))):
         raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
-    from config import MODEL_FLAGS  # a model flag goes only to the models that read it (flags_for): one of them must
+    from harness.config import MODEL_FLAGS  # a model flag goes only to the models that read it (flags_for): one of them must
     for flag in sorted(train.given_flags(extra) & set(MODEL_FLAGS)):
         if not set(args.models.split(",")) & set(MODEL_FLAGS[flag]):
             raise UsageError(f"-- --{flag}: no model of --models {args.models} reads it "
@@ -251,7 +227,7 @@ def main(argv=None):
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = UsageParser(prog="sweep.py", description=__doc__.split("\n")[0])
+    p = UsageParser(prog="-m tools.sweep", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,collect,plot,report}")
     r = sub.add_parser("run", help="train the grid (flags after -- go to every train.py run)",
                        usage="sweep.py run --root ROOT [options] [-- TRAIN.PY FLAGS]")
@@ -287,7 +263,7 @@ def main(argv=None):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
-    from sweep_report import grid_report, lr_report, plot, replace_between_markers, report, report_markers
+    from tools.sweep_report import grid_report, lr_report, plot, replace_between_markers, report, report_markers
     if args.cmd == "plot":
         plot(args.root, args.out)
         return 0

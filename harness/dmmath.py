@@ -11,11 +11,11 @@ import os
 
 import numpy as np
 
-import data
+from harness import token_files
 from common import UsageError
 
 REQUIRED = ("train-easy", "train-medium", "train-hard", "interpolate", "extrapolate")
-DEFAULT = os.path.join(data.HERE, "..", "shared", "data", "dmmath")
+DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "dmmath")
 
 
 def source(data_dir=None):
@@ -26,7 +26,7 @@ def source(data_dir=None):
     if missing:
         raise UsageError(f"--data_dir {root}: not a DeepMind Mathematics folder; needs "
                          f"{', '.join(REQUIRED)} (+ optional dev), missing {', '.join(missing)}")
-    rels = data._walk(root, keep=lambda r: r.endswith(".txt") and r.split(os.sep)[0] in REQUIRED + ("dev",))
+    rels = token_files._walk(root, keep=lambda r: r.endswith(".txt") and r.split(os.sep)[0] in REQUIRED + ("dev",))
     default = os.path.samefile(root, DEFAULT) if os.path.isdir(DEFAULT) else False
     return root, rels, "dmmath" if default else "dmmath-" + hashlib.sha256(root.encode()).hexdigest()[:8]
 
@@ -52,7 +52,7 @@ def build(tmp, root):
     if os.path.isdir(os.path.join(root, "dev")):
         dev, dev_rule = folder("dev"), "dev/ folder"
     else:
-        held = [data.split_of(q + "\n" + a, dev=98, test=100) == "dev" for q, a in train]
+        held = [token_files.split_of(q + "\n" + a, dev=98, test=100) == "dev" for q, a in train]
         dev = [p for p, h in zip(train, held) if h]
         train = [p for p, h in zip(train, held) if not h]
         dev_rule = "~2% of train-* problems held out (sha256 of the problem text % 100 >= 98)"
@@ -82,7 +82,7 @@ def build(tmp, root):
         edges = np.zeros(len(ids) + 1, dtype=np.int64)  # mask = answer chars + their "\n"
         np.add.at(edges, offsets[:, 1], 1)
         np.add.at(edges, offsets[:, 2] + 1, -1)
-        meta["dtype"] = data.write_bin(os.path.join(tmp, f"{s}.bin"), ids, len(itos))
+        meta["dtype"] = token_files.write_bin(os.path.join(tmp, f"{s}.bin"), ids, len(itos))
         np.cumsum(edges[:-1]).astype(np.uint8).tofile(os.path.join(tmp, f"{s}.mask.bin"))
         np.save(os.path.join(tmp, f"{s}.problems.npy"), offsets)
         meta["splits"][s], meta["n_problems"][s] = int(len(ids)), len(probs)

@@ -118,3 +118,12 @@ def settle_heap(step, calm=2, max_steps=10, pages=256, faults=minor_faults):
 def max_rss_mb():
     """The process's maximum RSS so far in MB (ru_maxrss)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def loadavg():
+    """The host's 1-minute load average (/proc/loadavg), None where there is none."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return None

@@ -21,7 +21,7 @@ import random
 import torch
 
 from common import UsageError
-from datacheck import data_signature
+from harness.datacheck import data_signature
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
 LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
