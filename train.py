@@ -5,6 +5,7 @@
     python train.py --model tango --size 70M --block_size 2048   # one GPU: bf16 + torch.compile
     torchrun --standalone --nproc_per_node 8 train.py --model tango --size 70M   # 8 GPUs, DDP
     python train.py --model tango --depth 8 --resume             # continue out/ exactly
+    python train.py --eval_only --out_dir out                    # dev/test NLL of out/ckpt_best.pt, no training
 
 The protocol (MATH.md, "Training protocol"): AdamW, linear warmup then cosine decay, weight decay
 on the weight matrices and the embedding only, gradient clipping once per update, micro-batches
@@ -47,8 +48,9 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 import data as data_mod
-from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
-                        resume_args, save_checkpoints, strip_prefixes)
+from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, check_unfinished, eval_only_args,
+                        load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
+                        strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions
 from harness.config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
                     resolve_args, tier_default)
@@ -151,6 +153,8 @@ def build_parser(suppress_defaults=False):
     a = group("system")
     a("--out_dir", default="out", help="folder of log.jsonl, summary.json and the checkpoints")
     a("--resume", action="store_true", help="continue from <out_dir>/ckpt_latest.pt (default: a fresh run)")
+    a("--eval_only", action="store_true", help="no training: evaluate <out_dir>/ckpt_best.pt on dev and test as the "
+      "end of training does (the run's flags from the checkpoint) and print the report; writes nothing to --out_dir")
     a("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N "
       "(under torchrun: cuda:LOCAL_RANK)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -480,11 +484,54 @@ def finish(r, rates, t_start):
     return summary
 
 
+def eval_only(args, given):
+    """--eval_only: the end of training's evaluation of <out_dir>/ckpt_best.pt without training: dev
+    and test NLL (nats/token) by evaluate on the same windows, exact match and --eval_depths as in
+    finish, the run's flags from the checkpoint (explicit ones override, as under --resume). Prints
+    the report (dev NLL recomputed, not read from the checkpoint); writes nothing to --out_dir.
+    Returns the summary (rank 0; None on other ranks); UsageError on bad input."""
+    t_start, dist = time.time(), Dist.from_env()
+    if args.resume:
+        raise UsageError("--eval_only: evaluates the run's best checkpoint without training; drop --resume")
+    best, changed = eval_only_args(args, given)
+    check_model_flags(args.model, given)
+    args = resolve_args(args, dist)
+    dist.start(args.device)
+    data = load_data(args, dist)
+    cfg, _ = model_config(args, data.vocab_size)
+    path = os.path.join(args.out_dir, BEST)
+    check_compatible(best, path, cfg, data)
+    model = build_model(cfg, device=args.device)
+    load_weights(best, path, model)
+    if args.compile:  # the training run's evaluations ran compiled
+        compile_regions(model)
+    ctx = autocast_ctx(args)
+    nll = lambda split: evaluate(model, data, split, data.eval_windows(split, args.block_size, args.eval_windows),
+                                 args.block_size, args.eval_batch_size, args.device, ctx, dist)
+    dev, test = nll("dev"), nll(data.test_split)
+    curve = depth_sweep(model, args.depth_list, lambda: nll("dev")) if args.depth_list else None
+    if not dist.main:
+        return None
+    print(f"evaluating {path} (update {best['iter']}; --eval_only: no training, nothing written)"
+          + "".join(f"; --{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    summary = {"non_embedding_params": model.num_params(), "unigram_dev": data_mod.unigram_entropy(data, "dev"),
+               "best_iter": best["iter"], "dev_nll": dev, "test_nll": test, "tok_per_s_median_last100": None,
+               "first_update_s": None}
+    if curve is not None:
+        summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
+    for split in data.meta.get("em_splits", []):
+        summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, args.device, ctx)
+    summary["wall_s"] = time.time() - t_start
+    print_report(summary, data, args)
+    return summary
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     code = 0
     try:
-        run(parse_args(argv), given_flags(argv))
+        args = parse_args(argv)
+        (eval_only if args.eval_only else run)(args, given_flags(argv))
     except (UsageError, TrainingError) as e:
         code = 2 if isinstance(e, UsageError) else 1
         if Dist.from_env_quiet().main:

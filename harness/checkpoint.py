@@ -11,7 +11,8 @@ sampler) and torch, the best dev NLL so far, seed and data_seed.
 --resume (resume_args, then check_resume and restore) continues ckpt_latest.pt exactly: flags not
 given are taken from the checkpoint; IDENTITY_FLAGS must agree with it; other flags given
 explicitly override it and the change is printed and logged. Every bad file or conflicting flag
-is a one-line UsageError before anything is written.
+is a one-line UsageError before anything is written. --eval_only (eval_only_args) takes the flags
+of ckpt_best.pt the same way.
 """
 import contextlib
 import json
@@ -35,7 +36,8 @@ IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_s
                   "da_stride", "da_recent", "n_thoughts", "jacobi", "width",
                   "plt_window", "plt_shift", "fold", "fold_rank", "fold_layout")
 IDENTITY_FLAGS += ("lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_init")  # LRT (latent_recurrence.py)
-MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "quiet", "device", "dtype", "compile")
+MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "eval_only", "quiet", "device", "dtype",
+                 "compile")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -177,30 +179,46 @@ def resume_args(args, given):
     UsageError for a bad file or a conflicting identity flag."""
     path = os.path.join(args.out_dir, LATEST)
     ckpt = load_checkpoint(path, keys=TRAINING_KEYS)
+    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path))
+
+
+def eval_only_args(args, given):
+    """--eval_only: load <out_dir>/ckpt_best.pt and fill args from the flags it was trained with, as
+    --resume does (explicit flags override, IDENTITY_FLAGS must agree). Returns (checkpoint, the
+    explicit overrides); UsageError for a bad file or a conflicting identity flag."""
+    path = os.path.join(args.out_dir, BEST)
+    ckpt = load_checkpoint(path, keys=("format", "model", "config", "data", "iter", "dev_nll", "args"),
+                           flag="--eval_only")
+    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path), path=path, action="evaluate it")
+
+
+def saved_args(ckpt, path):
+    """The flags a checkpoint was trained with, as a dict; UsageError for a malformed entry."""
     if not isinstance(ckpt["args"], dict):
         raise UsageError(f"{path}: malformed args entry")
     saved = dict(ckpt["args"])
     for k in ("chunk", "gau_s"):  # not flags before these became tier defaults: the model config has them
         if k not in saved and isinstance(ckpt["config"], dict) and k in ckpt["config"]:
             saved[k] = ckpt["config"][k]
-    return ckpt, merge_resume_args(args, given, saved)
+    return saved
 
 
-def merge_resume_args(args, given, saved):
-    """Fill args from a checkpoint's args for --resume (see IDENTITY_FLAGS). Returns the explicit
-    overrides as {flag: [checkpoint value, new value]}; UsageError for a conflicting identity flag."""
+def merge_resume_args(args, given, saved, path=None, action="resume it, or use a fresh --out_dir"):
+    """Fill args from a checkpoint's args (at path, default <out_dir>/ckpt_latest.pt) for --resume
+    or --eval_only (see IDENTITY_FLAGS). Returns the explicit overrides as {flag: [checkpoint value,
+    new value]}; UsageError for a conflicting identity flag ("drop the flag to <action>")."""
     changed = {}
     for k, v in saved.items():
         if k in MACHINE_FLAGS or not hasattr(args, k):  # (flags since removed are skipped)
             continue
         if not isinstance(v, (type(None), bool, int, float, str)):
-            raise UsageError(f"{os.path.join(args.out_dir, LATEST)}: malformed args entry {k}={v!r}")
+            raise UsageError(f"{path or os.path.join(args.out_dir, LATEST)}: malformed args entry {k}={v!r}")
         if k not in given:
             setattr(args, k, v)
         elif getattr(args, k) != v:
             if k in IDENTITY_FLAGS:
                 raise UsageError(f"--{k} {getattr(args, k)}: the checkpoint in {args.out_dir} was trained with "
-                                 f"--{k} {v}; drop the flag to resume it, or use a fresh --out_dir")
+                                 f"--{k} {v}; drop the flag to {action}")
             changed[k] = [v, getattr(args, k)]
     return changed
 
@@ -248,6 +266,15 @@ def check_compatible(ck, path, cfg, data):
         raise UsageError(f"{path}: trained on other data ({saved.get('tokenizer')} tokenizer, vocab "
                          f"{saved.get('vocab_size')}, splits {saved.get('splits')}); this dataset has "
                          f"{data.tokenizer}, vocab {data.vocab_size}, splits {data.meta['splits']}")
+
+
+def load_weights(ck, path, model):
+    """Load a checkpoint's weights into model; UsageError if its tensors do not fit."""
+    try:
+        model.load_state_dict(strip_prefixes(ck["model"]))
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UsageError(f"{path}: does not fit this model ({why})") from None
 
 
 def restore(ck, path, model, optimizer, rng, device):
