@@ -1,0 +1,304 @@
+"""Tests for sample.py (sampling from a checkpoint) and train.py --eval_only (a checkpoint's dev and
+test NLL without training). The checkpoints come from real train.py runs of two updates at the tiny
+tier with a 32-token context, one per registered model, on the mini DeepMind Mathematics dataset of
+tests/conftest.py (a 22-symbol character vocabulary), and on a small text folder (char and GPT-2
+tokenizers); train.main and sample.run are called in this process.
+"""
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data as data_mod
+import sample
+import train
+from harness.checkpoint import load_checkpoint
+from harness.token_files import EOT_SYMBOL
+from models import REGISTRY
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MDM_SIZE = (60, 20)  # problems per train-* folder, extrapolate problems (tests/conftest.py's mdm)
+PROMPT = "What is 3 + 4?"  # 14 characters, all in the mini dataset's vocabulary
+TINY = ["--size", "tiny", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--max_iters", "2",
+        "--eval_interval", "2", "--warmup_iters", "1", "--eval_windows", "3", "--eval_batch_size", "2",
+        "--sample_tokens", "0", "--em_samples", "2", "--quiet"]
+DEPTH = {"tango-3set": "3"}  # its first, middle and last sets need depth >= 3
+# the models whose full forward is a parallel approximation of their exact sequential recurrence
+# (cached decoding is that recurrence): these settings make it exact at 32 tokens (ponder.py,
+# latent_recurrence.py), so cached greedy decoding must equal full-forward greedy decoding
+EXACT = {"ponder": ["--jacobi", "31"], "lrt": ["--lrt_subsets", "32"], "lrt-think": ["--lrt_subsets", "64"]}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def train_main(argv):
+    """train.main in this process; returns its stdout (AssertionError on a non-zero exit)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            train.main([str(a) for a in argv])
+        except SystemExit as e:
+            raise AssertionError(f"train.py exited with {e.code}: {out.getvalue()[-2000:]}") from None
+    return out.getvalue()
+
+
+def tiny_run(model, data_flags, out_dir, *extra):
+    depth = DEPTH.get(model, "2")
+    argv = [*TINY, "--model", model, *data_flags, "--out_dir", out_dir, *extra]
+    argv[argv.index("--depth") + 1] = depth
+    return train_main(argv)
+
+
+@pytest.fixture(scope="module")
+def mdm_flags(mdm, data_root):
+    return ["--dataset", "dmmath", "--data_dir", str(mdm), "--data_root", str(data_root)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(mdm_flags, tmp_path_factory):
+    """{name: out_dir} of a two-update run of every registered model, and of EXACT's settings
+    (as name + "-exact")."""
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for name in REGISTRY:
+        out[name] = root / name
+        tiny_run(name, mdm_flags, out[name])
+    for name, extra in EXACT.items():
+        out[name + "-exact"] = root / (name + "-exact")
+        tiny_run(name, mdm_flags, out[name + "-exact"], *extra)
+    return out
+
+
+def run_sample(argv):
+    """sample.run in this process; returns (samples, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    texts = sample.run(sample.build_parser().parse_args([str(a) for a in argv]), out=out, err=err)
+    return texts, out.getvalue(), err.getvalue()
+
+
+def call_main(argv, capsys):
+    """sample.main in this process; returns (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        sample.main([str(a) for a in argv])
+    except SystemExit as e:
+        got = capsys.readouterr()
+        return e.code, got.out, got.err
+    got = capsys.readouterr()
+    return 0, got.out, got.err
+
+
+def printed(texts):
+    return "".join(f"{t}\n{sample.SEPARATOR}\n" for t in texts)
+
+
+def greedy_reference(out_dir, prompt_ids, n):
+    """n greedy tokens after prompt_ids by the full forward pass over the whole sequence at every
+    step (no cache), from the checkpoint's own weights; returns the ids, prompt included."""
+    path = os.path.join(out_dir, "ckpt_best.pt")
+    model = sample.load_model(load_checkpoint(path), path, "cpu")
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat((ids, model(ids)[0][:, -1].argmax(-1, keepdim=True)), 1)
+    return ids[0].tolist()
+
+
+# ----------------------------------------------------------------------------- every model
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_three_samples_from_every_model(ckpts, name):
+    argv = ["--out_dir", ckpts[name], "--start", PROMPT, "--num_samples", "3", "--max_new_tokens", "20",
+            "--temperature", "0.8", "--top_k", "200"]
+    texts, out, err = run_sample(argv)
+    assert out == printed(texts) and len(texts) == 3
+    for t in texts:  # a character vocabulary without an end-of-text symbol: one character per token
+        assert t.startswith(PROMPT) and len(t) == len(PROMPT) + 20
+    assert len(set(texts)) > 1  # the three rows are drawn independently
+    assert err.startswith(f"{ckpts[name] / 'ckpt_best.pt'}: {name} depth ") and "char tokenizer, vocab 22" in err
+    assert run_sample(argv)[0] == texts  # --seed (1337) makes it repeatable
+    assert run_sample(argv + ["--seed", "7"])[0] != texts
+
+
+@pytest.mark.parametrize("name", [n for n in REGISTRY if n not in EXACT] + [n + "-exact" for n in EXACT])
+def test_cached_greedy_sample_equals_full_forward_greedy(ckpts, name):
+    # top_k 1 is greedy whatever the temperature; 14 + 18 tokens = the trained context of 32
+    texts, _, _ = run_sample(["--out_dir", ckpts[name], "--start", PROMPT, "--num_samples", "2",
+                              "--max_new_tokens", "18", "--top_k", "1"])
+    tok = sample.CheckpointTokenizer(load_checkpoint(ckpts[name] / "ckpt_best.pt")["data"], "")
+    ref = tok.decode(greedy_reference(ckpts[name], tok.encode(PROMPT), 18))
+    assert texts == [ref, ref]
+
+
+def test_past_the_trained_context_a_note_and_cache_still_equals_full_forward(ckpts):
+    texts, _, err = run_sample(["--out_dir", ckpts["tango"], "--start", PROMPT, "--num_samples", "1",
+                                "--max_new_tokens", "30", "--temperature", "0"])
+    assert "note: 14 prompt + 30 new tokens exceed the trained context of 32" in err
+    tok = sample.CheckpointTokenizer(load_checkpoint(ckpts["tango"] / "ckpt_best.pt")["data"], "")
+    assert texts == [tok.decode(greedy_reference(ckpts["tango"], tok.encode(PROMPT), 30))]
+
+
+def test_latest_checkpoint_prompt_file_and_device_flags(ckpts, tmp_path):
+    (tmp_path / "prompt.txt").write_text(PROMPT, encoding="utf-8")
+    base = ["--out_dir", ckpts["loop"], "--num_samples", "2", "--max_new_tokens", "5", "--device", "cpu",
+            "--dtype", "float32"]
+    from_text, _, _ = run_sample(base + ["--start", PROMPT])
+    from_file, _, _ = run_sample(base + ["--start", f"FILE:{tmp_path / 'prompt.txt'}"])
+    assert from_file == from_text
+    _, _, err = run_sample(base + ["--start", PROMPT, "--ckpt", "latest"])
+    assert err.startswith(f"{ckpts['loop'] / 'ckpt_latest.pt'}: loop depth 2, update 2, dev NLL ")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    """A few Python-like text files (too few to split by file: split by position)."""
+    root = tmp_path_factory.mktemp("text")
+    for i in range(4):
+        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40))
+        (root / f"m{i}.py").write_text(body)
+    return root
+
+
+def text_run(text_folder, tmp_path_factory, tokenizer):
+    data_root = tmp_path_factory.mktemp(f"data-{tokenizer}")
+    out = tmp_path_factory.mktemp(f"run-{tokenizer}")
+    tiny_run("loop", ["--dataset", str(text_folder), "--tokenizer", tokenizer, "--data_root", str(data_root)], out)
+    return out
+
+
+def test_char_text_checkpoint_new_document_and_unknown_characters(text_folder, tmp_path_factory, capsys):
+    out = text_run(text_folder, tmp_path_factory, "char")
+    sig = load_checkpoint(out / "ckpt_best.pt")["data"]
+    assert sig["itos"][-2:] == [EOT_SYMBOL, "\ufffd"]  # a text dataset's char vocabulary
+    tok = sample.CheckpointTokenizer(sig, "")
+    assert tok.eot == len(sig["itos"]) - 2 and tok.encode("def ") == [sig["itos"].index(c) for c in "def "]
+    # no --start: a new document, the end-of-text token as the prompt, not printed
+    texts, out_text, _ = run_sample(["--out_dir", out, "--num_samples", "2", "--max_new_tokens", "12", "--top_k", "1"])
+    ref = greedy_reference(out, [tok.eot], 12)
+    assert texts == [tok.decode(ref[1:])] * 2 and out_text == printed(texts)
+    code, stdout, err = call_main(["--out_dir", out, "--start", "def é€(x):"], capsys)
+    assert (code, stdout) == (2, "")
+    assert err == (f"error: --start: 2 character(s) not in the checkpoint's vocabulary of {len(sig['itos'])} "
+                   "symbols: 'é' '€'\n")
+
+
+def test_gpt2_checkpoint_samples_start_with_the_prompt(gpt2_bpe, text_folder, tmp_path_factory):
+    out = text_run(text_folder, tmp_path_factory, "gpt2")
+    argv = ["--out_dir", out, "--start", "def ", "--num_samples", "3", "--max_new_tokens", "8"]
+    texts, out_text, err = run_sample(argv)
+    assert len(texts) == 3 and all(t.startswith("def ") for t in texts) and out_text == printed(texts)
+    assert "gpt2 tokenizer, vocab 50257" in err
+    tok = sample.CheckpointTokenizer(load_checkpoint(out / "ckpt_best.pt")["data"], "")
+    greedy, _, _ = run_sample(argv + ["--top_k", "1"])
+    assert greedy == [tok.decode(greedy_reference(out, tok.encode("def "), 8))] * 3
+
+
+def test_the_nanogpt_command_line_in_a_real_process(ckpts):
+    """The issue's command, verbatim but for the prompt (the mini dataset has no 'f')."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--out_dir", str(ckpts["tango"]),
+                        "--start", "What ", "--num_samples", "3", "--max_new_tokens", "200", "--temperature", "0.8",
+                        "--top_k", "200"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    parts = p.stdout.split(f"\n{sample.SEPARATOR}\n")
+    assert len(parts) == 4 and parts[3] == "" and all(s.startswith("What ") and len(s) == 205 for s in parts[:3])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD = [  # (flags, the one-line error's start)
+    (["--num_samples", "0"], "error: --num_samples 0: must be >= 1"),
+    (["--max_new_tokens", "-1"], "error: --max_new_tokens -1: must be an int >= 0"),
+    (["--temperature", "-0.5"], "error: --temperature -0.5: must be a finite number >= 0"),
+    (["--temperature", "nan"], "error: --temperature nan: must be a finite number >= 0"),
+    (["--top_k", "-1"], "error: --top_k -1: must be >= 0 (0: all tokens)"),
+    (["--seed", "-1"], "error: --seed -1: must be >= 0"),
+    (["--ckpt", "final"], "error: argument --ckpt: invalid choice: 'final'"),
+    (["--num_samples", "x"], "error: argument --num_samples: invalid int value: 'x'"),
+    (["--device", "tpu"], "error: --device tpu: use auto, cpu, cuda or cuda:N"),
+    (["--start", "FILE:/nonexistent/prompt.txt"], "error: --start FILE:/nonexistent/prompt.txt: cannot read the "
+     "prompt file (No such file or directory)"),
+    (["--start", "What is 3 ~ 4?"], "error: --start: 1 character(s) not in the checkpoint's vocabulary of 22 "
+     "symbols: '~'"),
+    (["--out_dir", "/nonexistent"], "error: --out_dir: no checkpoint at /nonexistent/ckpt_best.pt"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_input_is_one_line_exit_2(ckpts, capsys, flags, message):
+    code, out, err = call_main(["--out_dir", ckpts["loop"], *flags], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_damaged_checkpoint_is_one_line_exit_2(ckpts, tmp_path, capsys):
+    (tmp_path / "ckpt_best.pt").write_bytes((ckpts["loop"] / "ckpt_best.pt").read_bytes()[:1000])
+    code, out, err = call_main(["--out_dir", tmp_path], capsys)
+    assert (code, out) == (2, "")
+    assert err == (f"error: {tmp_path / 'ckpt_best.pt'}: not a readable checkpoint (RuntimeError); "
+                   "it may be truncated or corrupted\n")
+
+
+# ----------------------------------------------------------------------------- train.py --eval_only
+
+def report_numbers(stdout):
+    """The NLL, exact-match and depth-sweep lines of train.py's report, as printed."""
+    keep = ("dev NLL (best", "test NLL (", "exact match ", "dev NLL by test-time depth", "non-embedding params ",
+            "unigram entropy")
+    return [line for line in stdout.splitlines() if line.startswith(keep)]
+
+
+def files(folder):
+    return {p: (os.path.getmtime(folder / p), (folder / p).read_bytes()) for p in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("name,extra,override", [("loop", ["--eval_depths", "1,2,3"], []),
+                                                  ("parcae", [], ["--eval_batch_size", "3"])])
+def test_eval_only_prints_the_training_runs_numbers_and_writes_nothing(mdm_flags, tmp_path, name, extra, override):
+    out = tmp_path / "run"
+    trained = tiny_run(name, mdm_flags, out, "--max_iters", "6", "--eval_interval", "2", "--em_samples", "3", *extra)
+    expected = report_numbers(trained)
+    assert len(expected) == 6 + bool(extra)  # params, unigram, dev, test, exact match of 2 splits (+ sweep)
+    best_line = [line for line in trained.splitlines() if line.endswith("(best)")][-1]  # "update N: dev NLL x (best)"
+    before = files(out)
+    evaluated = train_main(["--eval_only", "--out_dir", out, "--data_root", mdm_flags[-1], *override])
+    assert report_numbers(evaluated) == expected  # (the NLL does not depend on the evaluation batch size)
+    upd, dev = re.fullmatch(r"update (\d+): dev NLL (\S+) \(best\)", best_line).groups()
+    assert f"{f'dev NLL (best, upd {upd})':<25}{dev} nats/token" in evaluated.splitlines()
+    assert f"evaluating {out / 'ckpt_best.pt'} (update {upd};" in evaluated
+    assert ("; --eval_batch_size 2 -> 3\n" in evaluated) == bool(override)
+    assert "throughput" not in evaluated and files(out) == before
+
+
+def test_eval_only_bad_input(ckpts, mdm_flags, tmp_path, capsys):
+    def call(argv):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.main([str(a) for a in argv])
+        return e.value.code, capsys.readouterr().err
+
+    root = ["--data_root", mdm_flags[-1]]
+    assert call(["--eval_only", "--out_dir", tmp_path, *root]) == (
+        2, f"error: --eval_only: no checkpoint at {tmp_path / 'ckpt_best.pt'}\n")
+    assert call(["--eval_only", "--resume", "--out_dir", ckpts["loop"], *root]) == (
+        2, "error: --eval_only: evaluates the run's best checkpoint without training; drop --resume\n")
+    assert call(["--eval_only", "--depth", "3", "--out_dir", ckpts["loop"], *root]) == (
+        2, f"error: --depth 3: the checkpoint in {ckpts['loop']} was trained with --depth 2; drop the flag to "
+        "evaluate it\n")
+    assert not (tmp_path / "log.jsonl").exists() and os.listdir(tmp_path) == []
+
+
+def test_data_module_reads_the_char_vocabulary_as_sample_does(data_root, ckpts):
+    """sample.CheckpointTokenizer agrees with data.Data on the dataset the checkpoint was trained on."""
+    data = data_mod.Data(str(next(data_root.iterdir())))
+    tok = sample.CheckpointTokenizer(load_checkpoint(ckpts["loop"] / "ckpt_best.pt")["data"], "")
+    assert tok.eot == data.eot and tok.encode(PROMPT) == data.encode(PROMPT)
+    ids = list(range(data.vocab_size))
+    assert tok.decode(ids) == data.decode(ids)
