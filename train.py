@@ -489,14 +489,15 @@ def eval_only(args, given):
     and test NLL (nats/token) by evaluate on the same windows, exact match and --eval_depths as in
     finish, the run's flags from the checkpoint (explicit ones override, as under --resume). Prints
     the report (dev NLL recomputed, not read from the checkpoint); writes nothing to --out_dir.
-    Returns the summary (rank 0; None on other ranks); UsageError on bad input."""
-    t_start, dist = time.time(), Dist.from_env()
+    One process (not under torchrun). Returns the summary; UsageError on bad input."""
+    t_start, dist = time.time(), Dist()
     if args.resume:
         raise UsageError("--eval_only: evaluates the run's best checkpoint without training; drop --resume")
+    if Dist.from_env().ddp:  # the NLL does not depend on the world size (evaluate): one process gives it
+        raise UsageError("--eval_only: runs in one process; start it with python, not torchrun")
     best, changed = eval_only_args(args, given)
     check_model_flags(args.model, given)
     args = resolve_args(args, dist)
-    dist.start(args.device)
     data = load_data(args, dist)
     cfg, _ = model_config(args, data.vocab_size)
     path = os.path.join(args.out_dir, BEST)
@@ -510,8 +511,6 @@ def eval_only(args, given):
                                  args.block_size, args.eval_batch_size, args.device, ctx, dist)
     dev, test = nll("dev"), nll(data.test_split)
     curve = depth_sweep(model, args.depth_list, lambda: nll("dev")) if args.depth_list else None
-    if not dist.main:
-        return None
     print(f"evaluating {path} (update {best['iter']}; --eval_only: no training, nothing written)"
           + "".join(f"; --{k} {a} -> {b}" for k, (a, b) in changed.items()))
     summary = {"non_embedding_params": model.num_params(), "unigram_dev": data_mod.unigram_entropy(data, "dev"),

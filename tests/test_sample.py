@@ -277,7 +277,7 @@ def test_eval_only_prints_the_training_runs_numbers_and_writes_nothing(mdm_flags
     assert "throughput" not in evaluated and files(out) == before
 
 
-def test_eval_only_bad_input(ckpts, mdm_flags, tmp_path, capsys):
+def test_eval_only_bad_input(ckpts, mdm_flags, tmp_path, capsys, monkeypatch):
     def call(argv):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
@@ -292,6 +292,11 @@ def test_eval_only_bad_input(ckpts, mdm_flags, tmp_path, capsys):
     assert call(["--eval_only", "--depth", "3", "--out_dir", ckpts["loop"], *root]) == (
         2, f"error: --depth 3: the checkpoint in {ckpts['loop']} was trained with --depth 2; drop the flag to "
         "evaluate it\n")
+    with monkeypatch.context() as m:  # rank 0 of two under torchrun
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2").items():
+            m.setenv(k, v)
+        assert call(["--eval_only", "--out_dir", ckpts["loop"], *root]) == (
+            2, "error: --eval_only: runs in one process; start it with python, not torchrun\n")
     assert not (tmp_path / "log.jsonl").exists() and os.listdir(tmp_path) == []
 
 
