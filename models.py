@@ -1,7 +1,7 @@
 """Model registry, size tiers and width solving (MATH.md, "What every model shares"; the 70M and
 160M tiers are the TANGO paper's, "TANGO: Treating Tokens as Operators", §3 "Models and optimization").
 
-REGISTRY maps a --model name to a body constructor taking a ModelConfig; later issues add rows.
+REGISTRY maps a --model name to a body constructor taking a ModelConfig, one row per model.
 build_model(cfg) wraps the body in the shared LM (embedding, tied head, loss, generation).
 """
 import torch

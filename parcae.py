@@ -221,6 +221,7 @@ class Parcae(LoopedBody):
         self._depth_mean = None
 
     def delta(self):
+        """Delta = softplus(dt_bias), the per-channel step size of the zero-order hold, (d,) > 0."""
         return F.softplus(self.dt_bias)
 
     def abar(self):
@@ -244,6 +245,27 @@ class Parcae(LoopedBody):
 
     @torch.compiler.disable(recursive=False)
     def recur(self, inj, abar, cos, sin, cache=None, depths=None, h0=None):
+        """The looped core: r recurrences h_t = R(Abar * h_{t-1} + inj) from h_0; returns h_r (B, T, d).
+
+        inj: Delta * (B e), (B, T, d), computed once by forward; abar: (d,) in (0, 1); cos, sin:
+        RoPE tables; cache: decoding state (core block t's KV cache under key ("core", t, j)).
+        Parcae, arXiv 2604.12946, §4.1 Alg. 1 (the loop) and §4.2 Alg. 2 (per-sequence depths).
+
+        Which schedule runs:
+        - fixed depth (evaluation, generation, or no autograd): body.depth steps for every row, each
+          with the caches of its recurrence, so a cached decode runs the same steps as the full forward;
+        - per-sequence depths (training with autograd, drawn here by parcae_sample_depths, or `depths`
+          given): the batch runs n = max_i r_i steps and row i is the identity (keeps h) for its
+          first n - r_i, so every row ends after its own r_i steps. The steps before the last
+          max_i k_i (k_i = min(r_i, mu_bwd)) run under no_grad for the whole batch; later, a row
+          still outside its last k_i steps gets a detached new state (truncated backprop). A row
+          still idle when gradients start holds h_0 computed without autograd, so its link to h_0
+          is restored first.
+        The draws come from seeded_generators(body.rng_seed): depths first, then h_0. Records each
+        step's mean state norm (state_norms) and the mean sampled depth (diagnostics).
+        Raises ValueError for depths with a cache (decoding runs a fixed depth), or depths not
+        (B,) integers >= 1.
+        """
         norms = []
         self._depth_mean = None
         cpu_gen, gen = seeded_generators(self.rng_seed, inj.device)
@@ -280,6 +302,7 @@ class Parcae(LoopedBody):
         return h
 
     def forward(self, x, cos, sin, cache=None, depths=None, h0=None):
+        """Prelude -> prelude norm -> recur (the looped core) -> C -> coda: (B, T, d) -> (B, T, d)."""
         for j, blk in enumerate(self.prelude):
             x = blk(x, cos, sin, sub_cache(cache, ("prelude", j)))
         e = self.prelude_norm(x)
@@ -365,6 +388,7 @@ class RecurrentDepth(LoopedBody):
         return x
 
     def decode(self, h, cos, sin, cache=None):
+        """Coda: the final state h (B, T, d) through the coda's blocks (no output matrix, unlike Parcae's C)."""
         for j, blk in enumerate(self.coda):
             h = blk(h, cos, sin, sub_cache(cache, ("coda", j)))
         return h
@@ -378,6 +402,21 @@ class RecurrentDepth(LoopedBody):
 
     @torch.compiler.disable(recursive=False)
     def recur(self, e, cos, sin, cache=None, n_steps=None, h0=None):
+        """The looped core: r recurrences h_t = Core(W [h_{t-1}; e]) from h_0; returns h_r (B, T, d).
+
+        e: the prelude's output (B, T, d); cos, sin: RoPE tables; cache: decoding state (core block
+        t's KV cache under key ("core", t, j)). RDM, arXiv 2502.05171, §3 (sampler and truncation).
+
+        Which schedule runs:
+        - fixed depth (evaluation, generation, or no autograd): body.depth steps, each with the
+          caches of its recurrence, so a cached decode runs the same steps as the full forward;
+        - one depth for the whole micro-batch (training with autograd, drawn here by
+          rdm_sample_depths, or `n_steps` given): the first r - k steps under no_grad, the last
+          k = min(r, mu_bwd) with gradients (truncated backprop through depth).
+        The draws come from seeded_generators(body.rng_seed): the depth first, then h_0. Records
+        each step's mean state norm (state_norms).
+        Raises ValueError for n_steps with a cache (decoding runs a fixed depth).
+        """
         norms = []
         cpu_gen, gen = seeded_generators(self.rng_seed, e.device)
         if n_steps is None and self.training and torch.is_grad_enabled():
@@ -402,6 +441,7 @@ class RecurrentDepth(LoopedBody):
         return h
 
     def forward(self, x, cos, sin, cache=None, n_steps=None, h0=None):
+        """encode (scaled embedding, prelude) -> recur (the looped core) -> decode (coda): (B, T, d) -> (B, T, d)."""
         e = self.encode(x, cos, sin, cache)
         h = self.recur(e, cos, sin, cache, n_steps, h0)
         return self.decode(h, cos, sin, cache)

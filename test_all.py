@@ -1,6 +1,6 @@
 """Tests for the spine: TANGO family, Transformer++ baselines, width solving, train.py end to end.
 
-Run everything with `python -m pytest -q` (this file plus the per-issue test_*.py files).
+Run everything with `python -m pytest -q` (this file plus the per-topic tests/test_*.py files).
 GPT-2 BPE comes from GPT2_BPE_FILE (defaulting to ../shared/data/gpt2.tiktoken); nothing downloads.
 """
 import json
@@ -438,9 +438,9 @@ def test_train_on_the_dmmath_sample_reports_exact_match(dmmath_sample, tmp_path,
 
 
 def test_readme_results_table_regenerates_from_committed_summaries():
-    """results/README.md's CPU-tier table is `python -m tools.sweep report --root results/readme`, byte for byte."""
+    """results/readme/README.md's CPU-tier table is `python -m tools.sweep report --root results/readme`, byte for byte."""
     from tools import sweep_report
-    readme = open(os.path.join(HERE, "results", "README.md")).read()
+    readme = open(os.path.join(HERE, "results", "readme", "README.md")).read()
     begin, end = "<!-- sweep report --root results/readme -->\n", "<!-- end of sweep report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
     assert table == sweep_report.report(os.path.join(HERE, "results", "readme"))
@@ -448,11 +448,11 @@ def test_readme_results_table_regenerates_from_committed_summaries():
 
 
 def test_readme_reproduction_grid_regenerates_from_committed_results():
-    """results/README.md's reproduction tables are `python -m tools.sweep report --grid --root results/grid`,
+    """results/grid/README.md's reproduction tables are `python -m tools.sweep report --grid --root results/grid`,
     byte for byte, from the committed summaries; every grid run is there (7 models x 2 datasets
     x (K in {4, 8} x 3 seeds + K = 16 x 1 seed)) and its plots are committed PNGs."""
     from tools import sweep_report
-    readme = open(os.path.join(HERE, "results", "README.md")).read()
+    readme = open(os.path.join(HERE, "results", "grid", "README.md")).read()
     begin, end = "<!-- sweep report --grid --root results/grid -->\n", "<!-- end of grid report -->"
     table = readme[readme.index(begin) + len(begin):readme.index(end, readme.index(begin))]
     root = os.path.join(HERE, "results", "grid")
@@ -462,4 +462,4 @@ def test_readme_reproduction_grid_regenerates_from_committed_results():
     for ds in ("stdlib", "dmmath"):
         with open(os.path.join(root, f"{ds}.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-        assert f"](grid/{ds}.png)" in readme
+        assert f"]({ds}.png)" in readme  # the plots sit beside the README

@@ -1,4 +1,4 @@
-"""Hugging Face datasets as a data.py source: ``--dataset hf:NAME[:CONFIG]`` (issue 19).
+"""Hugging Face datasets as a data.py source: ``--dataset hf:NAME[:CONFIG]``.
 
 Imported only for hf: datasets, and it imports the optional extra ``datasets`` only inside
 ``spec`` (a missing extra is one UsageError naming `pip install datasets`). NAME is a hub id

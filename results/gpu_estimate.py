@@ -1,4 +1,4 @@
-"""The arithmetic behind the GPU recipe's wall-time estimate (results/README.md, "The same grid on
+"""The arithmetic behind the GPU recipe's wall-time estimate (results/chargrid/README.md, "The same grid on
 one GPU"): counted on the CPU, not timed on a GPU.
 
     python results/gpu_estimate.py                       # every model of the grid at K = 4, 8, 16

@@ -1,4 +1,4 @@
-"""bfloat16 autocast (issue 12): every model trains under it, and TANGO's averages keep their precision.
+"""bfloat16 autocast: every model trains under it, and TANGO's averages keep their precision.
 
 TANGO's fast paths compute queries, keys, scores, their log-sum-exp and the normalizing sums in
 float32 and only the weight x gate products in bfloat16 (tango_kernels.py, "Precision"). The bar for

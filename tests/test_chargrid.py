@@ -1,7 +1,7 @@
-"""The character-level reproduction grid (issue 18): results/README.md's tables, claims and wall time
+"""The character-level reproduction grid: results/chargrid/README.md's tables, claims and wall time
 are `sweep.py report --grid` over the committed summaries in results/chargrid/, byte for byte, and so
 are its plots (`sweep.py plot`, with the matplotlib version .ci/run pins); the GPU recipe printed in
-results/README.md is the same grid at >= 2,000 updates and runs on CPU at a reduced size."""
+results/chargrid/README.md is the same grid at >= 2,000 updates and runs on CPU at a reduced size."""
 import json
 import os
 import re
@@ -15,18 +15,18 @@ from tools import sweep_report
 import train
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-ROOT = "results/chargrid"  # as results/README.md's commands and markers spell it (relative to HERE)
+ROOT = "results/chargrid"  # as results/chargrid/README.md's commands and markers spell it (relative to HERE)
 GRID_MODELS = ["tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae"]
 MDM_SIZE = (60, 20)  # the shared mini-dmmath of tests/conftest.py (mdm, data_root), small
 
 
 def readme():
-    with open(os.path.join(HERE, "results", "README.md")) as f:
+    with open(os.path.join(HERE, ROOT, "README.md")) as f:
         return f.read()
 
 
 def fenced_commands(marker):
-    """The commands of the fenced block right after the line `marker` in results/README.md, as
+    """The commands of the fenced block right after the line `marker` in results/chargrid/README.md, as
     [(environment variables, argv after `python -m tools.sweep`)]; every line is one `sweep.py` command."""
     doc = readme()
     start = doc.index("```\n", doc.index(marker + "\n")) + 4
@@ -71,7 +71,18 @@ def test_chargrid_tables_claims_and_wall_time_are_the_committed_summaries_byte_f
         assert block.endswith(f"collected; the {n} runs' own `wall_s` add up to "
                               f"{sum(r['wall_s'] for v in rows.values() for r in v):,.0f} s.\n")
     for ds in {k[0] for k in rows}:
-        assert f"](chargrid/{ds}.png)" in doc
+        assert f"]({ds}.png)" in doc  # the plots sit beside the README
+
+
+def test_chargrid_report_command_writes_into_this_readme(tmp_path, monkeypatch):
+    """The printed `report --grid ... --into FILE` names this README, and running it on a copy of the
+    README beside a copy of the summaries leaves every byte as committed."""
+    (_, argv), = [c for c in fenced_commands("<!-- chargrid commands -->") if c[1][0] == "report"]
+    assert argv[argv.index("--into") + 1] == ROOT + "/README.md" and argv[argv.index("--root") + 1] == ROOT
+    shutil.copytree(os.path.join(HERE, ROOT), tmp_path / ROOT)
+    monkeypatch.chdir(tmp_path)
+    sweep.main(argv)  # prints the report and writes it between the markers
+    assert (tmp_path / ROOT / "README.md").read_text() == readme()
 
 
 def test_a_changed_summary_number_changes_the_report(tmp_path):
@@ -129,7 +140,7 @@ def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypat
 # ----------------------------------------------------------------------------- the GPU recipe
 
 def test_gpu_recipe_is_the_char_grid_at_2000_updates_on_cuda():
-    """The recipe's run command is the CPU grid's command (results/README.md, both parsed) with
+    """The recipe's run command is the CPU grid's command (results/chargrid/README.md, both parsed) with
     another --root and --jobs, and train.py flags added only for the device, the budget and the
     evaluation interval; then collect, report --grid and plot on its folders."""
     (cpu_env, cpu), = [c for c in fenced_commands("<!-- chargrid commands -->") if c[1][0] == "run"]

@@ -1,9 +1,9 @@
-"""Regional compilation (issue 12): each body's repeated unit compiles once, whatever the depth.
+"""Regional compilation: each body's repeated unit compiles once, whatever the depth.
 
 Graphs are counted with torch._dynamo's CompileCounter backend: dynamo captures the same graphs
 and checks the same guards whatever the backend, so the counts are those of an inductor run, and
 the counter runs each graph eagerly (no C++ compile: seconds, not minutes, on CPU). A real
-inductor compile of every model is a manual check (README / the issue report), too slow here.
+inductor compile of every model is a manual check (python -m tools.bench --device cuda), too slow here.
 """
 import functools
 
@@ -152,7 +152,7 @@ def test_every_model_graph_count_independent_of_depth_and_equal_to_eager(name):
     assert counts[0] == counts[1] and counts[0] >= 4, counts
 
 
-# ----------------------------------------------------------------------------- shared parts (issue 12, item 4)
+# ----------------------------------------------------------------------------- shared parts
 @pytest.mark.parametrize("name", ["tango", "loop"])
 def test_vocabulary_padding_is_never_predicted_sampled_or_counted(name):
     cfg = _small(name, 3)  # V = 61: E has 64 rows

@@ -357,7 +357,7 @@ def test_char_tokenizer_round_trip(tmp_path):
 
 
 def test_train_passes_tokenizer_char_through(one_thread, tmp_path, capsys):
-    """train.py --tokenizer char trains on character-level text (issue 18), here 3 updates in-process."""
+    """train.py --tokenizer char trains on character-level text, here 3 updates in-process."""
     import torch
     import train
     write_files(tmp_path / "corpus", {f"m{i:02d}.py": f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(60)})

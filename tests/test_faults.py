@@ -1,4 +1,4 @@
-"""Field faults (issue 14): each test failed on the code before its fix and asserts the right value.
+"""Field faults: cases that real use can get wrong, each test asserting the right value.
 
 1 sampling arguments, 2 loss over scored targets of the whole update, 3 random draws independent
 of the world size, 4 latent tokens on half-precision bases, 5 under-determined scaling-law fits,
@@ -224,8 +224,9 @@ def log_of(out, event):
 
 @pytest.mark.parametrize("name", ["parcae", "rdm"])
 def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_path):
-    """The issue's Parcae case: 2 updates of 2 micro-batches, once alone and once under torchrun
-    with 2 processes: parameters within 1e-6, equal losses and dev NLL (they were 1.1e-3 apart).
+    """Models that draw random depths, under DDP: 2 updates of 2 micro-batches, once alone and once under
+    torchrun with 2 processes: parameters within 1e-6, equal losses and dev NLL (the draws depend on
+    the update and the micro-batch, not on the rank).
     Parametrized by the models that draw (test_the_drawing_models_are_parcae_and_rdm)."""
     root, data_root, _ = long_questions
     flags = ["--model", name, "--depth", "2", "--n_prelude", "1", "--n_core", "1", "--n_coda", "1",

@@ -1,4 +1,4 @@
-"""Tests for data.py's hf:NAME datasets (issue 19), offline: a dataset saved with save_to_disk,
+"""Tests for data.py's hf:NAME datasets, offline: a dataset saved with save_to_disk,
 a JSONL file read through load_dataset("json"), the --max_tokens budget, a few training updates,
 and the one-line errors (no `datasets` extra, no network, bad columns). Needs `pip install datasets`."""
 import json

@@ -3,6 +3,8 @@ ones inside functions, read with ast), and the top level kept to the models and 
 import ast
 import glob
 import os
+import re
+import subprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("harness", "tools", "studies")
@@ -77,3 +79,105 @@ def test_top_level_holds_at_most_18_python_files():
     for brief in ("tango.py", "parcae.py", "latent_tokens.py", "baselines.py", "train.py", "data.py", "flops.py",
                   "test_all.py"):
         assert brief in top
+
+
+# ----------------------------------------------------------------------------- the front door and history
+
+HISTORY = re.compile(r"issue[ -][0-9]|this\s+round|previous\s+round", re.IGNORECASE)
+
+
+def tracked_files():
+    """The repository's git-tracked files (paths relative to REPO)."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    return [p for p in out.decode().split("\0") if p]
+
+
+def is_document(path):
+    """A .py or .md file someone reads: everything but the raw files under results/ (the tools'
+    markdown outputs beside a result's README.md)."""
+    if not path.endswith((".py", ".md")):
+        return False
+    return not (path.startswith("results/") and path.endswith(".md") and os.path.basename(path) != "README.md")
+
+
+def history_lines(paths):
+    """[(path, line number, line)] of the documents' lines that cite tracker issues or rounds."""
+    hits = []
+    for path in paths:
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
+            hits += [(path, n, line.strip()) for n, line in enumerate(f, 1) if HISTORY.search(line)]
+    return hits
+
+
+def test_history_finder_sees_issue_numbers_and_rounds_and_skips_raw_results(tmp_path):
+    issue, rnd = "issue", "round"  # split, so that this file's own source does not match
+    assert HISTORY.search(f"see {issue} 12") and HISTORY.search(f"the {issue}-6 targets") and HISTORY.search(f"This {rnd}'s CPU")
+    assert HISTORY.search(f"in the previous {rnd}") and not HISTORY.search("--rounds 3, the order reversed every other round")
+    assert is_document("train.py") and is_document("results/bench/README.md") and is_document("results/gpu_estimate.py")
+    assert not is_document("results/bench/bench_cpu_window_i.md") and not is_document("results/reflux/sweep.json")
+
+
+def test_no_issue_numbers_or_rounds_in_code_or_documents():
+    docs = [p for p in tracked_files() if is_document(p)]
+    assert "README.md" in docs and "tango.py" in docs and len(docs) > 60  # the walk sees the tree
+    hits = history_lines(docs)
+    assert not hits, "\n".join(f"{p}:{n}: {line}" for p, n, line in hits)
+
+
+def test_readme_and_results_index_are_short():
+    for path, most in (("README.md", 150), ("results/README.md", 200)):
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
+            n = len(f.read().splitlines())
+        assert 0 < n <= most, f"{path}: {n} lines, at most {most}"
+
+
+def test_readme_keeps_the_commands_ci_runs_and_the_places_the_lead_fills():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert "GPT2_BPE_FILE=../shared/data/gpt2.tiktoken python -m pytest -q\n" in readme
+    assert "python train.py --model tango --depth 8" in readme
+    for marker in ("<!-- main job output -->", "<!-- headline -->"):
+        assert readme.count(marker) == 1, marker
+
+
+def markdown_links(path):
+    """The relative link targets [text](target) of a markdown file."""
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        text = f.read()
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:", t)]
+
+
+def heading_anchors(path):
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation but - dropped, spaces to -."""
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        heads = re.findall(r"^#+ (.*)$", f.read(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_relative_link_of_the_documents_resolves():
+    docs = [p for p in tracked_files() if p.endswith(".md") and is_document(p)]
+    assert "docs/training.md" in docs and "results/chargrid/README.md" in docs
+    bad = []
+    for doc in docs:
+        for link in markdown_links(doc):
+            path, _, anchor = link.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+            if not os.path.exists(os.path.join(REPO, target)):
+                bad.append(f"{doc}: {link} (no such file)")
+            elif anchor and target.endswith(".md") and anchor not in heading_anchors(target):
+                bad.append(f"{doc}: {link} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def test_heading_anchors_follow_github():
+    assert markdown_links("README.md") and "cost-flopspy" in heading_anchors("MATH.md")
+
+
+def test_every_result_folder_has_a_readme_listed_in_the_index():
+    with open(os.path.join(REPO, "results", "README.md"), encoding="utf-8") as f:
+        index = f.read()
+    folders = sorted(p.split("/")[1] for p in tracked_files() if p.startswith("results/") and p.count("/") >= 2)
+    assert "chargrid" in folders and "bench" in folders
+    for name in set(folders):
+        assert os.path.exists(os.path.join(REPO, "results", name, "README.md")), name
+        assert f"]({name}/README.md" in index, f"results/README.md does not list {name}/"

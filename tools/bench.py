@@ -1,4 +1,4 @@
-"""Training-step speed, peak memory and MFU of every model at matched parameters (issue 6).
+"""Training-step speed, peak memory and MFU of every model at matched parameters.
 
     python -m tools.bench                                   # CPU: all models, T = 256..4096, eager
     python -m tools.bench --models tango,tango-3set,loop --block_sizes 512,2048
@@ -35,7 +35,7 @@ max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block 
 row does the same number of tokens per step. On CPU the timed steps run with glibc's malloc
 keeping freed memory for the next step (cpu_memory.keep_freed_memory; --cpu_memory return for
 glibc's default, under which the page faults of each step's fresh large tensors took a fifth to
-a half of a step on this project's CPU: results/README.md, "Windowed TANGO against Loop Transformer++").
+a half of a step on this project's CPU: docs/training.md, "Training on CPU").
 
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one; with --rounds, the steps of all rounds), after --warmup untimed
@@ -58,7 +58,7 @@ peak MB     CPU: the peak resident set size during the last warm-up training ste
             step's working memory: gradients, activations saved for backward, logits and
             transients. CUDA: torch.cuda.max_memory_allocated above the allocation before the step.
 
-The targets of issue 6 are computed from the rows (eager rows where present): TANGO's memory per
+The benchmark's targets are computed from the rows (eager rows where present): TANGO's memory per
 sequence grows as T^p with p <= 1.1 (least-squares slope of log(peak / B) on log T), Windowed
 TANGO's time per token at T=4096 within 1.25x of T=512, the three-set model >= 3x TANGO's
 tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the same T.
@@ -296,7 +296,7 @@ def run_config_here(spec):
 
 
 def parse(argv):
-    p = ExitParser(prog="bench.py", description="Training-step throughput, peak memory and MFU at matched parameters (issue 6).")
+    p = ExitParser(prog="bench.py", description="Training-step throughput, peak memory and MFU at matched parameters.")
     p.add_argument("--models", default=",".join(models.REGISTRY), help="comma-separated registry names (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="every model at T = 2048 compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop "
@@ -458,7 +458,7 @@ def main(argv=None):
           + f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "
           f"max {meta['load_average_max_during']} during.\n\n"
           f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
-          + table(rows) + "\n\nTargets (issue 6):\n\n" + targets_text(tg) + "\n"
+          + table(rows) + "\n\nTargets:\n\n" + targets_text(tg) + "\n"
           + ("\nReFlux schedules (inference, one sequence, no gradients; bench_decode.reflux_rows):\n\n"
              + reflux_table(rf_rows) + "\n" if rf_rows is not None else "")
           + "".join(f"\nNote: {n}\n" for n in a.note))

@@ -1,4 +1,4 @@
-"""bench.py's report: MFU ratios to Loop Transformer++, the issue-6 targets computed from the rows,
+"""bench.py's report: MFU ratios to Loop Transformer++, the speed/memory targets computed from the rows,
 and the markdown table. A row is one configuration's dict from bench.child (status, model, T,
 compile, tokens/s, peak memory, model FLOPs, ...); see bench.py's docstring for the columns."""
 import math
@@ -23,7 +23,8 @@ def _slope(xs, ys):
 
 
 def targets(rows):
-    """The issue-6 targets from the rows (eager where present); each {value, threshold, status, detail}."""
+    """The targets from the rows (eager where present): linear memory, flat windowed time, three-set
+    speed, MFU; each {value, threshold, status, detail}."""
     modes = {r["compile"] for r in rows if r["status"] == "ok"}
     mode = False if False in modes else (True if modes else False)
     ok = {(r["model"], r["T"]): r for r in rows if r["status"] == "ok" and r["compile"] == mode}

@@ -4,7 +4,7 @@
     python -m tools.sweep report --root runs/readme [--out table.md]
     python -m tools.sweep collect --root runs/grid --to results/grid      # small JSON copies to commit
     python -m tools.sweep report --grid --root results/grid               # the paper-style tables
-    python -m tools.sweep report --grid --root results/chargrid --into results/README.md   # ... written in place
+    python -m tools.sweep report --grid --root results/chargrid --into results/chargrid/README.md   # ... in place
     python -m tools.sweep plot --root results/grid --out results/grid     # PNG curves (needs matplotlib)
 
 `run` trains every (dataset, model, depth, seed) as its own train.py process in
