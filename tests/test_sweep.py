@@ -301,3 +301,14 @@ def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
     with pytest.raises(UsageError, match="no line <!-- end of grid report --> after <!-- sweep report --grid --root g"):
         sweep.main(["report", "--grid", "--root", "g", "--into", "doc.md"])
     assert doc.read_text() == "<!-- sweep report --grid --root g -->\nno end marker\n"
+
+
+def test_paired_differences_subtract_tango_seed_by_seed():
+    """Each model minus TANGO at the same seed: seeds only one model has are left out of the pair."""
+    run = lambda m, seed, nll, tps: {"model": m, "seed": seed, "test_nll": nll, "tok_per_s_median_last100": tps}
+    rows = {("ds", "tango", 4): [run("tango", 1, 2.0, 100.0), run("tango", 2, 3.0, 300.0)],
+            ("ds", "loop", 4): [run("loop", 1, 2.5, 1000.0), run("loop", 2, 3.1, 2000.0), run("loop", 3, 9.0, 0.0)]}
+    lines = sweep_report.paired_differences(rows, ["ds"])
+    assert lines[-2] == "| tango | - | 200 |"
+    assert lines[-1] == "| loop | +0.300 ± 0.283 (n=2) | 1,000 |"  # diffs 0.5 and 0.1; tokens/s mean of three
+    assert sweep_report.paired_differences({("ds", "loop", 4): rows["ds", "loop", 4]}, ["ds"]) == []

@@ -241,8 +241,42 @@ def grid_report(root):
         out.append(f"**{ds}**: dev NLL at every depth (the checkpoint-selection split).\n")
         out += _table(rows, ds, models, [(f"dev NLL K={k}", k, "dev_nll", "{:.3f}") for k in depths]) + [""]
     out += claims(rows, datasets)
+    out += paired_differences(rows, datasets)
     out += wall_time(root, rows)
     return "\n".join(out) + "\n"
+
+
+def paired_differences(rows, datasets):
+    """Per dataset: each model's test NLL minus TANGO's at the same seed (mean ± std over the seeds
+    both have, n = how many; negative = lower than TANGO) at every held-out depth, and each model's
+    training throughput (tokens/s, median of the last 100 updates, mean over seeds). [] without
+    TANGO runs."""
+    out = []
+    for ds in datasets:
+        models = _order({k[1] for k in rows if k[0] == ds})
+        depths = [k for k in HELD_OUT if (ds, "tango", k) in rows]
+        if not depths:
+            continue
+        out += ["", f"**{ds}**: paired-seed differences, test NLL of each model minus TANGO's at the same seed "
+                    "(nats/token, mean ± std over seeds, n seeds; negative: lower than TANGO), and training "
+                    "throughput (tokens/s, median of the last 100 updates, mean over seeds).\n",
+                "| model | " + " | ".join(f"test NLL − TANGO K={k}" for k in depths)
+                + " | " + " | ".join(f"tokens/s K={k}" for k in depths) + " |",
+                "|---|" + "---|" * (2 * len(depths))]
+        for m in models:
+            cells = []
+            for k in depths:
+                tango = {r["seed"]: r["test_nll"] for r in rows[ds, "tango", k] if r.get("test_nll") is not None}
+                diffs = [r["test_nll"] - tango[r["seed"]] for r in rows.get((ds, m, k), [])
+                         if r.get("test_nll") is not None and r["seed"] in tango]
+                mu, sd = mean_std(diffs)
+                cells.append("-" if m == "tango" or mu is None else
+                             f"{mu:+.3f}" + (f" ± {sd:.3f}" if len(diffs) > 1 else "") + f" (n={len(diffs)})")
+            for k in depths:
+                mu, _ = _stat(rows, (ds, m, k), "tok_per_s_median_last100")
+                cells.append("-" if mu is None else f"{mu:,.0f}")
+            out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
 
 
 def wall_time(root, rows):
