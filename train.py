@@ -15,7 +15,7 @@ the one evaluated on test. Throughput: median training tokens/s over the final 1
 
 Reading order: flags (build_parser) -> set-up (setup) -> the training loop (train_loop and its
 update, train_update, where the loss is computed) -> the final report (finish). Out of the story:
-config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
+models.py (the registry; model_config: flags -> ModelConfig), config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
 checking the data), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
@@ -50,11 +50,10 @@ import data as data_mod
 from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
                         resume_args, save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions
-from harness.config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
-                    resolve_args, tier_default)
+from harness.config import Dist, DebugDump, Log, autocast_ctx, check_model_flags, resolve_args, tier_default
 from harness.datacheck import load_data
 from harness.evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
-from models import REGISTRY, TIERS, build_model
+from models import REGISTRY, TIERS, build_model, model_config, shared_block_models
 # names other code uses as train.X (latent_tokens.py: save_atomic, eval_mode)
 from harness.checkpoint import save_atomic  # noqa: F401,E402
 from harness.config import TIER_DEFAULTS  # noqa: F401,E402
@@ -145,7 +144,7 @@ def build_parser(suppress_defaults=False):
     a("--eval_windows", type=int, help="fixed dev/test windows evaluated; " + tier_default("eval_windows"))
     a("--eval_batch_size", type=int, default=8, help="windows per evaluation forward pass")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
-      f"1,2,4,8,16,32 (shared-block models: {', '.join(SHARED_BLOCK)}); default: none")
+      f"1,2,4,8,16,32 (shared-block models: {', '.join(shared_block_models())}); default: none")
     a("--em_samples", type=int, help="dmmath: problems per split scored by exact match; " + tier_default("em_samples"))
     a("--sample_tokens", type=int, default=80, help="length of the decoded sample printed at the end")
     a = group("system")
