@@ -14,8 +14,9 @@ windows every --eval_interval updates and after the last; the checkpoint with th
 the one evaluated on test. Throughput: median training tokens/s over the final 100 updates.
 
 Reading order: flags (build_parser) -> set-up (setup) -> the training loop (train_loop and its
-update, train_update, where the loss is computed) -> the final report (finish). Out of the story:
-models.py (the registry; model_config: flags -> ModelConfig), config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
+update, train_update, over the summed NLL the model returns: common.LM.head) -> the final report
+(finish). Out of the story: models.py (the registry; model_config: flags -> ModelConfig),
+config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
 checking the data), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
@@ -44,7 +45,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 
 import data as data_mod
 from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, remove_stale, restore,
@@ -378,8 +378,7 @@ def train_update(r, starts):
         sync = j == len(mine) - 1  # gradients are all-reduced on the last micro-batch only
         with contextlib.nullcontext() if sync or not dist.ddp else r.train_model.no_sync():
             with r.ctx:
-                logits, _ = r.train_model(x)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+                _, nll = r.train_model(x, y, reduction="sum")  # summed NLL of the scored targets (common.LM.head)
             (nll * scale).backward()
         nll_sum += nll.detach().double()
     loss = float(dist.all_sum(nll_sum)) / n_scored
