@@ -86,7 +86,11 @@ class ModelSpec:
 
 HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
 BOOL = Choice((False, True))
-_D = lambda c: (c.n_embd, "the residual width d; a larger rank adds parameters, not rank")
+# Ranges: a rank or dimension above d adds parameters but no rank (the fault this guards: --fold_rank
+# 9999 built 2.6M non-embedding parameters at the tiny tier's 400k); a block index past the last.
+# Windows (--window, --chunk, --plt_window) have no upper bound: above --block_size a window equals
+# it in training, but it still bounds decoding past T, and the tier defaults exceed short runs' T.
+_D = lambda c: (c.n_embd, "the residual width d; a larger one adds parameters, not rank")
 _LAST_BLOCK = lambda c: (c.depth - 1, "the last block, --depth - 1")
 _DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")
 GAU_S = {"gau_s": Range(1, _D)}

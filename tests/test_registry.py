@@ -160,7 +160,7 @@ def test_the_loopfold_rank_above_d_is_refused_naming_the_range(text_file, capsys
     with pytest.raises(SystemExit):
         train.main(["--model", "loopfold", "--fold_rank", "9999", "--size", "tiny", "--dataset", str(text_file),
                     "--data_root", str(text_file.parent / "data"), "--out_dir", str(text_file.parent / "out")])
-    assert capsys.readouterr().err == ("error: --fold_rank 9999: must be <= 64 (the residual width d; a larger rank "
+    assert capsys.readouterr().err == ("error: --fold_rank 9999: must be <= 64 (the residual width d; a larger one "
                                        "adds parameters, not rank) for --model loopfold\n")
     args = train.parse_args(["--model", "loopfold", "--fold_rank", "64", "--size", "tiny", "--block_size", "32"])
     cfg, _ = models.model_config(resolve_args(args), 61)
