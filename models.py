@@ -88,18 +88,16 @@ HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (on
 BOOL = Choice((False, True))
 # Ranges: a rank or dimension above d adds parameters but no rank (the fault this guards: --fold_rank
 # 9999 built 2.6M non-embedding parameters at the tiny tier's 400k); a block index past the last.
-# Windows (--window, --chunk, --plt_window) have no upper bound: above --block_size a window equals
-# it in training, but it still bounds decoding past T, and the tier defaults exceed short runs' T.
+# Windows (--window, --chunk, --plt_window) and LRT's subsets have no upper bound: above --block_size
+# a window equals it in training, but it still bounds decoding past T, and the tier defaults exceed
+# short runs' T; subsets beyond a sequence's slot rows are as many as its rows, at any length.
 _D = lambda c: (c.n_embd, "the residual width d; a larger one adds parameters, not rank")
 _LAST_BLOCK = lambda c: (c.depth - 1, "the last block, --depth - 1")
 _DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")
 GAU_S = {"gau_s": Range(1, _D)}
 RECURRENT = {"mu_rec": Range(0), "mu_bwd": Range(0), "n_prelude": Range(0), "n_core": Range(1), "n_coda": Range(0)}
 DEPTH_ATTN = {"da_stride": Range(-1, _DEPTH), "da_recent": Range(0, _DEPTH)}
-LRT = {"lrt_src": Range(-1, _LAST_BLOCK), "lrt_tgt": Range(0, _LAST_BLOCK), "lrt_kv": BOOL,
-       "lrt_subsets": Range(1, lambda c: (c.block_size, "--block_size: one position per subset"))}
-LRT_THINK = {**LRT, "n_thoughts": Range(0), "lrt_subsets": Range(1, lambda c: (
-    (c.n_thoughts + 1) * c.block_size, "the slot rows (--n_thoughts + 1) --block_size: one per subset"))}
+LRT = {"lrt_src": Range(-1, _LAST_BLOCK), "lrt_tgt": Range(0, _LAST_BLOCK), "lrt_kv": BOOL, "lrt_subsets": Range(1)}
 LOOPS = {"n_core": Range(1)}
 
 # Width granularity: TANGO's gated width is a multiple of H. The feed-forward width of
@@ -122,7 +120,7 @@ REGISTRY = {
     "ponder": ModelSpec(ponder.ponder, flags={"n_thoughts": Range(0), "jacobi": Range(0), "jacobi_random": BOOL},
                         macs="ponder_forward_macs"),
     "lrt": ModelSpec(latent_recurrence.lrt, flags={**LRT, "lrt_detach_init": BOOL}, macs="lrt_forward_macs"),
-    "lrt-think": ModelSpec(latent_recurrence.lrt_think, flags={**LRT_THINK, "lrt_detach_init": BOOL},
+    "lrt-think": ModelSpec(latent_recurrence.lrt_think, flags={**LRT, "n_thoughts": Range(0), "lrt_detach_init": BOOL},
                            macs="lrt_forward_macs"),
     "loopstack": ModelSpec(plt.loopstack, shared_block=True, flags=LOOPS, macs="parallel_loops_forward_macs"),
     "plt": ModelSpec(plt.plt, flags={**LOOPS, "plt_window": Range(1), "plt_shift": BOOL},
