@@ -7,6 +7,7 @@ embedding, the tied head, the loss, cached generation and parameter counting liv
 
     model = build_model(cfg)                       # models.py
     logits, loss = model(idx, targets, positions)  # (B, T, V), scalar NLL in nats/token
+    logits, nll = model(idx, targets, reduction="sum")  # the summed NLL (nats) training uses
     out = model.generate(idx, max_new_tokens, temperature=1.0, top_k=None)
     model.num_params()                             # non-embedding parameters
 """
@@ -258,17 +259,21 @@ class LM(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # parameters() already de-duplicates shared tensors
         return n - self.wte.weight.numel() if non_embedding else n - self.wte.weight[self.cfg.vocab_size:].numel()
 
-    def forward(self, idx, targets=None, positions=None, cache=None):
+    def forward(self, idx, targets=None, positions=None, cache=None, reduction="mean"):
         """idx: (B, T) int64 token ids; targets: (B, T) with -1 = not scored; positions: (T,) or
         (B, T) RoPE position ids (default: 0..T-1, continuing after a cache's length).
 
-        Returns logits (B, T, V) and the mean NLL over scored targets in nats/token (or None).
+        Returns logits (B, T, V) and the NLL over the scored targets (None without targets):
+        reduction "mean" in nats/token, "sum" in nats (what training sums over micro-batches and
+        divides by their count of scored targets). ValueError for another reduction.
         """
         x = self.wte(idx)
-        return self.forward_embeds(x, targets, positions, cache)
+        return self.forward_embeds(x, targets, positions, cache, reduction)
 
-    def forward_embeds(self, x, targets=None, positions=None, cache=None):
+    def forward_embeds(self, x, targets=None, positions=None, cache=None, reduction="mean"):
         """forward() from input embeddings x: (B, T, d) (used by latent tokens; MATH.md, "Latent tokens")."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction {reduction!r}: must be 'mean' or 'sum'")
         T = x.shape[1]
         if positions is None:
             start = cache.get("len", 0) if cache is not None else 0
@@ -277,22 +282,26 @@ class LM(nn.Module):
         x = self.body(x, cos, sin, cache)
         if cache is not None:
             cache["len"] = cache.get("len", 0) + T
-        return self.head(x, targets, cache)
+        return self.head(x, targets, cache, reduction)
 
     def logits(self, x):
         """Tied head on final-norm outputs x: (..., d) -> logits (..., V) (the padding rows sliced off)."""
         return (x @ self.wte.weight.t())[..., :self.cfg.vocab_size]
 
     @compiled_region
-    def head(self, x, targets=None, cache=None):
-        """Final norm, head and mean NLL over targets != -1 (nats/token, or None without targets).
+    def head(self, x, targets=None, cache=None, reduction="mean"):
+        """Final norm, head and the NLL over targets != -1: summed (nats) for reduction "sum", that
+        sum over the count of scored targets for "mean" (nats/token; None without targets).
         x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly)."""
         # (B, T, Vp): the aligned matmul over the padded rows, whose logits the bias sets to -inf, so
         # the loss reads them contiguous (no copy of a V-column slice) and they get no gradient
         padded = F.linear(self.norm_f(x), self.wte.weight, self.vocab_bias)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(padded.float().view(-1, padded.size(-1)), targets.reshape(-1), ignore_index=-1)
+            wide = padded.to(torch.promote_types(padded.dtype, torch.float32))  # bf16 -> float32; float64 stays
+            loss = F.cross_entropy(wide.view(-1, padded.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
+            if reduction == "mean":
+                loss = loss / (targets != -1).sum()
         return padded[..., :self.cfg.vocab_size], loss
 
     @torch.no_grad()

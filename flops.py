@@ -26,6 +26,9 @@ them) x T K would differ by (2d + 2H) / N* = 2.4e-5 at the 70M tier, so the chec
 same either way. Windowed TANGO's one summary source per query (T K (d + F)
 elementwise work, 1/W of the window) is left out, as in the convention's T W (d + F).
 
+Each model's formula is the function of this file that its registry row names (models.py,
+ModelSpec.macs: tango_macs, transformer_macs, ..., recurrent_forward_macs); forward_macs looks it up.
+
 counter_expected_macs gives what torch.utils.flop_counter.FlopCounterMode / 2 reports for one
 forward of the default ("fast") implementation; it differs from the convention only by padding,
 spelled out there. train_flops = 3 x forward x 2 FLOPs/MAC (backward ~ 2 x forward): 6 N D style.
@@ -53,45 +56,54 @@ def _gau_dims(cfg):
     return cfg.width, getattr(cfg, "gau_s", 128), getattr(cfg, "chunk", 256)  # e, s, C
 
 
-def _per_application(cfg: ModelConfig, T: int):
-    """(matrix parameters, score MACs, mix MACs) of one block application at length T."""
+def _blocks(cfg: ModelConfig, T: int, params, scores, mix) -> dict:
+    """The convention's dict for K applications of one block with `params` matrix parameters and
+    `scores` / `mix` MACs per application at length T, plus the tied head."""
+    K = cfg.depth
+    out = {"linear": params * T * K, "scores": scores * K, "mix": mix * K, "head": cfg.vocab_size * cfg.n_embd * T}
+    out["total"] = sum(out.values())
+    return out
+
+
+def tango_macs(cfg: ModelConfig, T: int) -> dict:
+    """TANGO and TANGO 3-set (one set in use per application): 2d^2 + 3dF, scores T^2 d, mix T^2 F."""
     d, F = cfg.n_embd, cfg.width
-    m = cfg.model
-    if m in ("tango", "tango-3set"):
-        return 2 * d * d + 3 * d * F, T * T * d, T * T * F
-    if m == "tango-windowed":
-        W = min(cfg.window, T)
-        return 2 * d * d + 3 * d * F, T * W * d, T * W * F
-    if m in ("loop", "untied", "depth-attn", "loop-depth-attn"):  # depth mixing: depth_extra_macs
-        return 4 * d * d + 3 * d * F, T * T * d, T * T * d
-    if m == "gau":
-        e, s, _ = _gau_dims(cfg)
-        return 3 * d * e + d * s, T * T * s, T * T * e
-    if m == "flash":
-        e, s, C = _gau_dims(cfg)
-        glob = 2 * T * s * e if T > C else 0
-        return 3 * d * e + d * s, T * min(C, T) * s, T * min(C, T) * e + glob
-    raise UsageError(f"flops: no MAC formula for model '{m}'")
+    return _blocks(cfg, T, 2 * d * d + 3 * d * F, T * T * d, T * T * F)
+
+
+def tango_windowed_macs(cfg: ModelConfig, T: int) -> dict:
+    """Windowed TANGO, W = min(window, T): 2d^2 + 3dF, scores T W d, mix T W F."""
+    d, F, W = cfg.n_embd, cfg.width, min(cfg.window, T)
+    return _blocks(cfg, T, 2 * d * d + 3 * d * F, T * W * d, T * W * F)
+
+
+def transformer_macs(cfg: ModelConfig, T: int) -> dict:
+    """Loop and untied Transformer++: 4d^2 + 3dF, scores (QK^T) T^2 d, mix (AV) T^2 d."""
+    d, F = cfg.n_embd, cfg.width
+    return _blocks(cfg, T, 4 * d * d + 3 * d * F, T * T * d, T * T * d)
+
+
+def gau_macs(cfg: ModelConfig, T: int) -> dict:
+    """GAU: 3de + ds, scores T^2 s, mix (AV) T^2 e."""
+    e, s, _ = _gau_dims(cfg)
+    return _blocks(cfg, T, 3 * cfg.n_embd * e + cfg.n_embd * s, T * T * s, T * T * e)
+
+
+def flash_macs(cfg: ModelConfig, T: int) -> dict:
+    """FLASH: 3de + ds, scores T C s, mix T C e (local) + 2 T s e (global, only when T > C)."""
+    e, s, C = _gau_dims(cfg)
+    glob = 2 * T * s * e if T > C else 0
+    return _blocks(cfg, T, 3 * cfg.n_embd * e + cfg.n_embd * s, T * min(C, T) * s, T * min(C, T) * e + glob)
 
 
 def forward_macs(cfg: ModelConfig, T: int) -> dict:
-    """Forward MACs of one sequence of length T by the convention above: {"linear", "scores", "mix", "head", "total"}."""
-    if cfg.model in RECURRENT_MODELS:  # Parcae / RDM: prelude + K x core + coda (section below)
-        return recurrent_forward_macs(cfg, T)
-    if cfg.model == "ponder":  # PonderLM-2: several passes over thought slots (section below)
-        return ponder_forward_macs(cfg, T)
-    if cfg.model in LRT_MODELS:  # LRT: an init pass and the refinement of every slot (section below)
-        return lrt_forward_macs(cfg, T)
-    if cfg.model in PARALLEL_LOOPS:  # loopstack, PLT, LoopFold (section below)
-        return parallel_loops_forward_macs(cfg, T)
-    params, scores, mix = _per_application(cfg, T)
-    K = cfg.depth
-    out = {"linear": params * T * K, "scores": scores * K, "mix": mix * K, "head": cfg.vocab_size * cfg.n_embd * T}
-    if cfg.model in ("depth-attn", "loop-depth-attn"):  # depth scores and depth mixing
-        out["scores"] += depth_extra_macs(cfg, T)
-        out["mix"] += depth_extra_macs(cfg, T)
-    out["total"] = sum(out.values())
-    return out
+    """Forward MACs of one sequence of length T by the convention above: {"linear", "scores", "mix",
+    "head", "total"}, by the MAC formula the model's registry row names (models.ModelSpec.macs).
+    UsageError for a model without one."""
+    formula = models.spec_of(cfg.model).macs
+    if formula is None:
+        raise UsageError(f"flops: no MAC formula for model '{cfg.model}'")
+    return (formula if callable(formula) else globals()[formula])(cfg, T)
 
 
 def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
@@ -211,6 +223,16 @@ def main(argv=None):
 # (S_p T)^2 d K each. Only the T last slots reach the head. (Training with jacobi_random draws
 # N in {2, 3}: 2.5 on average, against cfg.jacobi = 3 here.)
 
+def depth_attn_macs(cfg: ModelConfig, T: int) -> dict:
+    """(Loop) Depth-Attention: Transformer++ plus depth_extra_macs in both scores and mix."""
+    out = transformer_macs(cfg, T)
+    extra = depth_extra_macs(cfg, T)
+    out["scores"] += extra
+    out["mix"] += extra
+    out["total"] += 2 * extra
+    return out
+
+
 def depth_extra_macs(cfg: ModelConfig, T: int) -> int:
     """Depth-Attention's depth-score MACs (= its depth-mix MACs) of one length-T forward:
     T d sum over layers with C(l) non-empty of (|C(l)| + 1)."""
@@ -281,9 +303,6 @@ def reflux_forward_macs(cfg: ModelConfig, T: int, schedule: str, edges: int = 1,
 # lrt_kv, W_km and W_vm (2 d^2) too, and every row's private key/value costs d more score and d more
 # mix MACs per block in both passes. Only the T scored rows reach the head.
 
-LRT_MODELS = ("lrt", "lrt-think")
-
-
 def lrt_forward_macs(cfg: ModelConfig, T: int) -> dict:
     """Forward MACs (MATH.md, Cost) of LRT / LRT with thought tokens (same keys as forward_macs):
     linear 2 S K (4d^2 + 3dF) + S d^2 (+ 2 S d^2), scores = mix = 2 S^2 d K (+ 2 S d K), head V d T."""
@@ -315,9 +334,6 @@ def lrt_decode_macs(cfg: ModelConfig, L: int) -> int:
 # keys (T^2 d scores and mix) and window attention over the loop's own (T min(W, T) d each).
 # LoopFold: each of the N - S predicted rows costs the predictor 2 d r and its correction 2 d r.
 
-PARALLEL_LOOPS = ("loopstack", "plt", "loopfold")
-
-
 def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
     """Forward MACs (the convention above) of loopstack, PLT or LoopFold (same keys as forward_macs)."""
     import plt
@@ -345,7 +361,7 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
 # computes B e once and C h once (2 d^2 per token); RDM applies its adapter W: 2d -> d at every
 # recurrence (2 d^2 per token per recurrence).
 
-RECURRENT_MODELS = ("parcae", "rdm")
+RECURRENT_MODELS = models.model_flags()["n_prelude"]  # prelude -> core -> coda: the models that read --n_prelude
 
 
 def recurrent_forward_macs(cfg: ModelConfig, T: int) -> dict:

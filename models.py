@@ -1,9 +1,32 @@
 """Model registry, size tiers and width solving (MATH.md, "What every model shares"; the 70M and
 160M tiers are the TANGO paper's, "TANGO: Treating Tokens as Operators", §3 "Models and optimization").
 
-REGISTRY maps a --model name to a body constructor taking a ModelConfig, one row per model.
-build_model(cfg) wraps the body in the shared LM (embedding, tied head, loss, generation).
+REGISTRY maps a --model name to its ModelSpec: the body constructor and everything the harness
+needs to know about the model (width granularity, shared block, the model flags it reads with
+their meaningful ranges, its MAC formula). build_model(cfg) wraps the body in the shared LM
+(embedding, tied head, loss, generation); model_config(args) turns train.py's flags into a ModelConfig.
+
+Adding a model (a checklist; tests/test_registry.py registers a toy model by it)
+  1. yourmodel.py: the body, an nn.Module with forward(x (B, T, d), cos, sin, cache) -> (B, T, d)
+     (cache None in training, else a dict of its decoding state), and a constructor
+     `def yourmodel(cfg) -> body` whose docstring gives the non-embedding parameter count and the
+     source (paper title, arXiv id, section). Module attributes the harness reads, if they apply:
+     `no_decay` (names of the class's own gain/scale parameters: no weight decay),
+     `is_residual_out = True` on a Linear (smaller init), `rng_seed` (the seed of training draws,
+     set per micro-batch) and `diagnostics(spectral)` on the body (logged per update).
+  2. New hyperparameters: a field with its default in common.ModelConfig and a flag of the same
+     name in train.build_parser's "model" group (model_config passes every declared flag on).
+  3. models.py: a REGISTRY row `"yourmodel": ModelSpec(yourmodel.yourmodel, width_multiple=8,
+     shared_block=..., flags={"your_flag": Range(lo, hi)}, macs=...)`. flags lists every model flag
+     the body reads (the others are refused for --model yourmodel) with its meaningful values;
+     macs is a function (cfg, T) -> {"linear", "scores", "mix", "head", "total"} MACs of one length-T
+     sequence by the convention of flops.py (the built-in models' formulas live there, by name).
+  4. tests: the float64 hand computation in tests/test_equations.py (HAND), cached decoding equal
+     to the full forward, and a fast path next to its reference compared in float64.
 """
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
 import torch
 
 import baselines
@@ -15,25 +38,114 @@ import ponder
 import tango
 from common import LM, ModelConfig, UsageError
 
+
+@dataclass(frozen=True)
+class Range:
+    """The meaningful values lo <= v of an integer model flag, and v <= hi(cfg) where hi is given:
+    a function cfg -> (bound, what the bound is), e.g. lambda c: (c.n_embd, "the residual width d")."""
+    lo: int
+    hi: Callable = None
+
+    def error(self, flag, v, cfg):
+        """None if v is in range, else the one-line message naming --flag and the range."""
+        if v < self.lo:
+            return f"--{flag} {v}: must be >= {self.lo}"
+        if self.hi is not None:
+            bound, what = self.hi(cfg)
+            if v > bound:
+                return f"--{flag} {v}: must be <= {bound} ({what}) for --model {cfg.model}"
+        return None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A model flag that takes one of a few values (booleans, --fold_layout)."""
+    values: tuple
+
+    def error(self, flag, v, cfg):
+        if v not in self.values:
+            return f"--{flag} {v}: choose one of {', '.join(map(str, self.values))}"
+        return None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the harness knows about a registered model.
+
+    build: cfg -> body (common.LM wraps it); width_multiple: granularity of the solved expansion
+    width, an int or a function of cfg; shared_block: one block (unit, core) that can be applied
+    any number of times (--eval_depths); flags: model flag -> Range/Choice of the flags the body
+    reads (ModelConfig field = train.py flag); macs: (cfg, T) -> forward MAC dict (flops.py's
+    convention) or the name of such a function in flops.py; None: no formula (flops raises)."""
+    build: Callable
+    width_multiple: object = 8
+    shared_block: bool = False
+    flags: dict = field(default_factory=dict)
+    macs: object = None
+
+
+HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
+BOOL = Choice((False, True))
+# Ranges: a rank or dimension above d adds parameters but no rank (the fault this guards: --fold_rank
+# 9999 built 2.6M non-embedding parameters at the tiny tier's 400k); a block index past the last.
+# Windows (--window, --chunk, --plt_window) and LRT's subsets have no upper bound: above --block_size
+# a window equals it in training, but it still bounds decoding past T, and the tier defaults exceed
+# short runs' T; subsets beyond a sequence's slot rows are as many as its rows, at any length.
+_D = lambda c: (c.n_embd, "the residual width d; a larger one adds parameters, not rank")
+_LAST_BLOCK = lambda c: (c.depth - 1, "the last block, --depth - 1")
+_DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")
+GAU_S = {"gau_s": Range(1, _D)}
+RECURRENT = {"mu_rec": Range(0), "mu_bwd": Range(0), "n_prelude": Range(0), "n_core": Range(1), "n_coda": Range(0)}
+DEPTH_ATTN = {"da_stride": Range(-1, _DEPTH), "da_recent": Range(0, _DEPTH)}
+LRT = {"lrt_src": Range(-1, _LAST_BLOCK), "lrt_tgt": Range(0, _LAST_BLOCK), "lrt_kv": BOOL, "lrt_subsets": Range(1)}
+LOOPS = {"n_core": Range(1)}
+
+# Width granularity: TANGO's gated width is a multiple of H. The feed-forward width of
+# Transformer++ and GAU/FLASH's e have no head structure; there we use multiples of 8, because
+# multiples of H cannot meet the paper's 0.20 % for every depth (untied Transformer++ at 70M,
+# K = 8: the nearest multiples of 16 give -0.203 % / +0.24 %).
 REGISTRY = {
-    "tango": tango.tango,
-    "tango-windowed": tango.tango_windowed,
-    "tango-3set": tango.tango_3set,
-    "loop": baselines.loop_transformer,
-    "untied": baselines.untied_transformer,
-    "gau": baselines.gau,
-    "flash": baselines.flash,
-    "parcae": parcae.parcae,
-    "rdm": parcae.rdm,
-    "depth-attn": depth_attention.depth_attn,
-    "loop-depth-attn": depth_attention.loop_depth_attn,
-    "ponder": ponder.ponder,
-    "lrt": latent_recurrence.lrt,
-    "lrt-think": latent_recurrence.lrt_think,
-    "loopstack": plt.loopstack,
-    "plt": plt.plt,
-    "loopfold": plt.loopfold,
+    "tango": ModelSpec(tango.tango, HEADS, shared_block=True, macs="tango_macs"),
+    "tango-windowed": ModelSpec(tango.tango_windowed, HEADS, shared_block=True, flags={"window": Range(1)},
+                                macs="tango_windowed_macs"),
+    "tango-3set": ModelSpec(tango.tango_3set, HEADS, shared_block=True, macs="tango_macs"),
+    "loop": ModelSpec(baselines.loop_transformer, shared_block=True, macs="transformer_macs"),
+    "untied": ModelSpec(baselines.untied_transformer, macs="transformer_macs"),
+    "gau": ModelSpec(baselines.gau, shared_block=True, flags=GAU_S, macs="gau_macs"),
+    "flash": ModelSpec(baselines.flash, shared_block=True, flags={"chunk": Range(1), **GAU_S}, macs="flash_macs"),
+    "parcae": ModelSpec(parcae.parcae, HEADS, shared_block=True, flags=RECURRENT, macs="recurrent_forward_macs"),
+    "rdm": ModelSpec(parcae.rdm, HEADS, shared_block=True, flags=RECURRENT, macs="recurrent_forward_macs"),
+    "depth-attn": ModelSpec(depth_attention.depth_attn, flags=DEPTH_ATTN, macs="depth_attn_macs"),
+    "loop-depth-attn": ModelSpec(depth_attention.loop_depth_attn, flags=DEPTH_ATTN, macs="depth_attn_macs"),
+    "ponder": ModelSpec(ponder.ponder, flags={"n_thoughts": Range(0), "jacobi": Range(0), "jacobi_random": BOOL},
+                        macs="ponder_forward_macs"),
+    "lrt": ModelSpec(latent_recurrence.lrt, flags={**LRT, "lrt_detach_init": BOOL}, macs="lrt_forward_macs"),
+    "lrt-think": ModelSpec(latent_recurrence.lrt_think, flags={**LRT, "n_thoughts": Range(0), "lrt_detach_init": BOOL},
+                           macs="lrt_forward_macs"),
+    "loopstack": ModelSpec(plt.loopstack, shared_block=True, flags=LOOPS, macs="parallel_loops_forward_macs"),
+    "plt": ModelSpec(plt.plt, flags={**LOOPS, "plt_window": Range(1), "plt_shift": BOOL},
+                     macs="parallel_loops_forward_macs"),
+    "loopfold": ModelSpec(plt.loopfold, flags={**LOOPS, "fold": Range(1), "fold_rank": Range(0, _D),
+                                               "fold_layout": Choice(("first", "last"))},
+                          macs="parallel_loops_forward_macs"),
 }
+
+
+def model_flags():
+    """flag -> the models that read it (registry order), from the specs' flags; the order of the
+    flags is that of their first reader. Every other model ignores the flag (train.py refuses it)."""
+    out = {}
+    for name, spec in REGISTRY.items():
+        for flag in spec.flags:
+            out.setdefault(flag, ())
+            out[flag] += (name,)
+    return out
+
+
+def shared_block_models():
+    """The models whose one block (unit, recurrent core) can be applied any number of times."""
+    return tuple(name for name, spec in REGISTRY.items() if spec.shared_block)
+
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
 # is this project's small tier (the default without a GPU) and "tiny" the one of the README's
@@ -45,27 +157,34 @@ TIERS = {
     "160M": (768, 24, 121_400_000),
 }
 
-# Width granularity: TANGO splits its gated width into H groups (one per score head), so F is a
-# multiple of H. The feed-forward width of Transformer++ and GAU/FLASH's e have no head structure;
-# there we use multiples of 8, because multiples of H cannot meet the paper's 0.20 % for every
-# depth (untied Transformer++ at 70M, K = 8: the nearest multiples of 16 give -0.203 % / +0.24 %).
-WIDTH_MULTIPLE = {"loop": 8, "untied": 8, "gau": 8, "flash": 8, "depth-attn": 8, "loop-depth-attn": 8, "ponder": 8,
-                  "lrt": 8, "lrt-think": 8,
-                  "loopstack": 8, "plt": 8, "loopfold": 8}
-
 TOLERANCE = 0.002  # realized count within 0.20 % of the target (paper)
+
+
+def spec_of(name) -> ModelSpec:
+    """The ModelSpec of --model name; UsageError naming the choices for an unknown one."""
+    if name not in REGISTRY:
+        raise UsageError(f"--model: unknown model '{name}'; choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]
 
 
 def build_model(cfg: ModelConfig, device=None, **body_kwargs):
     """Instantiate cfg.model; raises UsageError for an unknown name or depth < 1."""
-    if cfg.model not in REGISTRY:
-        raise UsageError(f"--model: unknown model '{cfg.model}'; choose one of {', '.join(REGISTRY)}")
+    spec = spec_of(cfg.model)
     if cfg.depth < 1:
         raise UsageError(f"--depth {cfg.depth}: depth must be >= 1")
     if cfg.n_embd % 32 or cfg.n_head != cfg.n_embd // 32:
         raise UsageError(f"n_embd {cfg.n_embd} / n_head {cfg.n_head}: heads must have dimension 32")
     with torch.device(device or "cpu"):
-        return LM(cfg, REGISTRY[cfg.model](cfg, **body_kwargs))
+        return LM(cfg, spec.build(cfg, **body_kwargs))
+
+
+def check_flag_ranges(cfg: ModelConfig):
+    """UsageError (one line naming the flag and its range) for a value of a flag cfg.model reads
+    outside the range its ModelSpec declares."""
+    for flag, allowed in spec_of(cfg.model).flags.items():
+        msg = allowed.error(flag, getattr(cfg, flag), cfg)
+        if msg:
+            raise UsageError(msg)
 
 
 def count_params(cfg: ModelConfig) -> int:
@@ -97,8 +216,31 @@ def solve_width(cfg: ModelConfig, target: int, strict: bool = True) -> ModelConf
 
 
 def width_multiple(cfg: ModelConfig) -> int:
-    """The granularity of the solved width: n_head for the TANGO family, else WIDTH_MULTIPLE."""
-    return WIDTH_MULTIPLE.get(cfg.model, cfg.n_head)
+    """The granularity of the solved width: the spec's width_multiple (TANGO, Parcae, RDM: n_head)."""
+    m = spec_of(cfg.model).width_multiple
+    return m(cfg) if callable(m) else m
+
+
+def model_config(args, vocab_size):
+    """The ModelConfig of train.py's flags (args: its parsed, resolved flags), its width solved
+    to the tier's parameter target (or --width, taken as given: equal block shape instead of
+    equal parameters); returns (config, target non-embedding parameter count). UsageError for a
+    --width that is not a positive multiple of the model's width granularity, a value the model
+    rejects, or a model flag outside its declared range (check_flag_ranges)."""
+    d, H, target = TIERS[args.size]
+    cfg = ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size, n_embd=d, n_head=H,
+                      depth=args.depth, **{flag: getattr(args, flag) for flag in model_flags()})
+    if args.width:
+        m = width_multiple(cfg)
+        if args.width < 0 or args.width % m:
+            raise UsageError(f"--width {args.width}: must be a positive multiple of {m} for --model {args.model} "
+                             "(0: solve it to the tier's parameter target)")
+        cfg = replace(cfg, width=args.width)
+        build_model(cfg, device="meta")  # the model's own checks first, as solve_width's builds do
+    else:
+        cfg = solve_width(cfg, target, strict=args.size not in ("tiny", "cpu"))
+    check_flag_ranges(cfg)
+    return cfg, target
 
 
 def _with(cfg, **kw):

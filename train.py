@@ -15,7 +15,8 @@ windows every --eval_interval updates and after the last; the checkpoint with th
 the one evaluated on test. Throughput: median training tokens/s over the final 100 updates.
 
 Reading order: flags (build_parser) -> set-up (setup) -> the training loop (train_loop and its
-update, train_update, where the loss is computed) -> the final report (finish). Out of the story:
+update, train_update, over the summed NLL the model returns: common.LM.head) -> the final report
+(finish). Out of the story: models.py (the registry; model_config: flags -> ModelConfig),
 config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
 checking the data), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
 
@@ -45,18 +46,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 
 import data as data_mod
 from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, check_unfinished, eval_only_args,
                         load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
                         strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions
-from harness.config import (SHARED_BLOCK, Dist, DebugDump, Log, autocast_ctx, check_model_flags, model_config,
-                    resolve_args, tier_default)
+from harness.config import Dist, DebugDump, Log, autocast_ctx, check_model_flags, resolve_args, tier_default
 from harness.datacheck import load_data
 from harness.evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
-from models import REGISTRY, TIERS, build_model
+from models import REGISTRY, TIERS, build_model, model_config, shared_block_models
 # names other code uses as train.X (latent_tokens.py: save_atomic, eval_mode)
 from harness.checkpoint import save_atomic  # noqa: F401,E402
 from harness.config import TIER_DEFAULTS  # noqa: F401,E402
@@ -147,7 +146,7 @@ def build_parser(suppress_defaults=False):
     a("--eval_windows", type=int, help="fixed dev/test windows evaluated; " + tier_default("eval_windows"))
     a("--eval_batch_size", type=int, default=8, help="windows per evaluation forward pass")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
-      f"1,2,4,8,16,32 (shared-block models: {', '.join(SHARED_BLOCK)}); default: none")
+      f"1,2,4,8,16,32 (shared-block models: {', '.join(shared_block_models())}); default: none")
     a("--em_samples", type=int, help="dmmath: problems per split scored by exact match; " + tier_default("em_samples"))
     a("--sample_tokens", type=int, default=80, help="length of the decoded sample printed at the end")
     a = group("system")
@@ -383,8 +382,7 @@ def train_update(r, starts):
         sync = j == len(mine) - 1  # gradients are all-reduced on the last micro-batch only
         with contextlib.nullcontext() if sync or not dist.ddp else r.train_model.no_sync():
             with r.ctx:
-                logits, _ = r.train_model(x)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+                _, nll = r.train_model(x, y, reduction="sum")  # summed NLL of the scored targets (common.LM.head)
             (nll * scale).backward()
         nll_sum += nll.detach().double()
     loss = float(dist.all_sum(nll_sum)) / n_scored

@@ -9,14 +9,14 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
 from harness.checkpoint import trim_log
-from common import ModelConfig, UsageError
-from models import REGISTRY, TIERS, build_model, solve_width, width_multiple
+from common import UsageError
+from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job runs in minutes,
 # the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
@@ -35,33 +35,23 @@ TIER_DEFAULTS = {
     "70M": _GPU_TIER,
     "160M": dict(_GPU_TIER),  # the same run settings; the tiers differ in width and parameter target
 }
-# models whose one block (or unit, or recurrent core) can be applied any number of times
-SHARED_BLOCK = ("tango", "tango-windowed", "tango-3set", "loop", "gau", "flash", "parcae", "rdm", "loopstack")
-# the model flags only some models read (every other model ignores them, so giving one is an error,
-# as --data_dir is without dmmath); --model, --depth, --size and --width are every model's
-_RECURRENT, _LRT = ("parcae", "rdm"), ("lrt", "lrt-think")
-MODEL_FLAGS = {
-    "window": ("tango-windowed",), "chunk": ("flash",), "gau_s": ("gau", "flash"),
-    "mu_rec": _RECURRENT, "mu_bwd": _RECURRENT, "n_prelude": _RECURRENT, "n_coda": _RECURRENT,
-    "n_core": _RECURRENT + ("loopstack", "plt", "loopfold"),
-    "da_stride": ("depth-attn", "loop-depth-attn"), "da_recent": ("depth-attn", "loop-depth-attn"),
-    "n_thoughts": ("ponder", "lrt-think"), "jacobi": ("ponder",), "jacobi_random": ("ponder",),
-    "lrt_src": _LRT, "lrt_tgt": _LRT, "lrt_kv": _LRT, "lrt_subsets": _LRT, "lrt_detach_init": _LRT,
-    "plt_window": ("plt",), "plt_shift": ("plt",),
-    "fold": ("loopfold",), "fold_rank": ("loopfold",), "fold_layout": ("loopfold",),
-}
+# The model flags each model reads are declared in its registry row (models.ModelSpec.flags); a
+# model flag is refused for every model that does not read it (as --data_dir is without dmmath);
+# --model, --depth, --size and --width are every model's. MODEL_FLAGS: the registry's view at
+# import (flag -> its models); the checks below read the registry live.
+MODEL_FLAGS = model_flags()
 
 
 def unread_model_flags(model):
-    """The model flags (MODEL_FLAGS) that --model `model` ignores."""
-    return {flag for flag, users in MODEL_FLAGS.items() if model not in users}
+    """The model flags (models.model_flags) that --model `model` ignores."""
+    return {flag for flag, users in model_flags().items() if model not in users}
 
 
 def check_model_flags(model, given):
     """UsageError for a model flag given explicitly (given: the flag names on the command line)
-    that --model does not read (MODEL_FLAGS): it would be silently ignored."""
+    that --model does not read (models.model_flags): it would be silently ignored."""
     for flag in sorted(set(given) & unread_model_flags(model)):
-        users = MODEL_FLAGS[flag]
+        users = model_flags()[flag]
         users = users[0] if len(users) == 1 else f"{', '.join(users[:-1])} or {users[-1]}"
         raise UsageError(f"--{flag}: only used with --model {users}; --model {model} ignores it (drop the flag)")
 
@@ -102,8 +92,9 @@ def resolve_args(args, dist=None):
 
 def check_model(args):
     """Build the flags' model on the meta device (no memory, no time): a value the model rejects
-    (--width off its granularity, --n_core 0, --plt_window 0, ...) is a UsageError before any data
-    is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not depend on it)."""
+    (--width off its granularity, --n_core 0, --plt_window 0, ...) or a model flag outside its
+    declared range (--fold_rank above d, ...; models.check_flag_ranges) is a UsageError before any
+    data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not depend on it)."""
     cfg, _ = model_config(args, vocab_size=256)
     build_model(cfg, device="meta")
 
@@ -111,8 +102,7 @@ def check_model(args):
 def check_values(args, dist):
     """UsageError for a flag value outside its range; sets args.depth_list from --eval_depths."""
     for flag in ("depth", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
-                 "lr_decay_iters", "eval_interval", "eval_windows", "eval_batch_size", "window", "chunk", "gau_s",
-                 "em_samples"):
+                 "lr_decay_iters", "eval_interval", "eval_windows", "eval_batch_size", "em_samples"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     for flag in ("learning_rate", "grad_clip"):
@@ -132,9 +122,9 @@ def check_values(args, dist):
         args.depth_list = [int(k) for k in args.eval_depths.split(",")] if args.eval_depths else []
     except ValueError:
         raise UsageError(f"--eval_depths {args.eval_depths}: give comma-separated depths, e.g. 1,2,4,8") from None
-    if args.depth_list and (args.model not in SHARED_BLOCK or min(args.depth_list) < 1):
+    if args.depth_list and (args.model not in shared_block_models() or min(args.depth_list) < 1):
         raise UsageError(f"--eval_depths {args.eval_depths}: needs depths >= 1 and a shared-block model "
-                         f"({', '.join(SHARED_BLOCK)})")
+                         f"({', '.join(shared_block_models())})")
 
 
 def resolve_device(args, dist):
@@ -169,31 +159,6 @@ def check_paths(args):
             os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".write-check-"))
         except OSError as e:
             raise UsageError(f"--{flag} {path}: cannot create folders in {parent} ({e.strerror})") from None
-
-
-def model_config(args, vocab_size):
-    """The ModelConfig of the flags, its width solved to the tier's parameter target (or --width,
-    taken as given: equal block shape instead of equal parameters); returns (config, target
-    non-embedding parameter count). UsageError for a --width that is not a positive multiple of
-    the model's width granularity."""
-    d, H, target = TIERS[args.size]
-    cfg = ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size,
-                      n_embd=d, n_head=H, depth=args.depth, window=args.window, chunk=args.chunk,
-                      gau_s=args.gau_s, mu_rec=args.mu_rec,
-                      mu_bwd=args.mu_bwd, n_prelude=args.n_prelude, n_core=args.n_core, n_coda=args.n_coda,
-                      da_stride=args.da_stride, da_recent=args.da_recent, n_thoughts=args.n_thoughts,
-                      jacobi=args.jacobi, jacobi_random=args.jacobi_random,
-                      lrt_src=args.lrt_src, lrt_tgt=args.lrt_tgt, lrt_kv=args.lrt_kv, lrt_subsets=args.lrt_subsets,
-                      lrt_detach_init=args.lrt_detach_init,
-                      plt_window=args.plt_window, plt_shift=args.plt_shift, fold=args.fold,
-                      fold_rank=args.fold_rank, fold_layout=args.fold_layout)
-    if args.width:
-        m = width_multiple(cfg)
-        if args.width < 0 or args.width % m:
-            raise UsageError(f"--width {args.width}: must be a positive multiple of {m} for --model {args.model} "
-                             "(0: solve it to the tier's parameter target)")
-        return replace(cfg, width=args.width), target
-    return solve_width(cfg, target, strict=args.size not in ("tiny", "cpu")), target
 
 
 def autocast_ctx(args):

@@ -192,7 +192,7 @@ def test_parameter_formula(model, n_so, tie):
 def test_paper_tier_widths(model, K, tie):
     for d, H, target in TIERS:
         cfg = models.solve_width(ModelConfig(model=model, n_embd=d, n_head=H, depth=K, tie_unit=tie), target)
-        assert cfg.width % 8 == 0  # e has no head structure: multiples of 8 (models.WIDTH_MULTIPLE)
+        assert cfg.width % 8 == 0  # e has no head structure: multiples of 8 (its models.REGISTRY row)
         assert abs(models.count_params(cfg) / target - 1) <= models.TOLERANCE
 
 

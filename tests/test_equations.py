@@ -492,7 +492,11 @@ def tokens(B=2, T=T_SEQ, seed=3):
 # ----------------------------------------------------------------------------- tests
 
 def test_every_registered_model_has_a_hand_computation():
-    assert set(HAND) == set(models.REGISTRY)
+    """HAND is the one list of the registry kept in the tests: a hand computation uses nothing of
+    the model's code, so it cannot live in the model's registry row (models.py, "Adding a model", step 4)."""
+    missing = set(models.REGISTRY) - set(HAND)
+    assert not missing, f"no float64 hand computation in HAND for {sorted(missing)}"
+    assert set(HAND) <= set(models.REGISTRY)
 
 
 @pytest.mark.parametrize("name", list(models.REGISTRY))

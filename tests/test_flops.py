@@ -158,3 +158,11 @@ def test_counter_covers_lrt_settings(kw):
     are matmuls the counter sees: without vocabulary padding it equals forward_macs exactly."""
     cfg = small(kw.pop("model"), vocab_size=128, **kw)
     assert counted_macs(cfg, 13) == flops.forward_macs(cfg, 13)["total"]
+
+
+def test_every_registered_model_names_a_mac_formula():
+    """forward_macs is the formula the registry row names (models.ModelSpec.macs), a function of this file."""
+    for name, spec in models.REGISTRY.items():
+        fn = spec.macs if callable(spec.macs) else getattr(flops, spec.macs)
+        cfg = small(name)
+        assert fn(cfg, 60) == flops.forward_macs(cfg, 60), name

@@ -140,7 +140,7 @@ def check_existing_run(out, argv):
 
 def flags_for(dataset, extra, model=None):
     """extra without the flags train.py refuses for this run: --data_dir X unless dataset is dmmath,
-    and a model's own flag (config.MODEL_FLAGS: --window, --n_core, --plt_window, ...) unless model
+    and a model's own flag (models.model_flags(): --window, --n_core, --plt_window, ...) unless model
     reads it, so one sweep can compare models with a setting only some of them have."""
     import train
     from harness.config import unread_model_flags
@@ -212,11 +212,12 @@ def check_run_flags(args, extra):
                          "--seeds/--datasets/--lrs/--root instead")
     if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in filter(None, args.lrs.split(","))):
         raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
-    from harness.config import MODEL_FLAGS  # a model flag goes only to the models that read it (flags_for): one of them must
-    for flag in sorted(train.given_flags(extra) & set(MODEL_FLAGS)):
-        if not set(args.models.split(",")) & set(MODEL_FLAGS[flag]):
+    from models import model_flags  # a model flag goes only to the models that read it (flags_for): one of them must
+    users = model_flags()
+    for flag in sorted(train.given_flags(extra) & set(users)):
+        if not set(args.models.split(",")) & set(users[flag]):
             raise UsageError(f"-- --{flag}: no model of --models {args.models} reads it "
-                             f"(used by {', '.join(MODEL_FLAGS[flag])})")
+                             f"(used by {', '.join(users[flag])})")
     if known.size is not None and known.size not in TIERS:
         raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
 

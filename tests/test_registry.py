@@ -1,0 +1,199 @@
+"""The registry (models.py): a model declares itself in its ModelSpec row, and everything the harness
+needs follows from that row: a toy model added by the "Adding a model" checklist trains through
+train.py; every declared model flag's range is refused outside it (one line, exit 2, nothing
+written); the summed NLL the model returns is the one training uses."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flops
+import models
+import train
+from common import ModelConfig, RMSNorm, UsageError
+from harness.config import check_model_flags, resolve_args
+from models import REGISTRY, ModelSpec, Range
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+# ----------------------------------------------------------------------------- a toy model, by the checklist
+
+class ToyBody(nn.Module):
+    """x <- x + W_2 SiLU(W_1 RMSNorm(x)) applied K = depth times (untied): no mixing across tokens,
+    so a decoding cache holds nothing. Non-embedding parameters K (2 d F + d) + d."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(cfg.n_embd) for _ in range(cfg.depth))
+        self.up = nn.ModuleList(nn.Linear(cfg.n_embd, cfg.width, bias=False) for _ in range(cfg.depth))
+        self.down = nn.ModuleList(nn.Linear(cfg.width, cfg.n_embd, bias=False) for _ in range(cfg.depth))
+        for m in self.down:
+            m.is_residual_out = True
+
+    def forward(self, x, cos, sin, cache=None):
+        for norm, up, down in zip(self.norms, self.up, self.down):
+            x = x + down(F.silu(up(norm(x))))
+        return x
+
+
+def toy(cfg):
+    """The toy model (this file): K (2 d F + d) + d non-embedding parameters."""
+    return ToyBody(cfg)
+
+
+def toy_macs(cfg, T):
+    """K applications of 2 d F matrix parameters, no token mixing, the tied head."""
+    out = {"linear": 2 * cfg.n_embd * cfg.width * cfg.depth * T, "scores": 0, "mix": 0,
+           "head": cfg.vocab_size * cfg.n_embd * T}
+    out["total"] = sum(out.values())
+    return out
+
+
+# the toy reads --jacobi (as its own flag, for the test): 0 <= jacobi <= depth
+TOY = ModelSpec(toy, width_multiple=8, flags={"jacobi": Range(0, lambda c: (c.depth, "--depth"))}, macs=toy_macs)
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "toy", TOY)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    (tmp_path / "text.txt").write_text("".join(f"line {i}: some text to tokenize\n" for i in range(400)))
+    return tmp_path / "text.txt"
+
+
+def test_a_toy_model_registered_by_the_checklist_trains_one_update(toy_registered, text_file, tmp_path, capsys):
+    """train.main with --model toy: the width solved to the tier on the toy's multiple of 8, its
+    flag accepted and another model's refused, one update whose logged loss is the mean NLL of the
+    update's windows under the initial weights, and its MACs from its own formula."""
+    out = tmp_path / "out"
+    argv = ["--model", "toy", "--depth", "2", "--size", "tiny", "--jacobi", "1", "--dataset", str(text_file),
+            "--tokenizer", "char", "--data_root", str(tmp_path / "data"), "--out_dir", str(out), "--max_iters", "1",
+            "--eval_interval", "1", "--block_size", "16", "--batch_size", "2", "--eval_windows", "2",
+            "--sample_tokens", "3", "--quiet"]
+    train.main(argv)
+    recs = [json.loads(line) for line in open(out / "log.jsonl")]
+    start = next(r for r in recs if r["event"] == "start")
+    cfg = ModelConfig(**start["config"])
+    assert cfg.model == "toy" and cfg.jacobi == 1 and cfg.width % 8 == 0
+    d, K, F_ = cfg.n_embd, cfg.depth, cfg.width
+    assert start["non_embedding_params"] == K * (2 * d * F_ + d) + d
+    assert abs(start["non_embedding_params"] / 400_000 - 1) < 0.01  # solved to the tiny tier's target
+    # the update's loss: the seeded initial model on the update's windows (train.sample_starts)
+    import data as data_mod
+    data = data_mod.Data(str(next((tmp_path / "data").iterdir())))
+    torch.manual_seed(1337)
+    model = models.build_model(cfg)
+    rng = np.random.default_rng(1337)
+    x, y = data.window_batch("train", train.sample_starts(rng, len(data.tokens("train")), 2, 16), 16)
+    nll = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+    loss = next(r for r in recs if r["event"] == "train")["loss"]
+    assert loss == pytest.approx(nll.item() / int((y != -1).sum()), rel=1e-6)
+    assert math.isfinite(json.load(open(out / "summary.json"))["test_nll"])
+    assert flops.forward_macs(cfg, 16) == toy_macs(cfg, 16)
+    # its flag's range and another model's flag
+    with pytest.raises(SystemExit) as e:
+        train.main([*argv[:6], "--jacobi", "3", *argv[8:]])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: --jacobi 3: must be <= 2 (--depth) for --model toy\n"
+    check_model_flags("toy", {"jacobi"})
+    with pytest.raises(SystemExit):
+        train.main([*argv, "--window", "4"])
+    assert "--window: only used with --model tango-windowed; --model toy ignores it" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- every flag's range
+
+def out_of_range():
+    """(model, flag, value) for each declared integer range's first value below and, where it has
+    one, above it (at the tiny tier, --depth 4, --block_size 32, the default --n_thoughts 1)."""
+    cfg = ModelConfig(n_embd=64, n_head=2, depth=4, block_size=32, n_thoughts=1)
+    cases = []
+    for name, spec in REGISTRY.items():
+        for flag, allowed in spec.flags.items():
+            if isinstance(allowed, Range):
+                cases.append((name, flag, allowed.lo - 1))
+                if allowed.hi is not None:
+                    cases.append((name, flag, allowed.hi(cfg)[0] + 1))
+    return cases
+
+
+def test_every_model_flag_has_a_declared_range():
+    """Every flag of train.py's "model" group but --model, --depth, --size and --width is some
+    model's, and every declared flag is a ModelConfig field with a train.py flag."""
+    parser = train.build_parser()
+    group = next(g for g in parser._action_groups if g.title == "model")
+    flags = {a.dest for a in group._group_actions} - {"model", "depth", "size", "width"}
+    assert flags == set(models.model_flags())
+    assert all(isinstance(a, (Range, models.Choice)) for s in REGISTRY.values() for a in s.flags.values())
+    # the ranges that go past a plain lower bound: a rank or dimension above d, a block past the last
+    bounded = {(m, f) for m, f, v in out_of_range() if v > 0}
+    assert {("loopfold", "fold_rank"), ("gau", "gau_s"), ("flash", "gau_s"), ("lrt", "lrt_src"),
+            ("depth-attn", "da_recent")} <= bounded
+
+
+@pytest.mark.parametrize("model,flag,value", out_of_range())
+def test_a_model_flag_outside_its_range_is_refused(model, flag, value, text_file, capsys):
+    root = text_file.parent
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", model, "--size", "tiny", "--depth", "4", "--block_size", "32", f"--{flag}", str(value),
+                    "--dataset", str(text_file), "--tokenizer", "char", "--data_root", str(root / "data"),
+                    "--out_dir", str(root / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"--{flag} {value}" in err, err
+    assert sorted(os.listdir(root)) == ["text.txt"]
+
+
+def test_the_loopfold_rank_above_d_is_refused_naming_the_range(text_file, capsys):
+    """--model loopfold --fold_rank 9999 --size tiny built 2.6M non-embedding parameters against the
+    tier's 400k; a rank above d = 64 adds parameters but no rank."""
+    with pytest.raises(SystemExit):
+        train.main(["--model", "loopfold", "--fold_rank", "9999", "--size", "tiny", "--dataset", str(text_file),
+                    "--data_root", str(text_file.parent / "data"), "--out_dir", str(text_file.parent / "out")])
+    assert capsys.readouterr().err == ("error: --fold_rank 9999: must be <= 64 (the residual width d; a larger one "
+                                       "adds parameters, not rank) for --model loopfold\n")
+    args = train.parse_args(["--model", "loopfold", "--fold_rank", "64", "--size", "tiny", "--block_size", "32"])
+    cfg, _ = models.model_config(resolve_args(args), 61)
+    assert cfg.fold_rank == 64  # the bound itself is allowed
+    # GAU's shared dimension: a multiple of 32 (the model's own check) and at most d
+    args = train.parse_args(["--model", "gau", "--gau_s", "96", "--size", "tiny", "--block_size", "32"])
+    with pytest.raises(UsageError, match=r"^--gau_s 96: must be <= 64 \(the residual width d"):
+        models.model_config(resolve_args(args), 61)
+
+
+def test_a_model_without_a_mac_formula_is_a_usage_error(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "toy", ModelSpec(toy))
+    with pytest.raises(UsageError, match="^flops: no MAC formula for model 'toy'$"):
+        flops.forward_macs(ModelConfig(model="toy"), 8)
+
+
+# ----------------------------------------------------------------------------- the one loss
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_the_summed_nll_is_the_mean_times_the_scored_targets(name):
+    """LM(idx, targets, reduction="sum") is the cross-entropy summed over the scored targets of the
+    returned logits, and the mean is that sum over their count (float64)."""
+    cfg = ModelConfig(model=name, vocab_size=61, block_size=16, n_embd=64, n_head=2, depth=4, width=32,
+                      window=4, chunk=4, gau_s=64, n_prelude=1, n_core=1, n_coda=1, plt_window=4)
+    torch.manual_seed(0)
+    model = models.build_model(cfg).double().eval()
+    x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    y = x.roll(-1, 1)
+    y[0, :3] = -1
+    logits, total = model(x, y, reduction="sum")
+    _, mean = model(x, y)
+    want = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+    torch.testing.assert_close(total, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(mean, want / 15, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="reduction 'none'"):
+        model(x, y, reduction="none")
