@@ -234,6 +234,8 @@ class LM(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.body = body
         self.norm_f = RMSNorm(cfg.n_embd)
+        if hasattr(body, "use_final_norm"):  # a body that also applies the final norm between its loops (PLT)
+            body.use_final_norm(self.norm_f)
         self.apply(self._init_weights)
         # residual output projections get a smaller init, as in GPT-2 (marked by the bodies)
         for m in self.modules():

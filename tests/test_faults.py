@@ -233,15 +233,36 @@ def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_p
              "--eval_interval", "1", "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2",
              "--sample_tokens", "0", "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),
              "--quiet"]
+    one_process_equals_ddp(flags, tmp_path)
+
+
+def one_process_equals_ddp(flags, tmp_path):
+    """train.py with `flags` alone and under torchrun with 2 processes: parameters within 1e-6,
+    equal training losses and dev NLL at every evaluation."""
     train.main([*flags, "--out_dir", str(tmp_path / "one")])  # in this process: saves a start-up
     run_train([*flags, "--out_dir", str(tmp_path / "ddp")], torchrun=2)
     a = torch.load(tmp_path / "one" / "ckpt_latest.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "ddp" / "ckpt_latest.pt", weights_only=True)["model"]
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
     one, ddp = log_of(tmp_path / "one", "train"), log_of(tmp_path / "ddp", "train")
-    assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in one], rel=1e-6)
+    assert len(one) == len(ddp) and [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in one], rel=1e-6)
     one, ddp = log_of(tmp_path / "one", "eval"), log_of(tmp_path / "ddp", "eval")
-    assert [r["dev_nll"] for r in ddp] == pytest.approx([r["dev_nll"] for r in one], rel=1e-6)
+    assert len(one) == len(ddp) and [r["dev_nll"] for r in ddp] == pytest.approx([r["dev_nll"] for r in one], rel=1e-6)
+
+
+@pytest.mark.parametrize("model_flags", [["--model", "loopfold", "--depth", "4", "--fold", "1"],
+                                         ["--model", "plt", "--depth", "1"]])
+def test_ddp_trains_models_at_settings_that_used_to_leave_parameters_idle(model_flags, long_questions, tmp_path):
+    """The issue's LoopFold at f = 1 (and PLT at N = 1): its predictor and corrector got no gradient,
+    so under torchrun update 2 crashed in DDP ("Expected to have finished reduction in the prior
+    iteration", exit 1) and 1 update left the ranks with different weights. Now 3 updates of 2
+    micro-batches run and equal the one-process run (tests/test_gradients.py checks every model)."""
+    root, data_root, _ = long_questions
+    flags = [*model_flags, "--n_core", "1", "--size", "tiny", "--width", "64", "--block_size", "16",
+             "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_iters", "3", "--eval_interval", "1",
+             "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2", "--sample_tokens", "0",
+             "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root), "--quiet"]
+    one_process_equals_ddp(flags, tmp_path)
 
 
 # ============================================================================ 4. latent tokens, half precision
@@ -444,7 +465,7 @@ DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3se
     "lrt": ["wte.weight", "body.w_m"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
     "lrt-think": ["wte.weight", "body.w_m", "body.thought"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
 }
-# parallel loops (n_core = 1 block; a module's own parameters come before its submodules'): PLT's gate weights decay (its gate bias, Norm_loop and a, b do not);
+# parallel loops (n_core = 1 block; a module's own parameters come before its submodules'): PLT's gate weights decay (its gate bias and a, b do not);
 # LoopFold's predictor and corrector matrices decay (its predictor norm gain does not)
 DECAYED.update({
     "loopstack": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
@@ -460,7 +481,7 @@ def test_only_weight_matrices_are_decayed(name):
     beta (which are (n_qk, s) matrices), TANGO's log_tau and null, Parcae's A_log, dt_bias, B, C and
     every RMSNorm gain are exempt, by the declaration of their module class."""
     assert set(DECAYED) == set(REGISTRY)
-    model = build_model(small_cfg(name))
+    model = build_model(small_cfg(name, **({"depth": 3} if name == "loopfold" else {})))  # a stage of two loops
     opt = train.make_optimizer(model, SimpleNamespace(weight_decay=0.1, learning_rate=1e-3))
     names = {id(p): n for n, p in model.named_parameters()}
     decayed, exempt = opt.param_groups

@@ -95,9 +95,7 @@ def test_plt_decode_runs_one_batched_pass_per_token(shift, passes, monkeypatch):
 def test_loopfold_fold_1_equals_loopstack(layout):
     fold = build(cfg("loopfold", fold=1, fold_layout=layout), dtype=torch.float64)
     stack = build(cfg("loopstack"), seed=3, dtype=torch.float64)
-    missing, unexpected = stack.load_state_dict(fold.state_dict(), strict=False)
-    assert not missing and set(unexpected) == {"body.pred_norm.weight", "body.pred_w1", "body.pred_w2",
-                                               "body.corr_v", "body.corr_u"}
+    stack.load_state_dict(fold.state_dict())  # the same parameters: no predictor or corrector at f = 1
     assert fold.body.stages == [[0], [1], [2], [3]]
     idx = tokens()
     with torch.no_grad():
@@ -202,6 +200,23 @@ def test_plt_fixed_constant_scales():
         torch.testing.assert_close(loop2_inputs(m, idx)[:, 1:], expected)
 
 
+def test_plt_norm_loop_is_the_final_norm():
+    """Norm_loop is LM.norm_f (the LoopCoder-v2 release normalizes between loops with the model's final
+    norm): one gain, saved once; after training moves it, the loop-2 input follows the final norm."""
+    m = build(cfg(depth=2))
+    assert m.body.norm_loop is m.norm_f and not any("norm_loop" in k for k in m.state_dict())
+    idx = tokens()
+    x, cos, sin = embed(m, idx)
+    with torch.no_grad():
+        m.norm_f.weight.mul_(torch.linspace(0.5, 2.0, 64))
+        h = x
+        for block in m.body.blocks:
+            h = block.first(h, cos, sin)[0]
+        z = torch.nn.functional.rms_norm(h, (64,), m.norm_f.weight, 1e-6)
+        expected = m.body.clp_a * x[:, 1:] + m.body.clp_b * z[:, :-1]
+        torch.testing.assert_close(loop2_inputs(m, idx)[:, 1:], expected)
+
+
 # ----------------------------------------------------------------------------- G-SWA
 
 def test_window_mask_allows_exactly_W_keys_including_self():
@@ -284,7 +299,7 @@ def test_parameter_count_formulas(name, kw):
     c = cfg(name, **kw)
     n, r = c.n_core, c.fold_rank or d // 4
     stack = n * (4 * d * d + 3 * d * F + 2 * d) + d
-    expected = {"loopstack": stack, "plt": stack + n * (d + H) + d + 2, "loopfold": stack + 2 * d * r + d + 2 * d * r}
+    expected = {"loopstack": stack, "plt": stack + n * (d + H) + 2, "loopfold": stack + 2 * d * r + d + 2 * d * r}
     assert models.count_params(c) == expected[name]
     assert models.width_multiple(c) == 8
     assert models.count_params(cfg(name, depth=7, **{k: v for k, v in kw.items() if k != "depth"})) == expected[name]
