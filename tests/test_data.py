@@ -13,13 +13,6 @@ from harness import dmmath
 from harness import text_data
 from common import UsageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
-
-
-@pytest.fixture(autouse=True)
-def bpe_file(monkeypatch):
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
 
 
 def write_files(root, files):
@@ -152,7 +145,7 @@ def test_reuse_and_reprepare(gpt2_bpe, tmp_path, monkeypatch):
         data.prepare(str(tmp_path / "a.txt"), out_root=out)
     assert os.listdir(out) == [os.path.basename(folder)]
     monkeypatch.undo()
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
+    monkeypatch.setenv("GPT2_BPE_FILE", gpt2_bpe)
     d = data.Data(data.prepare(str(tmp_path / "a.txt"), out_root=out))
     assert d.decode(np.concatenate([d.tokens(s) for s in ("train", "dev", "test")])).startswith("changed changed")
 
@@ -388,7 +381,7 @@ def test_char_single_file_by_position_and_max_tokens(tmp_path):
     assert cut.decode(np.concatenate([cut.tokens(s) for s in ("train", "dev", "test")])) == text[:500]
 
 
-def test_worker_processes_write_the_same_bins(tmp_path):
+def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path):
     files = {f"f{i:02d}.py": f"def f{i}(x):\n    return x * {i}  # é\n" * (i + 1) for i in range(40)}
     write_files(tmp_path / "src", files)
     one = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "a"), num_proc=1))

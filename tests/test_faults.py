@@ -408,6 +408,22 @@ def test_bpe_tests_skip_with_the_reason_without_the_vocabulary(tmp_path):
                           "(tests never download the vocabulary)") == 2
 
 
+def test_every_test_that_needs_the_vocabulary_skips_with_the_one_reason(tmp_path):
+    """GPT2_BPE_FILE naming a missing file: 8 tests of these files failed (a UsageError or exit 2 from
+    the tokenizer) instead of skipping. Now none fails, and every skip is the shared gpt2_bpe fixture's
+    (conftest.py), with its reason, or the optional `datasets` extra's."""
+    missing = str(tmp_path / "missing.tiktoken")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                        "tests/test_values.py", "tests/test_hf_data.py", "tests/test_data.py"],
+                       capture_output=True, text=True, cwd=REPO, timeout=600,
+                       env={**os.environ, "GPT2_BPE_FILE": missing, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and " failed" not in p.stdout and " error" not in p.stdout, p.stdout[-3000:]
+    skips = [line for line in p.stdout.splitlines() if line.startswith("SKIPPED")]
+    reason = (f"GPT2_BPE_FILE={missing} does not exist; the GPT-2 BPE tests need it "
+              "(tests never download the vocabulary)")
+    assert len(skips) >= 10 and all(line.endswith(reason) or "pip install datasets" in line for line in skips), skips
+
+
 # ============================================================================ 8. leftovers
 
 def test_offline_bpe_error_leaves_no_data_root(tmp_path, monkeypatch, capsys):

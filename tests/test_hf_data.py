@@ -20,13 +20,7 @@ import train  # noqa: E402
 from common import UsageError  # noqa: E402
 
 datasets = pytest.importorskip("datasets", reason="the optional extra: pip install datasets")
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 SPLITS = ("train", "dev", "test")
-
-
-@pytest.fixture(autouse=True)
-def bpe_file(monkeypatch):
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
 
 
 def make_docs(n=160):
@@ -66,7 +60,7 @@ def decoded_docs(d, split):
     return parts[:-1]
 
 
-def test_saved_dataset_round_trips_split_by_id(saved, tmp_path):
+def test_saved_dataset_round_trips_split_by_id(gpt2_bpe, saved, tmp_path):
     path, ids, docs = saved
     d = data.Data(data.prepare("hf:" + path, out_root=str(tmp_path / "out")))
     assert d.tokenizer == "gpt2" and d.vocab_size == 50257 and d.meta["source"] == "hf:" + path
@@ -131,7 +125,7 @@ def test_max_tokens_stops_at_the_budget(saved, tmp_path):
     assert big.meta["splits"] == full.meta["splits"] and big.meta["truncated"] is False
 
 
-def test_trains_a_few_updates(one_thread, saved, tmp_path, capsys):
+def test_trains_a_few_updates(gpt2_bpe, one_thread, saved, tmp_path, capsys):
     path, _, _ = saved
     argv = ["--model", "tango", "--depth", "2", "--size", "tiny", "--block_size", "32", "--batch_size", "2",
             "--max_iters", "3", "--eval_interval", "3", "--eval_windows", "4", "--eval_batch_size", "4",
@@ -199,7 +193,7 @@ def test_hanging_network_fails_within_the_timeout(monkeypatch, tmp_path):
     assert time.time() - t0 < 3 and os.listdir(tmp_path / "out") == []  # an existing data_root stays, empty
 
 
-def test_local_sources_work_offline(monkeypatch, saved, jsonl, tmp_path):
+def test_local_sources_work_offline(gpt2_bpe, monkeypatch, saved, jsonl, tmp_path):
     no_network(monkeypatch)
     data.Data(data.prepare("hf:" + saved[0], out_root=str(tmp_path / "a")))
     b = data.Data(data.prepare("hf:json", out_root=str(tmp_path / "b"), hf_text_field="content",
@@ -222,7 +216,7 @@ def test_local_sources_work_offline(monkeypatch, saved, jsonl, tmp_path):
     (dict(dataset="stdlib", hf_text_field="body"), "--hf_text_field: only used with --dataset hf:NAME"),
     (dict(dataset="hf:"), "give hf:NAME"),
 ])
-def test_bad_input_nothing_written(kwargs, needle, saved, tmp_path):
+def test_bad_input_nothing_written(gpt2_bpe, kwargs, needle, saved, tmp_path):
     dd = tmp_path / "dict"
     datasets.DatasetDict(train=datasets.load_from_disk(saved[0]), test=datasets.load_from_disk(saved[0])) \
         .save_to_disk(str(dd))
