@@ -216,7 +216,7 @@ def test_local_sources_work_offline(gpt2_bpe, monkeypatch, saved, jsonl, tmp_pat
     (dict(dataset="stdlib", hf_text_field="body"), "--hf_text_field: only used with --dataset hf:NAME"),
     (dict(dataset="hf:"), "give hf:NAME"),
 ])
-def test_bad_input_nothing_written(gpt2_bpe, kwargs, needle, saved, tmp_path):
+def test_bad_input_nothing_written(kwargs, needle, saved, tmp_path):
     dd = tmp_path / "dict"
     datasets.DatasetDict(train=datasets.load_from_disk(saved[0]), test=datasets.load_from_disk(saved[0])) \
         .save_to_disk(str(dd))
@@ -228,3 +228,55 @@ def test_bad_input_nothing_written(gpt2_bpe, kwargs, needle, saved, tmp_path):
     with pytest.raises(UsageError, match=needle) as e:
         data.prepare(out_root=str(tmp_path / "out"), **kwargs)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_a_file_without_the_text_column_is_one_line_naming_file_and_column(order, tmp_path, capsys):
+    """hf:json over a.jsonl (text) and b.jsonl (no text field): a KeyError traceback (exit 1) after
+    a.jsonl's rows were read; now one UsageError naming b.jsonl and the column, before the
+    tokenizer loads (no vocabulary needed), exit 2 from the command line, nothing written."""
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"doc {i}"} for i in range(20)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"body": f"doc {i}", "n": i} for i in range(3)])
+    files = ",".join([a, b] if order == "ab" else [b, a])
+    out = tmp_path / "out"
+    with pytest.raises(UsageError) as e:
+        data.prepare("hf:json", out_root=str(out), hf_data_files=files)
+    assert str(e.value) == f"--hf_text_field text: not a column of {b} (columns: body, n)"
+    assert not out.exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        data.main(["--dataset", "hf:json", "--hf_data_files", files, "--data_root", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: --hf_text_field text: not a column of {b} (columns: body, n)\n"
+    assert not out.exists()
+    c = write_jsonl(tmp_path / "c.jsonl", [{"body": "a document"}])  # the text column, not the split key
+    with pytest.raises(UsageError, match=rf"^--hf_split_key n: not a column of {c} \(columns: body\)$"):
+        data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([b, c]), hf_text_field="body",
+                     hf_split_key="n")
+    with pytest.raises(UsageError, match=rf"^--hf_text_field body: not a column of {a} \(columns: text\)$"):
+        data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([b, a]), hf_text_field="body")
+    assert not out.exists()
+
+
+def test_rows_with_null_or_empty_text_are_counted_printed_and_recorded(tmp_path, capsys):
+    """Rows whose text is null or empty were dropped without a word: 23 rows read, 20 kept, 3 dropped
+    (null, "", and a row missing the field among rows that have it, which the json reader fills
+    with null) are printed and recorded in meta.json; the kept rows are exactly the documents."""
+    rows = [{"text": f"document number {i}"} for i in range(20)]
+    rows[4:4] = [{"text": None}]
+    rows[9:9] = [{"text": ""}]
+    rows[15:15] = [{"other": 1}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    d = data.Data(data.prepare("hf:json", out_root=str(tmp_path / "out"), hf_data_files=path, tokenizer="char"))
+    assert "hf:json: read 23 rows, kept 20, dropped 3 (--hf_text_field text null or empty)" in capsys.readouterr().out
+    assert d.meta["rows"] == {"read": 23, "kept": 20, "dropped": 3}
+    with open(os.path.join(d.folder, "meta.json")) as f:
+        assert json.load(f)["rows"] == {"read": 23, "kept": 20, "dropped": 3}
+    assert sum(d.meta["n_documents"].values()) == 20
+    docs = sorted(t for s in SPLITS for t in decoded_docs(d, s))
+    assert docs == sorted(f"document number {i}" for i in range(20))
