@@ -177,6 +177,55 @@ def test_nonfinite_message_says_which_checkpoint_exists(long_questions, tmp_path
                                  f"{os.path.join(str(tmp_path), 'ckpt_latest.pt')} (update 5)")
 
 
+@pytest.mark.parametrize("block,windows,split", [(8, 1, "dev"), (5, 3, "interpolate")])
+def test_settings_whose_eval_windows_score_nothing_are_refused_before_training(block, windows, split, long_questions,
+                                                                               tmp_path, capsys):
+    """dmmath scores answer characters only: with windows shorter than the questions, the fixed dev
+    windows held no scored target, dev NLL printed 0.0000 (best), the best checkpoint stopped moving
+    and the test NLL was an early checkpoint's, exit 0. Now one line before training, exit 2, no
+    out_dir; also when only the test split's windows (interpolate here) are empty."""
+    root, data_root, d = long_questions
+    starts = d.eval_windows(split, block, windows)
+    assert len(starts) == windows and not (d.window_batch(split, starts, block)[1] != -1).any()
+    other = "dev" if split != "dev" else d.test_split
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", "loop", "--depth", "2", "--size", "tiny", "--width", "64", "--block_size", str(block),
+                    "--eval_windows", str(windows), "--max_iters", "4", "--eval_interval", "2", "--sample_tokens", "0",
+                    "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),
+                    "--out_dir", str(tmp_path / "out"), "--quiet"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: --block_size {block} / --eval_windows {windows}: the {windows} fixed {split} windows hold no "
+        f"scored target ({d.folder} scores answer tokens only); use a larger --block_size or more --eval_windows\n")
+    assert not (tmp_path / "out").exists()
+    if split != "dev":  # the dev windows do hold targets: only the test split stopped it
+        s = d.eval_windows(other, block, windows)
+        assert (d.window_batch(other, s, block)[1] != -1).any()
+
+
+def test_evaluation_over_no_scored_target_is_never_a_number(long_questions):
+    """evaluate (dev, test, the depth sweep, reflux) over windows without a scored target returned
+    0 / max(0, 1) = 0; now a UsageError naming the split. Over windows that hold some, it is the
+    NLL sum over the scored targets / their count (empty windows add nothing)."""
+    from harness import evaluation
+    _, _, d = long_questions
+    torch.manual_seed(0)
+    model = build_model(small_cfg("loop", vocab_size=d.vocab_size, block_size=8))
+    empty = d.eval_windows("dev", 8, 1)
+    run = lambda starts: train.evaluate(model, d, "dev", starts, 8, 4, "cpu", contextlib.nullcontext())
+    with pytest.raises(UsageError, match=rf"^{d.folder}: the 1 dev windows of 8 tokens hold no scored target"):
+        run(empty)
+    with pytest.raises(UsageError, match="hold no scored target"):
+        evaluation.depth_sweep(model, [1, 3], lambda: run(empty))
+    assert model.body.depth == 2
+    mixed = d.eval_windows("dev", 8, 8)
+    x, y = d.window_batch("dev", mixed, 8)
+    assert 0 < int((y != -1).sum()) and ((y != -1).sum(1) == 0).any()
+    with torch.no_grad():
+        total = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+    assert run(mixed) == pytest.approx(total.item() / int((y != -1).sum()), rel=1e-5)
+
+
 # ============================================================================ 3. random draws
 
 def seeded_forward(model, global_seed, micro_batch):
