@@ -302,8 +302,10 @@ class LM(nn.Module):
         """Sample max_new_tokens continuing idx (B, T) with a decoding cache; returns (B, T + n).
 
         max_new_tokens: int >= 0; temperature, top_k: as in sample_next (temperature 0 = greedy,
-        top_k None = all tokens, top_k > V keeps all V). Generation stops early when every row
-        emitted stop_token. Raises ValueError naming the argument for a value outside these ranges.
+        top_k None = all tokens, top_k > V keeps all V). A row that emitted stop_token has stopped:
+        its later positions repeat stop_token (the batch stays rectangular), and generation ends
+        when every row has stopped. Raises ValueError naming the argument for a value outside these
+        ranges.
         """
         check_sampling(temperature, top_k, max_new_tokens)
         cache = {}
@@ -312,11 +314,12 @@ class LM(nn.Module):
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, :].float(), temperature, top_k)
-            out = torch.cat((out, nxt), dim=1)
             if stop_token is not None:
+                nxt = torch.where(done[:, None], stop_token, nxt)  # a stopped row samples no more
                 done |= nxt[:, 0] == stop_token
-                if bool(done.all()):
-                    break
+            out = torch.cat((out, nxt), dim=1)
+            if stop_token is not None and bool(done.all()):
+                break
             logits, _ = self(nxt, cache=cache)
         return out
 

@@ -116,6 +116,69 @@ def test_negative_temperature_no_longer_samples_the_least_likely_tokens():
         model.generate(torch.zeros(1, 3, dtype=torch.long), 20, temperature=-1.0)
 
 
+def test_top_k_draws_follow_the_softmax_of_the_k_largest_logits():
+    """1 < top_k < V: every draw is one of the k most likely ids, with frequency softmax(z / t) over
+    those k (a top_k acting as 1, or as V, fails); 40000 seeded draws, 4 standard errors at most."""
+    z = torch.tensor([2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 0.2])
+    top = [3, 0, 6]
+    n = 40000
+    for t in (1.0, 2.0):
+        torch.manual_seed(0)
+        draws = sample_next(z.expand(n, -1), temperature=t, top_k=3)[:, 0]
+        freq = torch.bincount(draws, minlength=8).double() / n
+        want = torch.zeros(8, dtype=torch.float64)
+        want[top] = torch.softmax(z[top].double() / t, 0)
+        assert set(draws.tolist()) == set(top)
+        assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+
+
+def test_generate_top_k_draws_from_the_models_k_most_likely_tokens():
+    """LM.generate with top_k = 4 < V = 23: the first new token of 4000 copies of a prompt is drawn
+    from the softmax over the model's 4 largest next-token logits."""
+    torch.manual_seed(0)
+    model = build_model(small_cfg("loop")).eval()  # top 4 probabilities 0.44, 0.19, 0.19, 0.18
+    prompt = torch.tensor([[3, 1, 4]])
+    with torch.no_grad():
+        z = model(prompt)[0][0, -1].double()
+    top = z.topk(4).indices
+    want = torch.zeros(23, dtype=torch.float64)
+    want[top] = torch.softmax(z[top], 0)
+    assert want.max() < 0.9 and want[top].min() > 0.01
+    torch.manual_seed(1)
+    n = 4000
+    out = model.generate(prompt.expand(n, -1), 1, temperature=1.0, top_k=4)
+    freq = torch.bincount(out[:, 3], minlength=23).double() / n
+    assert set(out[:, 3].tolist()) <= set(top.tolist())
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+
+
+def test_generate_stops_each_row_at_its_own_stop_token():
+    """A batch of 3 rows whose (scripted, greedy) next tokens reach the stop token 2 at steps 3, 1
+    and 5: each row ends at its own stop token (what follows it is the stop token again, not more
+    sampled tokens), and the call ends when every row has stopped: 5 new tokens of max 10, 5 model
+    calls (the prompt and 4 steps; none after the last token)."""
+    model = build_model(small_cfg("loop")).eval()
+    script = [[5, 7, 2, 9, 9, 9, 9, 9, 9, 9], [2, 4, 4, 4, 4, 4, 4, 4, 4, 4], [4, 4, 4, 4, 2, 6, 6, 6, 6, 6]]
+    calls, rows = [], script
+
+    def scripted(idx, targets=None, positions=None, cache=None):  # call k: row i's next token is rows[i][k]
+        k, B = len(calls), idx.shape[0]
+        calls.append(idx.shape)
+        logits = torch.zeros(B, idx.shape[1], 23)
+        logits[torch.arange(B), -1, torch.tensor([row[k] for row in rows])] = 10.0
+        return logits, None
+
+    model.forward = scripted
+    prompt = torch.tensor([[1, 1], [3, 3], [8, 8]])
+    out = model.generate(prompt, 10, temperature=0, stop_token=2)
+    assert out[:, 2:].tolist() == [[5, 7, 2, 2, 2], [2, 2, 2, 2, 2], [4, 4, 4, 4, 2]]
+    assert len(calls) == 5 and calls[0] == (3, 2) and all(c == (3, 1) for c in calls[1:])
+    calls.clear()
+    rows = script[1:2]
+    one = model.generate(prompt[1:2], 10, temperature=0, stop_token=2)  # one row: ends at once
+    assert one.tolist() == [[3, 3, 2]] and len(calls) == 1
+
+
 # ============================================================================ 2. loss of an update
 
 def run_for(d, model, starts, clip=1e9, seed=0):
