@@ -140,6 +140,43 @@ def test_loopfold_correction_is_applied_to_the_predicted_rows():
         assert torch.equal(fresh.predict(v), v + 0 * v) and torch.equal(fresh.correct(v), v)
 
 
+@pytest.mark.parametrize("depth,fold,layout,stages", [(4, 3, "first", [[0], [1, 2, 3]]),
+                                                      (6, 4, "first", [[0], [1, 2, 3, 4], [5]]),
+                                                      (5, 4, "last", [[0, 1, 2, 3], [4]])])
+def test_loopfold_wide_stages_equal_the_plain_recurrence(depth, fold, layout, stages):
+    """f >= 3, where a wrong recurrence of the predicted rows shows (at f = 2 a stage has one
+    predicted row): per stage (written out here, not from fold_stages), r_1 = u, r_{i+1} = P(r_i),
+    o_i = R(r_i), y_1 = o_1, y_{i+1} = o_{i+1} + C(y_i - r_{i+1}); P, C and R as in the docstring,
+    from the raw weights; every parameter moved off its init. Predicting every row from r_1, or
+    correcting with o_i instead of y_i, passed every other test."""
+    m = build(cfg("loopfold", depth=depth, fold=fold, fold_layout=layout), dtype=torch.float64, scale=0.2)
+    assert m.body.stages == stages
+    x, cos, sin = embed(m, tokens())
+    b = m.body
+    lin = torch.nn.functional.linear
+    rms = lambda u, g: u / u.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * g
+    P = lambda u: u + lin(torch.nn.functional.silu(lin(rms(u, b.pred_norm.weight), b.pred_w1)), b.pred_w2)
+    C = lambda e: e + lin(lin(e, b.corr_v), b.corr_u)
+
+    def R(h):
+        for block in b.blocks:
+            h = block(h, cos, sin)
+        return h
+
+    with torch.no_grad():
+        u = x
+        for stage in stages:
+            r = [u]
+            for _ in stage[1:]:
+                r.append(P(r[-1]))
+            o = [R(ri) for ri in r]
+            y = o[0]
+            for i in range(1, len(stage)):
+                y = o[i] + C(y - r[i])
+            u = y
+        torch.testing.assert_close(b(x, cos, sin), u, rtol=1e-12, atol=1e-12)
+
+
 def test_plt_unshifted_single_loop_equals_untied():
     m = build(cfg(plt_shift=False, depth=1), dtype=torch.float64)
     base = build(cfg("untied", depth=2), seed=3, dtype=torch.float64)  # untied Transformer++ on n_core = 2 blocks
