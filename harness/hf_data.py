@@ -192,9 +192,11 @@ def _docs(hf, sources):
 def _check_row(hf, row, name):
     """The row's text; UsageError naming the source (file) and the column when the row lacks the
     text or split-key column, or its text is neither null nor a string."""
-    for flag, col in (("hf_text_field", hf["text_field"]), ("hf_split_key", hf.get("key_column"))):
+    key = hf.get("key_column")
+    auto = " (auto: the first source has it)" if hf["split_key"] == "auto" else ""
+    for flag, col in ((f"--hf_text_field {hf['text_field']}", hf["text_field"]), (f"--hf_split_key {key}{auto}", key)):
         if col is not None and col not in row:
-            raise UsageError(f"--{flag} {col}: not a column of {name} (columns: {', '.join(row)})")
+            raise UsageError(f"{flag}: not a column of {name} (columns: {', '.join(row)})")
     text = row[hf["text_field"]]
     if text is not None and not isinstance(text, str):
         raise UsageError(f"--hf_text_field {hf['text_field']}: holds {type(text).__name__}, not text, in {name}")

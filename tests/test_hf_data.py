@@ -260,6 +260,9 @@ def test_a_file_without_the_text_column_is_one_line_naming_file_and_column(order
                      hf_split_key="n")
     with pytest.raises(UsageError, match=rf"^--hf_text_field body: not a column of {a} \(columns: text\)$"):
         data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([b, a]), hf_text_field="body")
+    ids = write_jsonl(tmp_path / "ids.jsonl", [{"id": 1, "text": "first"}])  # --hf_split_key auto: id, from the first
+    with pytest.raises(UsageError, match=rf"^--hf_split_key id \(auto: the first source has it\): not a column of {a} "):
+        data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([ids, a]))
     assert not out.exists()
 
 
