@@ -235,6 +235,8 @@ class LM(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.body = body
         self.norm_f = RMSNorm(cfg.n_embd)
+        if hasattr(body, "use_final_norm"):  # a body that also applies the final norm between its loops (PLT)
+            body.use_final_norm(self.norm_f)
         self.apply(self._init_weights)
         # residual output projections get a smaller init, as in GPT-2 (marked by the bodies)
         for m in self.modules():
@@ -309,8 +311,10 @@ class LM(nn.Module):
         """Sample max_new_tokens continuing idx (B, T) with a decoding cache; returns (B, T + n).
 
         max_new_tokens: int >= 0; temperature, top_k: as in sample_next (temperature 0 = greedy,
-        top_k None = all tokens, top_k > V keeps all V). Generation stops early when every row
-        emitted stop_token. Raises ValueError naming the argument for a value outside these ranges.
+        top_k None = all tokens, top_k > V keeps all V). A row that emitted stop_token has stopped:
+        its later positions repeat stop_token (the batch stays rectangular), and generation ends
+        when every row has stopped. Raises ValueError naming the argument for a value outside these
+        ranges.
         """
         check_sampling(temperature, top_k, max_new_tokens)
         cache = {}
@@ -319,11 +323,12 @@ class LM(nn.Module):
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, :].float(), temperature, top_k)
-            out = torch.cat((out, nxt), dim=1)
             if stop_token is not None:
+                nxt = torch.where(done[:, None], stop_token, nxt)  # a stopped row samples no more
                 done |= nxt[:, 0] == stop_token
-                if bool(done.all()):
-                    break
+            out = torch.cat((out, nxt), dim=1)
+            if stop_token is not None and bool(done.all()):
+                break
             logits, _ = self(nxt, cache=cache)
         return out
 

@@ -31,7 +31,11 @@ PLT (training: full sequence, loop by loop):
 - a, b are learnable scalars (init a = 1, b = 0.02: Norm_loop's output has RMS 1, the embedding
   0.02), no weight decay; `clp_scales=(a, b)` fixes them (the release's 0.707, 0.053).
 - One gate (w: H x 32, c: H) per block, shared by the loops l >= 2; init w = 0, c = 0 (g = 1/2).
-- Norm_loop: one RMSNorm (d) applied to every non-last loop's output.
+- Norm_loop is the LM's final norm (LM.norm_f, shared, no parameters of its own), applied to every
+  non-last loop's output, as the LoopCoder-v2 release does (its per-loop normalization calls the
+  model's final norm).
+- N = 1 has no loop >= 2: the gates and a, b are not created (a parameter without a gradient would
+  stall multi-process training).
 - cfg.plt_shift = False drops the shift (x^l_t uses h^{l-1}_t; the release's inference path): then
   the loops depend on each other within a token and decoding runs them one after another.
 - Decoding with the shift: ONE batched pass per token. At step t the N rows
@@ -53,15 +57,17 @@ LoopFold [reconstruction from the abstract] (fold width f = cfg.fold):
 - Stages (cfg.fold_layout): "first" = loop 1 alone, then groups of f consecutive loops;
   "last" = groups of f over loops 1..N-1, then loop N alone. Either way S = 1 + ceil((N-1)/f)
   sequential stages (N = 9, f = 2: 5).
-- f = 1 has no predicted rows: exactly the loop stack. predictor="oracle" (a test hook) sets
+- f = 1 (or N <= 2 with layout first, N = 1 with last) has no predicted rows: exactly the loop stack,
+  and P and C are not created (parameters without a gradient would stall multi-process training). predictor="oracle" (a test hook) sets
   P(r_i) := R(r_i) computed loop by loop, so every error y_i - r_{i+1} is 0: the loop stack again.
 - Training runs the same stages on the full sequence (the predicted rows' keys/values are what
   the caches hold), so cached decoding equals the training forward.
 
 Parameters (non-embedding, with LM's final norm d):
     loopstack: n_core (4d^2 + 3dF + 2d) + d
-    plt:       loopstack + n_core (d + H) + d + 2         (gates, Norm_loop, a and b)
-    loopfold:  loopstack + 2 d r_p + d + 2 d r_c          (predictor with its norm, corrector)
+    plt:       loopstack + n_core (d + H) + 2             (gates, a and b; N = 1: loopstack)
+    loopfold:  loopstack + 2 d r_p + d + 2 d r_c          (predictor with its norm, corrector; no stage
+                                                            of two loops or more: loopstack)
 
 Forward MACs per sequence of length T (flops.parallel_loops_forward_macs): N n_core (4d^2 + 3dF) T
 linear, N n_core T^2 d scores and as many mix, V d T head; PLT adds per block of loops >= 2 the gate
@@ -159,14 +165,18 @@ class LoopStack(nn.Module):
 # ============================================================================= PLT
 class PLTBlock(TransformerBlock):
     """Transformer++ block (same parameters and names) plus the G-SWA gate of loops >= 2:
-    gate_w (H x 32) and gate_b (H). Parameters 4d^2 + 3dF + 2d + d + H."""
+    gate_w (H x 32) and gate_b (H). Parameters 4d^2 + 3dF + 2d + d + H (gated=False: no gate,
+    4d^2 + 3dF + 2d)."""
     no_decay = ("gate_b",)  # a bias: no weight decay (train.no_decay_parameters)
 
-    def __init__(self, d, n_head, width):
+    def __init__(self, d, n_head, width, gated=True):
         super().__init__(d, n_head, width)
         self.n_head = n_head
-        self.gate_w = nn.Parameter(torch.zeros(n_head, HEAD_DIM))
-        self.gate_b = nn.Parameter(torch.zeros(n_head))
+        if gated:
+            self.gate_w = nn.Parameter(torch.zeros(n_head, HEAD_DIM))
+            self.gate_b = nn.Parameter(torch.zeros(n_head))
+        else:
+            self.no_decay = ()
 
     def project(self, x, cos, sin):
         """x (B, T, d) -> rotated q, k and v, each (B, H, T, 32)."""
@@ -212,7 +222,8 @@ class PLT(nn.Module):
     cache[1][i]: block i's loop-1 keys/values (all positions); cache[l][i], l >= 2: the last W
     keys/values of loop l; cache["carry"]: Norm_loop(h^l) of the last position, l = 1..N-1,
     (N-1, B, 1, d). clp_scales=(a, b) fixes the cross-loop scales instead of learning them.
-    Raises UsageError for plt_window < 1 or n_core < 1."""
+    Norm_loop is the LM's final norm, handed over by LM (use_final_norm); N = 1 creates no gates
+    and no a, b (nothing would train them). Raises UsageError for plt_window < 1 or n_core < 1."""
     no_decay = ("clp_a", "clp_b")
 
     def __init__(self, cfg, clp_scales=None):
@@ -222,15 +233,24 @@ class PLT(nn.Module):
             raise UsageError(f"--plt_window {cfg.plt_window}: must be >= 1")
         self.loops, self.window, self.shift = cfg.depth, cfg.plt_window, cfg.plt_shift
         self.n_head = cfg.n_head
-        self.blocks = nn.ModuleList(PLTBlock(cfg.n_embd, cfg.n_head, cfg.width) for _ in range(cfg.n_core))
-        self.norm_loop = RMSNorm(cfg.n_embd)
-        if clp_scales is None:
+        looped = self.loops > 1
+        self.blocks = nn.ModuleList(PLTBlock(cfg.n_embd, cfg.n_head, cfg.width, gated=looped)
+                                    for _ in range(cfg.n_core))
+        self.__dict__["norm_loop"] = None  # Norm_loop: LM.norm_f, set by use_final_norm
+        if not looped:
+            self.no_decay = ()
+        elif clp_scales is None:
             self.clp_a = nn.Parameter(torch.ones(1))
             self.clp_b = nn.Parameter(torch.full((1,), 0.02))
         else:
             self.no_decay = ()
             self.register_buffer("clp_a", torch.tensor([float(clp_scales[0])]))
             self.register_buffer("clp_b", torch.tensor([float(clp_scales[1])]))
+
+    def use_final_norm(self, norm):
+        """Take the LM's final norm as Norm_loop (called by LM). Kept outside the module tree: LM
+        owns it, so its gain is one parameter, saved once (as norm_f)."""
+        self.__dict__["norm_loop"] = norm
 
     @property
     def sequential_passes(self):
@@ -242,6 +262,8 @@ class PLT(nn.Module):
         return self.clp_a.to(e.dtype) * e + self.clp_b.to(e.dtype) * carried
 
     def forward(self, x, cos, sin, cache=None):
+        if self.norm_loop is None and self.loops > 1:
+            raise RuntimeError("PLT needs the LM's final norm as Norm_loop: build it with models.build_model")
         if cache is not None and "carry" in cache:
             return self.decode(x, cos, sin, cache)
         sub = (lambda l, i: None) if cache is None else (lambda l, i: cache.setdefault(l, {}).setdefault(i, {}))
@@ -269,7 +291,7 @@ class PLT(nn.Module):
         for t in range(x.shape[1]):
             e, row = x[:, t:t + 1], (cos[:, :, t:t + 1], sin[:, :, t:t + 1])
             if self.shift:  # one batched pass over all N loops
-                rows = torch.cat((e[None], self.loop_input(e[None], cache["carry"])))
+                rows = e[None] if self.loops == 1 else torch.cat((e[None], self.loop_input(e[None], cache["carry"])))
                 h = self.step(rows, 1, row, cache)
             else:  # loop l needs h^{l-1}_t of this step: N passes
                 parts, prev = [], None
@@ -278,7 +300,7 @@ class PLT(nn.Module):
                     prev = self.step(r[None], l, row, cache)[0]
                     parts.append(prev)
                 h = torch.stack(parts)
-            cache["carry"] = self.norm_loop(h[:-1])
+            cache["carry"] = self.norm_loop(h[:-1]) if self.loops > 1 else h[:0]
             outs.append(h[-1])
         return torch.cat(outs, 1)
 
@@ -331,7 +353,8 @@ class LoopFold(nn.Module):
     the last stage's output (B, T, d). cache[i]: block i's keys/values of all N loops stacked
     loop-major along the batch ((N B, H, S, 32)); a stage slices its loops' rows.
     predictor="oracle": P(r) := R(r) computed sequentially (test hook). Raises UsageError for
-    fold < 1, fold_rank < 0, a fold_layout other than first/last, or n_core < 1."""
+    fold < 1, fold_rank < 0, a fold_layout other than first/last, or n_core < 1. Without a stage
+    of two loops or more (f = 1, or N too small) P and C are not created: it is the loop stack."""
     no_decay = ()
 
     def __init__(self, cfg, predictor="learned"):
@@ -349,6 +372,8 @@ class LoopFold(nn.Module):
         self.loops, self.oracle = cfg.depth, predictor == "oracle"
         self.stages = fold_stages(cfg.depth, cfg.fold, cfg.fold_layout)
         self.blocks = nn.ModuleList(TransformerBlock(d, cfg.n_head, cfg.width) for _ in range(cfg.n_core))
+        if max(map(len, self.stages)) == 1:  # no predicted row: P and C would never be used
+            return
         self.pred_norm = RMSNorm(d)
         # plain parameters in nn.Linear's (out, in) layout: LM's init leaves them as set here
         self.pred_w1 = nn.Parameter(torch.randn(r, d) * 0.02)   # W_p1
@@ -418,11 +443,13 @@ def loopstack(cfg):
 
 def plt(cfg, clp_scales=None):
     """PLT (arXiv 2510.24824): loop stack + cross-loop shift + G-SWA. Non-embedding parameters
-    n_core (4d^2 + 3dF + 2d + d + H) + d + d + 2 (learned a, b; fixed clp_scales: + d + d)."""
+    n_core (4d^2 + 3dF + 2d + d + H) + d + 2 (the 2: learned a, b; none with fixed clp_scales;
+    N = 1: n_core (4d^2 + 3dF + 2d) + d). Norm_loop is the final norm (no parameters of its own)."""
     return PLT(cfg, clp_scales)
 
 
 def loopfold(cfg, predictor="learned"):
     """LoopFold [reconstruction from the abstract]: loop stack folded into S stages with predictor and
-    corrector. Non-embedding parameters n_core (4d^2 + 3dF + 2d) + d + 2 d r + d + 2 d r, r = fold_rank or d/4."""
+    corrector. Non-embedding parameters n_core (4d^2 + 3dF + 2d) + d + 2 d r + d + 2 d r, r = fold_rank or d/4
+    (without a stage of two loops or more, e.g. f = 1: n_core (4d^2 + 3dF + 2d) + d)."""
     return LoopFold(cfg, predictor)

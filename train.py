@@ -54,7 +54,7 @@ from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, ch
 from common import ModelConfig, UsageError, UsageParser, compile_regions
 from harness.config import Dist, DebugDump, Log, autocast_ctx, check_model_flags, resolve_args, tier_default
 from harness.datacheck import load_data
-from harness.evaluation import depth_sweep, evaluate, exact_match, print_report, print_sample
+from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model, model_config, shared_block_models
 # names other code uses as train.X (latent_tokens.py: save_atomic, eval_mode)
 from harness.checkpoint import save_atomic  # noqa: F401,E402
@@ -235,6 +235,7 @@ def setup(args, given):
     args = resolve_args(args, dist)  # tier defaults, device, validation (config.py)
     dist.start(args.device)
     data = load_data(args, dist)
+    check_scored_windows(data, args.block_size, args.eval_windows)  # an evaluation over nothing is no number
     cfg, target = model_config(args, data.vocab_size)  # --depth, --size, ... -> ModelConfig
     torch.manual_seed(args.seed)
     random.seed(args.seed)

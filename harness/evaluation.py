@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from common import UsageError
 from harness.config import Dist
 
 
@@ -34,7 +35,9 @@ def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, di
     Each window's NLL sum (float64) and target count are computed separately; with dist the
     windows are sharded over ranks (window i on rank i % world) and the per-window values summed
     over ranks, then reduced in window order. So the value depends neither on the batch size nor on
-    the world size, up to the float32 forward pass itself (see tests/test_train.py)."""
+    the world size, up to the float32 forward pass itself (see tests/test_train.py).
+    Raises UsageError when the windows hold no scored target: a mean over nothing is no number
+    (train.py refuses such settings before training, check_scored_windows)."""
     dist = dist or Dist()
     sums = torch.zeros(len(starts), dtype=torch.float64, device=device)
     counts = torch.zeros(len(starts), dtype=torch.float64, device=device)
@@ -55,7 +58,24 @@ def evaluate(model, data, split, starts, block_size, batch_size, device, ctx, di
             counts[rows] = (y != -1).sum(1).double()
     dist.all_sum(sums)
     dist.all_sum(counts)
-    return float(sums.sum()) / max(float(counts.sum()), 1.0)
+    if not counts.sum() > 0:
+        raise UsageError(f"{data.folder}: the {len(starts)} {split} windows of {block_size} tokens hold no scored "
+                         "target; nothing to evaluate")
+    return float(sums.sum()) / float(counts.sum())
+
+
+def check_scored_windows(data, block_size, n_windows):
+    """UsageError, before any training, when the fixed dev or test windows (data.eval_windows, the
+    ones every dev evaluation, the depth sweep and the test use) hold no scored target, as on
+    dmmath, which scores answer characters only, with windows shorter than its questions."""
+    if not data.masked:  # every target of every window is scored
+        return
+    for split in ("dev", data.test_split):
+        starts = data.eval_windows(split, block_size, n_windows)
+        if not (data.window_batch(split, starts, block_size)[1] != -1).any():
+            raise UsageError(f"--block_size {block_size} / --eval_windows {n_windows}: the {len(starts)} fixed {split} "
+                             f"windows hold no scored target ({data.folder} scores answer tokens only); "
+                             "use a larger --block_size or more --eval_windows")
 
 
 def greedy_answer(model, data, split, problem, max_new_tokens, ctx, device):

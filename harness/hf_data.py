@@ -9,6 +9,7 @@ stable hash of the key and writes the same bins and meta.json as every other tex
 Offline, a hub id fails within HUB_TIMEOUT seconds with one line naming the dataset.
 """
 import glob
+import itertools
 import os
 import re
 import shutil
@@ -69,11 +70,15 @@ def spec(dataset, split, text_field, split_key, data_files):
 
 def build(tmp, hf, **text):
     """Stream the dataset's rows into text_data._build_text; every failure of `datasets` is one UsageError.
-    Returns the meta dict; its split rule names the column that decided the splits."""
+    The first row of every source is checked (columns, text type) before the tokenizer loads, and
+    every later row too; rows whose text is null or empty are dropped, and the rows read, kept and
+    dropped are printed and recorded as meta["rows"] (text_data._build_text). Returns the meta
+    dict; its split rule names the column that decided the splits."""
     try:
         streams = _streams(hf, cache_dir=os.path.join(tmp, ".hf_cache"))
-        meta = text_data._build_text(tmp, _docs(hf, streams), hf["dataset"], "", by_key_only=True,
-                                     count="n_documents", **text)
+        meta = text_data._build_text(tmp, _docs(hf, _checked(hf, streams)), hf["dataset"], "", by_key_only=True,
+                                     count="n_documents", unit="rows",
+                                     empty=f"--hf_text_field {hf['text_field']} null or empty", **text)
     finally:
         shutil.rmtree(os.path.join(tmp, ".hf_cache"), ignore_errors=True)
     meta["split_rule"] = (f"by document: sha256(its {hf['key_column'] or 'text'} column)[:8] as int % 100 "
@@ -135,38 +140,78 @@ def _check_hub(dataset, name):
                          f"({type(box[0]).__name__}: {first}); {offline}")
 
 
-def _docs(hf, streams):
-    """(split key, text) per row, the streams interleaved one row at a time; the first row fixes
-    the key column (recorded as hf["key_column"])."""
-    its, checked = [iter(s) for s in streams], False
+def _source_names(hf, n):
+    """What to call each of the n streams in an error: its --hf_data_files entry, else the dataset."""
+    files = hf["data_files"]
+    return [files[i] if len(files) == n else hf["dataset"] for i in range(n)]
+
+
+def _next(hf, it):
+    """The next row of a stream (None at its end); a failing stream is one UsageError."""
+    try:
+        return next(it)
+    except StopIteration:
+        return None
+    except Exception as e:  # noqa: BLE001 - a stream failing mid-way (network, bad file)
+        raise _error(hf, e) from None
+
+
+def _checked(hf, streams):
+    """[(source name, row iterator)] with the first row of every stream already read and checked
+    (_check_row), so a missing column is reported before any tokenizing; the first row of the first
+    stream fixes the key column (recorded as hf["key_column"])."""
+    out = []
+    for name, stream in zip(_source_names(hf, len(streams)), streams):
+        it = iter(stream)
+        first = _next(hf, it)
+        if first is None:
+            continue
+        if "key_column" not in hf:
+            hf["key_column"] = _key_column(hf, first, name)
+        _check_row(hf, first, name)
+        out.append((name, itertools.chain([first], it)))
+    hf.setdefault("key_column", None)
+    return out
+
+
+def _docs(hf, sources):
+    """(split key, text) per row, the sources interleaved one row at a time; every row is checked
+    (_check_row). A null or empty text is passed on (text_data._build_text drops and counts it)."""
+    key = hf["key_column"]
+    its = list(sources)
     while its:
-        for it in list(its):
-            try:
-                row = next(it)
-            except StopIteration:
-                its.remove(it)
+        for name, it in list(its):
+            row = _next(hf, it)
+            if row is None:
+                its.remove((name, it))
                 continue
-            except Exception as e:  # noqa: BLE001 - a stream failing mid-way (network, bad file)
-                raise _error(hf, e) from None
-            if not checked:
-                key = hf["key_column"] = _key_column(hf, row)
-                checked = True
-            text = row[hf["text_field"]]
-            if text is not None and not isinstance(text, str):
-                raise UsageError(f"--hf_text_field {hf['text_field']}: holds {type(text).__name__}, not text")
-            yield (None if key is None else str(row[key])), text
+            text = _check_row(hf, row, name)
+            yield (None if key is None or not text else str(row[key])), text
 
 
-def _key_column(hf, row):
+def _check_row(hf, row, name):
+    """The row's text; UsageError naming the source (file) and the column when the row lacks the
+    text or split-key column, or its text is neither null nor a string."""
+    key = hf.get("key_column")
+    auto = " (auto: the first source has it)" if hf["split_key"] == "auto" else ""
+    for flag, col in ((f"--hf_text_field {hf['text_field']}", hf["text_field"]), (f"--hf_split_key {key}{auto}", key)):
+        if col is not None and col not in row:
+            raise UsageError(f"{flag}: not a column of {name} (columns: {', '.join(row)})")
+    text = row[hf["text_field"]]
+    if text is not None and not isinstance(text, str):
+        raise UsageError(f"--hf_text_field {hf['text_field']}: holds {type(text).__name__}, not text, in {name}")
+    return text
+
+
+def _key_column(hf, row, name):
     """The column that decides the split (None: the text); UsageError for a missing column."""
     if hf["text_field"] not in row:
-        raise UsageError(f"--hf_text_field {hf['text_field']}: not a column of {hf['dataset']} "
-                         f"(columns: {', '.join(row)})")
+        raise UsageError(f"--hf_text_field {hf['text_field']}: not a column of {name} (columns: {', '.join(row)})")
     key = hf["split_key"]
     if key == "auto":
         return "id" if "id" in row else None
     if key == "text" or key == hf["text_field"]:
         return None
     if key not in row:
-        raise UsageError(f"--hf_split_key {key}: not a column of {hf['dataset']} (columns: {', '.join(row)})")
+        raise UsageError(f"--hf_split_key {key}: not a column of {name} (columns: {', '.join(row)})")
     return key

@@ -32,8 +32,15 @@ def _file_docs(root, rels):
 
 # ----------------------------------------------------------------------------- text datasets
 
-def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files"):
+def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files",
+                unit="files", empty="binary or empty"):
     """Tokenize documents ``(split_key, text)`` in order into train/dev/test bins under ``tmp``.
+
+    A document whose text is None or "" is dropped (a binary or empty file; a row whose text is
+    null or empty, `empty` says which). The documents read, kept and dropped are printed
+    ("SOURCE: read N UNIT, kept K, dropped D (EMPTY)") and recorded as meta[unit] =
+    {"read", "kept", "dropped"} (read: taken from the source; with max_tokens, reading stops about
+    a batch after the last token written).
 
     Each document is followed by an end-of-text token and goes whole into split_of(split_key)
     (the text itself when split_key is None). With max_tokens, writing stops at exactly that many
@@ -49,11 +56,19 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
     names, ext = ("train", "dev", "test"), ".bin" if tokenizer == "gpt2" else ".cp"
     wide = np.dtype("<u2") if tokenizer == "gpt2" else np.dtype("<u4")
     n_tok, n_docs, order, total = dict.fromkeys(names, 0), dict.fromkeys(names, 0), [], 0
+    seen = dict(read=0, kept=0, dropped=0)
+
+    def counted(docs):
+        for key, text in docs:
+            seen["read"] += 1
+            seen["kept" if text else "dropped"] += 1
+            if text:
+                yield key, text
     with contextlib.ExitStack() as stack:
         out = {s: stack.enter_context(open(os.path.join(tmp, s + ext), "wb")) for s in names}
         bar = stack.enter_context(tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=None,
                                        desc=f"tokenizing {source} ({tokenizer}, num_proc {num_proc})"))
-        pieces = stack.enter_context(contextlib.closing(_tokenize(docs, tokenizer, num_proc)))
+        pieces = stack.enter_context(contextlib.closing(_tokenize(counted(docs), tokenizer, num_proc)))
         for split, ids in pieces:
             ids = ids[:max_tokens - total] if max_tokens else ids
             out[split].write(ids.astype(wide).tobytes())
@@ -64,14 +79,17 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
             bar.update(len(ids))
             if total == max_tokens:
                 break
+    print(f"{source}: read {seen['read']:,} {unit}, kept {seen['kept']:,}, dropped {seen['dropped']:,} ({empty})",
+          flush=True)
     if not total:
-        raise UsageError(f"--dataset {source}: no readable text")
+        raise UsageError(f"--dataset {source}: no readable text ({seen['read']:,} {unit} read, all {empty})")
     if min(n_docs.values()) == 0 and not by_key_only:
         n_tok, n_docs, rule = _split_by_position(tmp, ext, wide, order), {"all": len(order)}, BY_POSITION
     meta = dict(tokenizer="gpt2", vocab_size=EOT + 1, dtype="uint16") if tokenizer == "gpt2" \
         else _char_vocab(tmp, n_tok)
     meta.update(splits=n_tok, split_rule=rule, source=source, test_split="test", em_splits=[])
     meta[count] = n_docs
+    meta[unit] = seen
     if max_tokens:
         meta.update(max_tokens=max_tokens, truncated=total == max_tokens)
     return meta

@@ -149,3 +149,33 @@ def test_cuda_defaults_and_quick_plan(monkeypatch):
     assert q.batch_tokens == 32768 and q.warmup == 2 and q.steps == 3
     assert bench.plan(q) == ([(m, True, 2048) for m in bench.models.REGISTRY]
                              + [(m, True, 8192) for m in ("tango", "tango-windowed", "tango-3set", "loop")])
+
+
+def test_mfu_of_known_flops_time_and_peak(monkeypatch):
+    """MFU = model FLOPs per step / median step time / peak. 6e9 FLOPs in steps of 3, 2 and 4 s
+    (median 3 s) is 2e9 FLOP/s; over a 1e10 FLOP/s peak, MFU 0.2."""
+    row = {"model": "tango", "T": 64, "compile": False, "status": "ok",
+           **bench.timing([3.0, 2.0, 4.0], tokens=1000, fl=6e9)}
+    assert row["step_s"] == 3.0 and row["achieved_flops_per_s"] == 2e9 and row["tokens_per_s"] == 1000 / 3.0
+    bench_report.add_ratios([row], peak=1e10)
+    assert row["mfu"] == pytest.approx(0.2, rel=1e-12)
+
+
+def test_matmul_peak_counts_2_n_cubed_flops_over_the_best_time(monkeypatch):
+    """The peak: 2 n^3 FLOPs per n x n matmul (n^3 multiply-adds) over the fastest of the timed reps.
+    A clock that makes the three reps take 0.5, 0.25 and 1.0 s gives 2 * 16^3 / 0.25 = 32768 FLOP/s."""
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks))
+    assert bench.matmul_peak("cpu", "float32", 16, 3) == 2 * 16 ** 3 / 0.25 == 32768.0
+
+
+def test_mfu_ratio_is_the_model_over_loop_transformer_pp():
+    """mfu_vs_ref = a model's MFU / Loop Transformer++'s at the same T and compile: a model at half
+    the reference's achieved FLOP/s has ratio 0.5 (not 2), at another T its own reference counts."""
+    rows = [_row("loop", 64, 100, 1, 4e9), _row("tango", 64, 100, 1, 2e9), _row("gau", 64, 100, 1, 6e9),
+            _row("loop", 128, 100, 1, 1e9), _row("tango", 128, 100, 1, 2e9)]
+    bench_report.add_ratios(rows, peak=1e10)
+    assert [r["mfu"] for r in rows] == pytest.approx([0.4, 0.2, 0.6, 0.1, 0.2])
+    assert [r["mfu_vs_ref"] for r in rows] == pytest.approx([1.0, 0.5, 1.5, 1.0, 2.0])
+    tg = bench_report.targets(rows)["min_mfu_vs_transformer_pp"]
+    assert tg["value"] == pytest.approx(0.5) and tg["status"] == "MISS" and "tango" in tg["detail"]

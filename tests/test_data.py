@@ -13,13 +13,6 @@ from harness import dmmath
 from harness import text_data
 from common import UsageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
-
-
-@pytest.fixture(autouse=True)
-def bpe_file(monkeypatch):
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
 
 
 def write_files(root, files):
@@ -152,7 +145,7 @@ def test_reuse_and_reprepare(gpt2_bpe, tmp_path, monkeypatch):
         data.prepare(str(tmp_path / "a.txt"), out_root=out)
     assert os.listdir(out) == [os.path.basename(folder)]
     monkeypatch.undo()
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
+    monkeypatch.setenv("GPT2_BPE_FILE", gpt2_bpe)
     d = data.Data(data.prepare(str(tmp_path / "a.txt"), out_root=out))
     assert d.decode(np.concatenate([d.tokens(s) for s in ("train", "dev", "test")])).startswith("changed changed")
 
@@ -388,7 +381,7 @@ def test_char_single_file_by_position_and_max_tokens(tmp_path):
     assert cut.decode(np.concatenate([cut.tokens(s) for s in ("train", "dev", "test")])) == text[:500]
 
 
-def test_worker_processes_write_the_same_bins(tmp_path):
+def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path):
     files = {f"f{i:02d}.py": f"def f{i}(x):\n    return x * {i}  # é\n" * (i + 1) for i in range(40)}
     write_files(tmp_path / "src", files)
     one = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "a"), num_proc=1))
@@ -415,7 +408,8 @@ def test_cli_prepares_and_prints_counts(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     d = data.Data(os.path.join(tmp_path, "out", os.listdir(tmp_path / "out")[0]))
     counts = ", ".join(f"{k} {v:,}" for k, v in d.meta["splits"].items())
-    assert out == [f"prepared {d.folder}: {counts} tokens", f"{d.folder}: char vocab 12, {counts} tokens",
+    assert out == [f"{tmp_path / 'a.txt'}: read 1 files, kept 1, dropped 0 (binary or empty)",
+                   f"prepared {d.folder}: {counts} tokens", f"{d.folder}: char vocab 12, {counts} tokens",
                    f"source {d.meta['source']}; split {d.meta['split_rule']}"]
     assert sum(d.meta["splits"].values()) == len("hello world, ") * 300 + 1
 
@@ -440,3 +434,14 @@ def test_cli_help_and_errors(tmp_path, capsys):
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert not (tmp_path / "out").exists()
     assert data._count("1.5e9") == 1_500_000_000 and data._count("1_000") == 1000
+
+
+def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
+    """A folder source drops binary and empty files: the files read, kept and dropped are printed and
+    recorded in meta.json (as Hugging Face rows are), not dropped without a word."""
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(6)})
+    (tmp_path / "src" / "empty.txt").write_text("")
+    (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2")
+    d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary or empty)" in capsys.readouterr().out
+    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2}

@@ -116,6 +116,69 @@ def test_negative_temperature_no_longer_samples_the_least_likely_tokens():
         model.generate(torch.zeros(1, 3, dtype=torch.long), 20, temperature=-1.0)
 
 
+def test_top_k_draws_follow_the_softmax_of_the_k_largest_logits():
+    """1 < top_k < V: every draw is one of the k most likely ids, with frequency softmax(z / t) over
+    those k (a top_k acting as 1, or as V, fails); 40000 seeded draws, 4 standard errors at most."""
+    z = torch.tensor([2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, 0.2])
+    top = [3, 0, 6]
+    n = 40000
+    for t in (1.0, 2.0):
+        torch.manual_seed(0)
+        draws = sample_next(z.expand(n, -1), temperature=t, top_k=3)[:, 0]
+        freq = torch.bincount(draws, minlength=8).double() / n
+        want = torch.zeros(8, dtype=torch.float64)
+        want[top] = torch.softmax(z[top].double() / t, 0)
+        assert set(draws.tolist()) == set(top)
+        assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+
+
+def test_generate_top_k_draws_from_the_models_k_most_likely_tokens():
+    """LM.generate with top_k = 4 < V = 23: the first new token of 4000 copies of a prompt is drawn
+    from the softmax over the model's 4 largest next-token logits."""
+    torch.manual_seed(0)
+    model = build_model(small_cfg("loop")).eval()  # top 4 probabilities 0.44, 0.19, 0.19, 0.18
+    prompt = torch.tensor([[3, 1, 4]])
+    with torch.no_grad():
+        z = model(prompt)[0][0, -1].double()
+    top = z.topk(4).indices
+    want = torch.zeros(23, dtype=torch.float64)
+    want[top] = torch.softmax(z[top], 0)
+    assert want.max() < 0.9 and want[top].min() > 0.01
+    torch.manual_seed(1)
+    n = 4000
+    out = model.generate(prompt.expand(n, -1), 1, temperature=1.0, top_k=4)
+    freq = torch.bincount(out[:, 3], minlength=23).double() / n
+    assert set(out[:, 3].tolist()) <= set(top.tolist())
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+
+
+def test_generate_stops_each_row_at_its_own_stop_token():
+    """A batch of 3 rows whose (scripted, greedy) next tokens reach the stop token 2 at steps 3, 1
+    and 5: each row ends at its own stop token (what follows it is the stop token again, not more
+    sampled tokens), and the call ends when every row has stopped: 5 new tokens of max 10, 5 model
+    calls (the prompt and 4 steps; none after the last token)."""
+    model = build_model(small_cfg("loop")).eval()
+    script = [[5, 7, 2, 9, 9, 9, 9, 9, 9, 9], [2, 4, 4, 4, 4, 4, 4, 4, 4, 4], [4, 4, 4, 4, 2, 6, 6, 6, 6, 6]]
+    calls, rows = [], script
+
+    def scripted(idx, targets=None, positions=None, cache=None):  # call k: row i's next token is rows[i][k]
+        k, B = len(calls), idx.shape[0]
+        calls.append(idx.shape)
+        logits = torch.zeros(B, idx.shape[1], 23)
+        logits[torch.arange(B), -1, torch.tensor([row[k] for row in rows])] = 10.0
+        return logits, None
+
+    model.forward = scripted
+    prompt = torch.tensor([[1, 1], [3, 3], [8, 8]])
+    out = model.generate(prompt, 10, temperature=0, stop_token=2)
+    assert out[:, 2:].tolist() == [[5, 7, 2, 2, 2], [2, 2, 2, 2, 2], [4, 4, 4, 4, 2]]
+    assert len(calls) == 5 and calls[0] == (3, 2) and all(c == (3, 1) for c in calls[1:])
+    calls.clear()
+    rows = script[1:2]
+    one = model.generate(prompt[1:2], 10, temperature=0, stop_token=2)  # one row: ends at once
+    assert one.tolist() == [[3, 3, 2]] and len(calls) == 1
+
+
 # ============================================================================ 2. loss of an update
 
 def run_for(d, model, starts, clip=1e9, seed=0):
@@ -177,6 +240,55 @@ def test_nonfinite_message_says_which_checkpoint_exists(long_questions, tmp_path
                                  f"{os.path.join(str(tmp_path), 'ckpt_latest.pt')} (update 5)")
 
 
+@pytest.mark.parametrize("block,windows,split", [(8, 1, "dev"), (5, 3, "interpolate")])
+def test_settings_whose_eval_windows_score_nothing_are_refused_before_training(block, windows, split, long_questions,
+                                                                               tmp_path, capsys):
+    """dmmath scores answer characters only: with windows shorter than the questions, the fixed dev
+    windows held no scored target, dev NLL printed 0.0000 (best), the best checkpoint stopped moving
+    and the test NLL was an early checkpoint's, exit 0. Now one line before training, exit 2, no
+    out_dir; also when only the test split's windows (interpolate here) are empty."""
+    root, data_root, d = long_questions
+    starts = d.eval_windows(split, block, windows)
+    assert len(starts) == windows and not (d.window_batch(split, starts, block)[1] != -1).any()
+    other = "dev" if split != "dev" else d.test_split
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", "loop", "--depth", "2", "--size", "tiny", "--width", "64", "--block_size", str(block),
+                    "--eval_windows", str(windows), "--max_iters", "4", "--eval_interval", "2", "--sample_tokens", "0",
+                    "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),
+                    "--out_dir", str(tmp_path / "out"), "--quiet"])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: --block_size {block} / --eval_windows {windows}: the {windows} fixed {split} windows hold no "
+        f"scored target ({d.folder} scores answer tokens only); use a larger --block_size or more --eval_windows\n")
+    assert not (tmp_path / "out").exists()
+    if split != "dev":  # the dev windows do hold targets: only the test split stopped it
+        s = d.eval_windows(other, block, windows)
+        assert (d.window_batch(other, s, block)[1] != -1).any()
+
+
+def test_evaluation_over_no_scored_target_is_never_a_number(long_questions):
+    """evaluate (dev, test, the depth sweep, reflux) over windows without a scored target returned
+    0 / max(0, 1) = 0; now a UsageError naming the split. Over windows that hold some, it is the
+    NLL sum over the scored targets / their count (empty windows add nothing)."""
+    from harness import evaluation
+    _, _, d = long_questions
+    torch.manual_seed(0)
+    model = build_model(small_cfg("loop", vocab_size=d.vocab_size, block_size=8))
+    empty = d.eval_windows("dev", 8, 1)
+    run = lambda starts: train.evaluate(model, d, "dev", starts, 8, 4, "cpu", contextlib.nullcontext())
+    with pytest.raises(UsageError, match=rf"^{d.folder}: the 1 dev windows of 8 tokens hold no scored target"):
+        run(empty)
+    with pytest.raises(UsageError, match="hold no scored target"):
+        evaluation.depth_sweep(model, [1, 3], lambda: run(empty))
+    assert model.body.depth == 2
+    mixed = d.eval_windows("dev", 8, 8)
+    x, y = d.window_batch("dev", mixed, 8)
+    assert 0 < int((y != -1).sum()) and ((y != -1).sum(1) == 0).any()
+    with torch.no_grad():
+        total = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+    assert run(mixed) == pytest.approx(total.item() / int((y != -1).sum()), rel=1e-5)
+
+
 # ============================================================================ 3. random draws
 
 def seeded_forward(model, global_seed, micro_batch):
@@ -234,15 +346,36 @@ def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_p
              "--eval_interval", "1", "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2",
              "--sample_tokens", "0", "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),
              "--quiet"]
+    one_process_equals_ddp(flags, tmp_path)
+
+
+def one_process_equals_ddp(flags, tmp_path):
+    """train.py with `flags` alone and under torchrun with 2 processes: parameters within 1e-6,
+    equal training losses and dev NLL at every evaluation."""
     train.main([*flags, "--out_dir", str(tmp_path / "one")])  # in this process: saves a start-up
     run_train([*flags, "--out_dir", str(tmp_path / "ddp")], torchrun=2)
     a = torch.load(tmp_path / "one" / "ckpt_latest.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "ddp" / "ckpt_latest.pt", weights_only=True)["model"]
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
     one, ddp = log_of(tmp_path / "one", "train"), log_of(tmp_path / "ddp", "train")
-    assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in one], rel=1e-6)
+    assert len(one) == len(ddp) and [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in one], rel=1e-6)
     one, ddp = log_of(tmp_path / "one", "eval"), log_of(tmp_path / "ddp", "eval")
-    assert [r["dev_nll"] for r in ddp] == pytest.approx([r["dev_nll"] for r in one], rel=1e-6)
+    assert len(one) == len(ddp) and [r["dev_nll"] for r in ddp] == pytest.approx([r["dev_nll"] for r in one], rel=1e-6)
+
+
+@pytest.mark.parametrize("model_flags", [["--model", "loopfold", "--depth", "4", "--fold", "1"],
+                                         ["--model", "plt", "--depth", "1"]])
+def test_ddp_trains_models_at_settings_that_used_to_leave_parameters_idle(model_flags, long_questions, tmp_path):
+    """The issue's LoopFold at f = 1 (and PLT at N = 1): its predictor and corrector got no gradient,
+    so under torchrun update 2 crashed in DDP ("Expected to have finished reduction in the prior
+    iteration", exit 1) and 1 update left the ranks with different weights. Now 3 updates of 2
+    micro-batches run and equal the one-process run (tests/test_gradients.py checks every model)."""
+    root, data_root, _ = long_questions
+    flags = [*model_flags, "--n_core", "1", "--size", "tiny", "--width", "64", "--block_size", "16",
+             "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_iters", "3", "--eval_interval", "1",
+             "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2", "--sample_tokens", "0",
+             "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root), "--quiet"]
+    one_process_equals_ddp(flags, tmp_path)
 
 
 # ============================================================================ 4. latent tokens, half precision
@@ -388,6 +521,22 @@ def test_bpe_tests_skip_with_the_reason_without_the_vocabulary(tmp_path):
                           "(tests never download the vocabulary)") == 2
 
 
+def test_every_test_that_needs_the_vocabulary_skips_with_the_one_reason(tmp_path):
+    """GPT2_BPE_FILE naming a missing file: 8 tests of these files failed (a UsageError or exit 2 from
+    the tokenizer) instead of skipping. Now none fails, and every skip is the shared gpt2_bpe fixture's
+    (conftest.py), with its reason, or the optional `datasets` extra's."""
+    missing = str(tmp_path / "missing.tiktoken")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                        "tests/test_values.py", "tests/test_hf_data.py", "tests/test_data.py"],
+                       capture_output=True, text=True, cwd=REPO, timeout=600,
+                       env={**os.environ, "GPT2_BPE_FILE": missing, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and " failed" not in p.stdout and " error" not in p.stdout, p.stdout[-3000:]
+    skips = [line for line in p.stdout.splitlines() if line.startswith("SKIPPED")]
+    reason = (f"GPT2_BPE_FILE={missing} does not exist; the GPT-2 BPE tests need it "
+              "(tests never download the vocabulary)")
+    assert len(skips) >= 10 and all(line.endswith(reason) or "pip install datasets" in line for line in skips), skips
+
+
 # ============================================================================ 8. leftovers
 
 def test_offline_bpe_error_leaves_no_data_root(tmp_path, monkeypatch, capsys):
@@ -445,7 +594,7 @@ DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3se
     "lrt": ["wte.weight", "body.w_m"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
     "lrt-think": ["wte.weight", "body.w_m", "body.thought"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
 }
-# parallel loops (n_core = 1 block; a module's own parameters come before its submodules'): PLT's gate weights decay (its gate bias, Norm_loop and a, b do not);
+# parallel loops (n_core = 1 block; a module's own parameters come before its submodules'): PLT's gate weights decay (its gate bias and a, b do not);
 # LoopFold's predictor and corrector matrices decay (its predictor norm gain does not)
 DECAYED.update({
     "loopstack": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
@@ -461,7 +610,7 @@ def test_only_weight_matrices_are_decayed(name):
     beta (which are (n_qk, s) matrices), TANGO's log_tau and null, Parcae's A_log, dt_bias, B, C and
     every RMSNorm gain are exempt, by the declaration of their module class."""
     assert set(DECAYED) == set(REGISTRY)
-    model = build_model(small_cfg(name))
+    model = build_model(small_cfg(name, **({"depth": 3} if name == "loopfold" else {})))  # a stage of two loops
     opt = train.make_optimizer(model, SimpleNamespace(weight_decay=0.1, learning_rate=1e-3))
     names = {id(p): n for n, p in model.named_parameters()}
     decayed, exempt = opt.param_groups

@@ -20,13 +20,7 @@ import train  # noqa: E402
 from common import UsageError  # noqa: E402
 
 datasets = pytest.importorskip("datasets", reason="the optional extra: pip install datasets")
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 SPLITS = ("train", "dev", "test")
-
-
-@pytest.fixture(autouse=True)
-def bpe_file(monkeypatch):
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
 
 
 def make_docs(n=160):
@@ -66,7 +60,7 @@ def decoded_docs(d, split):
     return parts[:-1]
 
 
-def test_saved_dataset_round_trips_split_by_id(saved, tmp_path):
+def test_saved_dataset_round_trips_split_by_id(gpt2_bpe, saved, tmp_path):
     path, ids, docs = saved
     d = data.Data(data.prepare("hf:" + path, out_root=str(tmp_path / "out")))
     assert d.tokenizer == "gpt2" and d.vocab_size == 50257 and d.meta["source"] == "hf:" + path
@@ -131,7 +125,7 @@ def test_max_tokens_stops_at_the_budget(saved, tmp_path):
     assert big.meta["splits"] == full.meta["splits"] and big.meta["truncated"] is False
 
 
-def test_trains_a_few_updates(one_thread, saved, tmp_path, capsys):
+def test_trains_a_few_updates(gpt2_bpe, one_thread, saved, tmp_path, capsys):
     path, _, _ = saved
     argv = ["--model", "tango", "--depth", "2", "--size", "tiny", "--block_size", "32", "--batch_size", "2",
             "--max_iters", "3", "--eval_interval", "3", "--eval_windows", "4", "--eval_batch_size", "4",
@@ -199,7 +193,7 @@ def test_hanging_network_fails_within_the_timeout(monkeypatch, tmp_path):
     assert time.time() - t0 < 3 and os.listdir(tmp_path / "out") == []  # an existing data_root stays, empty
 
 
-def test_local_sources_work_offline(monkeypatch, saved, jsonl, tmp_path):
+def test_local_sources_work_offline(gpt2_bpe, monkeypatch, saved, jsonl, tmp_path):
     no_network(monkeypatch)
     data.Data(data.prepare("hf:" + saved[0], out_root=str(tmp_path / "a")))
     b = data.Data(data.prepare("hf:json", out_root=str(tmp_path / "b"), hf_text_field="content",
@@ -234,3 +228,58 @@ def test_bad_input_nothing_written(kwargs, needle, saved, tmp_path):
     with pytest.raises(UsageError, match=needle) as e:
         data.prepare(out_root=str(tmp_path / "out"), **kwargs)
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_a_file_without_the_text_column_is_one_line_naming_file_and_column(order, tmp_path, capsys):
+    """hf:json over a.jsonl (text) and b.jsonl (no text field): a KeyError traceback (exit 1) after
+    a.jsonl's rows were read; now one UsageError naming b.jsonl and the column, before the
+    tokenizer loads (no vocabulary needed), exit 2 from the command line, nothing written."""
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"doc {i}"} for i in range(20)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"body": f"doc {i}", "n": i} for i in range(3)])
+    files = ",".join([a, b] if order == "ab" else [b, a])
+    out = tmp_path / "out"
+    with pytest.raises(UsageError) as e:
+        data.prepare("hf:json", out_root=str(out), hf_data_files=files)
+    assert str(e.value) == f"--hf_text_field text: not a column of {b} (columns: body, n)"
+    assert not out.exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        data.main(["--dataset", "hf:json", "--hf_data_files", files, "--data_root", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: --hf_text_field text: not a column of {b} (columns: body, n)\n"
+    assert not out.exists()
+    c = write_jsonl(tmp_path / "c.jsonl", [{"body": "a document"}])  # the text column, not the split key
+    with pytest.raises(UsageError, match=rf"^--hf_split_key n: not a column of {c} \(columns: body\)$"):
+        data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([b, c]), hf_text_field="body",
+                     hf_split_key="n")
+    with pytest.raises(UsageError, match=rf"^--hf_text_field body: not a column of {a} \(columns: text\)$"):
+        data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([b, a]), hf_text_field="body")
+    ids = write_jsonl(tmp_path / "ids.jsonl", [{"id": 1, "text": "first"}])  # --hf_split_key auto: id, from the first
+    with pytest.raises(UsageError, match=rf"^--hf_split_key id \(auto: the first source has it\): not a column of {a} "):
+        data.prepare("hf:json", out_root=str(out), hf_data_files=",".join([ids, a]))
+    assert not out.exists()
+
+
+def test_rows_with_null_or_empty_text_are_counted_printed_and_recorded(tmp_path, capsys):
+    """Rows whose text is null or empty were dropped without a word: 23 rows read, 20 kept, 3 dropped
+    (null, "", and a row missing the field among rows that have it, which the json reader fills
+    with null) are printed and recorded in meta.json; the kept rows are exactly the documents."""
+    rows = [{"text": f"document number {i}"} for i in range(20)]
+    rows[4:4] = [{"text": None}]
+    rows[9:9] = [{"text": ""}]
+    rows[15:15] = [{"other": 1}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    d = data.Data(data.prepare("hf:json", out_root=str(tmp_path / "out"), hf_data_files=path, tokenizer="char"))
+    assert "hf:json: read 23 rows, kept 20, dropped 3 (--hf_text_field text null or empty)" in capsys.readouterr().out
+    assert d.meta["rows"] == {"read": 23, "kept": 20, "dropped": 3}
+    with open(os.path.join(d.folder, "meta.json")) as f:
+        assert json.load(f)["rows"] == {"read": 23, "kept": 20, "dropped": 3}
+    assert sum(d.meta["n_documents"].values()) == 20
+    docs = sorted(t for s in SPLITS for t in decoded_docs(d, s))
+    assert docs == sorted(f"document number {i}" for i in range(20))

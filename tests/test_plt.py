@@ -95,9 +95,7 @@ def test_plt_decode_runs_one_batched_pass_per_token(shift, passes, monkeypatch):
 def test_loopfold_fold_1_equals_loopstack(layout):
     fold = build(cfg("loopfold", fold=1, fold_layout=layout), dtype=torch.float64)
     stack = build(cfg("loopstack"), seed=3, dtype=torch.float64)
-    missing, unexpected = stack.load_state_dict(fold.state_dict(), strict=False)
-    assert not missing and set(unexpected) == {"body.pred_norm.weight", "body.pred_w1", "body.pred_w2",
-                                               "body.corr_v", "body.corr_u"}
+    stack.load_state_dict(fold.state_dict())  # the same parameters: no predictor or corrector at f = 1
     assert fold.body.stages == [[0], [1], [2], [3]]
     idx = tokens()
     with torch.no_grad():
@@ -140,6 +138,43 @@ def test_loopfold_correction_is_applied_to_the_predicted_rows():
         fresh = models.build_model(cfg("loopfold")).body
         v = torch.randn(3, 64)
         assert torch.equal(fresh.predict(v), v + 0 * v) and torch.equal(fresh.correct(v), v)
+
+
+@pytest.mark.parametrize("depth,fold,layout,stages", [(4, 3, "first", [[0], [1, 2, 3]]),
+                                                      (6, 4, "first", [[0], [1, 2, 3, 4], [5]]),
+                                                      (5, 4, "last", [[0, 1, 2, 3], [4]])])
+def test_loopfold_wide_stages_equal_the_plain_recurrence(depth, fold, layout, stages):
+    """f >= 3, where a wrong recurrence of the predicted rows shows (at f = 2 a stage has one
+    predicted row): per stage (written out here, not from fold_stages), r_1 = u, r_{i+1} = P(r_i),
+    o_i = R(r_i), y_1 = o_1, y_{i+1} = o_{i+1} + C(y_i - r_{i+1}); P, C and R as in the docstring,
+    from the raw weights; every parameter moved off its init. Predicting every row from r_1, or
+    correcting with o_i instead of y_i, passed every other test."""
+    m = build(cfg("loopfold", depth=depth, fold=fold, fold_layout=layout), dtype=torch.float64, scale=0.2)
+    assert m.body.stages == stages
+    x, cos, sin = embed(m, tokens())
+    b = m.body
+    lin = torch.nn.functional.linear
+    rms = lambda u, g: u / u.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * g
+    P = lambda u: u + lin(torch.nn.functional.silu(lin(rms(u, b.pred_norm.weight), b.pred_w1)), b.pred_w2)
+    C = lambda e: e + lin(lin(e, b.corr_v), b.corr_u)
+
+    def R(h):
+        for block in b.blocks:
+            h = block(h, cos, sin)
+        return h
+
+    with torch.no_grad():
+        u = x
+        for stage in stages:
+            r = [u]
+            for _ in stage[1:]:
+                r.append(P(r[-1]))
+            o = [R(ri) for ri in r]
+            y = o[0]
+            for i in range(1, len(stage)):
+                y = o[i] + C(y - r[i])
+            u = y
+        torch.testing.assert_close(b(x, cos, sin), u, rtol=1e-12, atol=1e-12)
 
 
 def test_plt_unshifted_single_loop_equals_untied():
@@ -199,6 +234,23 @@ def test_plt_fixed_constant_scales():
             h = block.first(h, cos, sin)[0]
         z = m.body.norm_loop(h)
         expected = 0.707 * x[:, 1:] + 0.053 * z[:, :-1]
+        torch.testing.assert_close(loop2_inputs(m, idx)[:, 1:], expected)
+
+
+def test_plt_norm_loop_is_the_final_norm():
+    """Norm_loop is LM.norm_f (the LoopCoder-v2 release normalizes between loops with the model's final
+    norm): one gain, saved once; after training moves it, the loop-2 input follows the final norm."""
+    m = build(cfg(depth=2))
+    assert m.body.norm_loop is m.norm_f and not any("norm_loop" in k for k in m.state_dict())
+    idx = tokens()
+    x, cos, sin = embed(m, idx)
+    with torch.no_grad():
+        m.norm_f.weight.mul_(torch.linspace(0.5, 2.0, 64))
+        h = x
+        for block in m.body.blocks:
+            h = block.first(h, cos, sin)[0]
+        z = torch.nn.functional.rms_norm(h, (64,), m.norm_f.weight, 1e-6)
+        expected = m.body.clp_a * x[:, 1:] + m.body.clp_b * z[:, :-1]
         torch.testing.assert_close(loop2_inputs(m, idx)[:, 1:], expected)
 
 
@@ -284,7 +336,7 @@ def test_parameter_count_formulas(name, kw):
     c = cfg(name, **kw)
     n, r = c.n_core, c.fold_rank or d // 4
     stack = n * (4 * d * d + 3 * d * F + 2 * d) + d
-    expected = {"loopstack": stack, "plt": stack + n * (d + H) + d + 2, "loopfold": stack + 2 * d * r + d + 2 * d * r}
+    expected = {"loopstack": stack, "plt": stack + n * (d + H) + 2, "loopfold": stack + 2 * d * r + d + 2 * d * r}
     assert models.count_params(c) == expected[name]
     assert models.width_multiple(c) == 8
     assert models.count_params(cfg(name, depth=7, **{k: v for k, v in kw.items() if k != "depth"})) == expected[name]

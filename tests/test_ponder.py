@@ -44,6 +44,19 @@ def body_out(m, idx):
     return m.wte(idx), cos, sin
 
 
+def test_thought_norm_gain_starts_at_the_embedding_scale():
+    """Norm_θ's gain starts at 0.02, the embedding's init std (the LM's init leaves it), so a thought
+    input z = Norm_θ(H) starts with RMS 0.02, the scale of a token input; a gain of 1 (RMSNorm's
+    default) would make thoughts 50x louder than tokens."""
+    m = models.build_model(cfg(n_thoughts=2))
+    assert torch.equal(m.body.think_norm.weight, torch.full((64,), 0.02))
+    h = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        z = m.body.think_norm(h)
+    torch.testing.assert_close(z.pow(2).mean(-1).sqrt(), torch.full((3, 5), 0.02), rtol=1e-4, atol=0)
+    assert abs(m.wte.weight[:61].std().item() - 0.02) < 1e-3
+
+
 def test_zero_thoughts_equals_untied():
     m = build(cfg(n_thoughts=0))
     base = build(cfg(model="untied"), seed=3)

@@ -16,7 +16,7 @@ import flops
 import models
 import reflux as rf
 from studies import reflux_cli
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, rope_cos_sin
 from harness.evaluation import evaluate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -280,6 +280,27 @@ def test_router_parameters_and_blocks():
         want = r.gate(u[:, blk].mean(1))
         torch.testing.assert_close(g[:, rows], want[:, None].expand(-1, rows.stop - rows.start, -1))
     assert sum(p.numel() for p in rf.Router(64, 8, rank=64).parameters()) == 64 * 64 + 64 * 28 + 2 * 28
+
+
+@pytest.mark.parametrize("schedule", ["sync", "stream2"])
+def test_router_summary_reads_the_output_of_block_K_over_2(schedule, monkeypatch):
+    """The router's summary r_b averages RMSNorm(z_m), m = floor(K/2): the stream leaving block m
+    (0-based) of the clean record traversal; K = 4: z_2 = block_2(block_1(block_0(e))), not z_1
+    (floor((K-1)/2)) nor a_2 (the stream entering block 2)."""
+    lm, idx = build(), tokens()
+    r = random_router(lm)
+    assert r.m == 2
+    seen = []
+    update = rf.Router.update
+    monkeypatch.setattr(rf.Router, "update", lambda self, state, zm, start: seen.append(zm) or update(self, state, zm, start))
+    with torch.no_grad():
+        rf.reflux_lm(lm, rf.Settings(schedule), r)(idx)
+        x = lm.wte(idx)
+        cos, sin = rope_cos_sin(torch.arange(idx.shape[1]), dtype=x.dtype)
+        z = {l: rf.run_blocks(lm.body, x, cos, sin, stop=l + 1)[0] for l in (1, 2)}
+    summary = torch.cat(seen, 1)
+    torch.testing.assert_close(summary, z[2], rtol=1e-12, atol=1e-12)
+    assert (summary - z[1]).abs().max() > 1e-3
 
 
 def test_no_gradient_reaches_the_backbone():

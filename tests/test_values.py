@@ -17,8 +17,6 @@ import models
 import train
 from common import ModelConfig, UsageError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -278,8 +276,7 @@ def test_document_split_literal():
     assert {p: data_mod.split_of(p) for p in SPLITS} == SPLITS
 
 
-def test_folder_split_by_file_literal(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPT2_BPE_FILE", BPE)
+def test_folder_split_by_file_literal(gpt2_bpe, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     names = ["f0.txt", "f4.txt", "f7.txt", "f8.txt", "f16.txt", "f24.txt"]
