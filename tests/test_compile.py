@@ -67,10 +67,11 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
         torch._dynamo.reset()
         seen, end, regions, variants, summary = compiled_run(mdm, data_root, tmp_path, monkeypatch, K)
         assert regions == ["LM.head", "Tango.update"]
-        # training: one graph for the head, two for the TANGO update (before and after its eager
-        # fast path, tango_kernels.py "Compilation"); the first evaluation (no grad) as many again; the
-        # second evaluation, test NLL, exact-match decoding and the sample: none
-        assert seen == [3, 6, 6, 6] and end == 6, (K, seen, end)
+        # training: one graph for the head, three for the TANGO update on CPU (queries and keys up to
+        # the call of tango_kernels.gated_update, then its grouped path before and after the eager
+        # chunked kernels, tango_kernels.py "Compilation"); the first evaluation (no grad) as many
+        # again; the second evaluation, test NLL, exact-match decoding and the sample: none
+        assert seen == [4, 8, 8, 8] and end == 8, (K, seen, end)
         assert variants == {"Tango.update": 2, "LM.head": 2}
         assert summary["first_update_s"] > 0 and summary["exact_match_interpolate"] >= 0
         counts[K] = (seen, end, variants)
@@ -82,9 +83,8 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
 @pytest.mark.parametrize("name", list(models.REGISTRY))
 def test_graphs_do_not_grow_with_the_context(name, monkeypatch):
     """A Python loop over the context traced into a compiled region is unrolled into its graph, so
-    compile time grows with T (TANGO's fast paths loop over T / C query chunks: Windowed TANGO at
-    T = 4096 took about ten minutes to compile on CPU until they ran eagerly, tango_kernels.py
-    "Compilation"). Every
+    compile time grows with T (TANGO's chunked kernels loop over T / C query chunks and run eagerly,
+    tango_kernels.py "Compilation"; the fused path: tests/test_tango_fused.py). Every
     model's graphs, with every subgraph dynamo nests in them, hold as many nodes at T = 8 as at
     T = 32 (2 and 8 chunks of TANGO, FLASH, the windows)."""
     import tango_kernels
