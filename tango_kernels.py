@@ -171,7 +171,7 @@ def _sdpa(q, k, v, mask=None, is_causal=False):
         for c0 in range(0, D, SDPA_VALUE_BLOCK):
             vc = v[..., c0:c0 + SDPA_VALUE_BLOCK]
             w = vc.shape[-1]
-            vc = F.pad(vc, (0, -w % 8))
+            vc = F.pad(vc, (0, -w % 8)).contiguous()  # fused kernels want aligned row strides
             if torch.compiler.is_compiling():  # traced: PyTorch itself raises for a missing kernel
                 o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
             else:

@@ -221,3 +221,25 @@ def test_fused_update_is_one_graph_that_does_not_grow_with_the_context(math_sdpa
     torch._dynamo.reset()
     assert frames == [2, 2]  # the head and the update
     assert sizes[0] == sizes[1] > 0
+
+
+# ----------------------------------------------------------------------------- on a GPU (skipped without one)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fused kernels themselves")
+@pytest.mark.parametrize("window", [None, 256])
+def test_fused_kernels_on_cuda_match_the_formula(window):
+    """On CUDA, with the library's fused-only backends: the 70M tier's gate width per head (1,780,
+    not a multiple of 8: column blocks), T = 1024, float32 and bfloat16 autocast, outputs and
+    gradients against the float64 formula (bf16: the bars of tests/test_bf16.py)."""
+    args = [t.detach().cuda().requires_grad_() for t in qkgb(B=2, H=2, T=1024, fh=1780, tau=10.0)]  # float64
+    want = reference(window)(*args)
+    dout = torch.randn_like(want)
+    gwant = torch.autograd.grad(want, args, dout)
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    for dtype, out_tol, grad_tol in ((torch.float32, 1e-4, 1e-3), (torch.bfloat16, 0.005, 0.02)):
+        inp = [t.detach().float().requires_grad_() for t in args]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = tango_kernels.fused_average(*inp, window)
+        assert out.dtype == dtype and rel(out, want) < out_tol, dtype
+        for which, a, b in zip(["qs", "kh", "g", "b"], torch.autograd.grad(out, inp, dout.to(dtype)), gwant):
+            assert rel(a, b) < grad_tol, (dtype, which)
