@@ -281,7 +281,7 @@ def param_groups(model, weight_decay):
 def make_optimizer(model, args):
     """AdamW (betas 0.9, 0.95) over param_groups(model, --weight_decay); fp32 states; on CUDA the
     fused implementation (one kernel for all parameters instead of a few per tensor)."""
-    fused = {"fused": True} if str(args.device).startswith("cuda") else {}
+    fused = {"fused": True} if str(getattr(args, "device", "cpu")).startswith("cuda") else {}
     return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
                              betas=(0.9, 0.95), eps=1e-8, **fused)
 
