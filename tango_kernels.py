@@ -159,19 +159,18 @@ def _fused_qk(q, keys, split):
     return F.pad(qa, (0, pad)), [F.pad(ka, (0, pad)) for ka in kas]
 
 
-def _sdpa(q, k, v, mask=None, is_causal=False):
-    """softmax(q k^T + mask) v with scale 1 in the fused kernels only (sdpa_backends), v in column
-    blocks of at most SDPA_VALUE_BLOCK (each padded to a multiple of 8) sharing q and k.
-    q: (N, M, L, e), k: (N, M, S, e), v: (N, M, S, D) -> (N, M, L, D). RuntimeError naming the
-    shapes if no fused kernel takes them."""
-    D = v.shape[-1]
+def _sdpa(q, k, D, values, mask=None, is_causal=False):
+    """softmax(q k^T + mask) V with scale 1 in the fused kernels only (sdpa_backends), V's D columns
+    in blocks of at most SDPA_VALUE_BLOCK sharing q and k, each block built when it is used
+    (values(c0, c1): V's columns [c0, c1), (N, M, S, c1 - c0)) and padded to a multiple of 8.
+    q: (N, M, L, e), k: (N, M, S, e) -> (N, M, L, D). RuntimeError naming the shapes if no fused
+    kernel takes them."""
     outs = []
     backends = sdpa_backends(q.device.type)
     with sdpa_kernel(backends):
         for c0 in range(0, D, SDPA_VALUE_BLOCK):
-            vc = v[..., c0:c0 + SDPA_VALUE_BLOCK]
-            w = vc.shape[-1]
-            vc = F.pad(vc, (0, -w % 8)).contiguous()  # fused kernels want aligned row strides
+            w = min(SDPA_VALUE_BLOCK, D - c0)
+            vc = F.pad(values(c0, c0 + w).to(q.dtype), (0, -w % 8)).contiguous()  # aligned row strides
             if torch.compiler.is_compiling():  # traced: PyTorch itself raises for a missing kernel
                 o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
             else:
@@ -197,8 +196,8 @@ def fused_average(qs, kh, g, b, window=None):
         null = (qs.new_zeros(B, H, 1, HEAD_DIM), b.to(qs.dtype).view(1, H, 1, 1).expand(B, H, 1, 1))
         qa, (kn, ka) = _fused_qk(qs, [null, (kh, zero)], split)
         qa = F.pad(qa, (0, 0, 1, 0))  # a dummy query in front: the causal mask over [null, keys] stays square
-        va = F.pad(g, (0, 0, 1, 0))  # the null key's value 0
-        return _sdpa(qa, torch.cat((kn, ka), 2), va.to(qa.dtype), is_causal=True)[:, :, 1:]
+        values = lambda c0, c1: F.pad(g[..., c0:c1], (0, 0, 1, 0))  # the null key's value 0, then the gates
+        return _sdpa(qa, torch.cat((kn, ka), 2), g.shape[-1], values, is_causal=True)[:, :, 1:]
     return _fused_windowed(qs, kh, g, b, window, split)
 
 
@@ -212,7 +211,6 @@ def _fused_windowed(qs, kh, g, b, W, split):
     idx = torch.arange(T, device=qs.device)
     n_old = (idx - W + 1).clamp(min=0).to(qs.dtype).view(1, 1, T, 1)  # old sources of query i
     K = F.pad(kh.cumsum(2), (0, 0, W, 0))[:, :, :T]  # sum of the keys j <= i - W
-    S = F.pad(g.cumsum(2, dtype=torch.promote_types(g.dtype, torch.float32)), (0, 0, W, 0))[:, :, :T]
     log_n = torch.where(n_old > 0, n_old.clamp(min=1).log(), torch.full_like(n_old, NEG))
     zero = qs.new_zeros(1, 1, 1, 1)
     null = (qs.new_zeros(B, H, 1, D), b.to(qs.dtype).view(1, H, 1, 1).expand(B, H, 1, 1))
@@ -222,15 +220,19 @@ def _fused_windowed(qs, kh, g, b, W, split):
     ka = torch.cat((kp.expand(B, H, W, -1), ka, ka.new_zeros(B, H, Tp - T, ka.shape[-1])), 2)
     win = lambda t: t.unfold(2, W + C, C).transpose(-1, -2)  # (B, H, nb, W + C, e): positions [cC - W, cC + C)
     keys = torch.cat((kn.unsqueeze(2).expand(B, H, nb, 1, -1), win(ka), blocks(ks)), 3)
-    dt = qa.dtype
-    gp = F.pad(g.to(dt), (0, 0, W, Tp - T))
-    vals = torch.cat((gp.new_zeros(B, H, nb, 1, g.shape[-1]), win(gp),
-                      blocks((S / n_old.clamp(min=1)).to(dt))), 3)  # values: 0, window gates, mean old gates
+    acc = torch.promote_types(g.dtype, torch.float32)
+
+    def values(c0, c1):  # columns [c0, c1) of the values: 0 (null), the window's gates, the mean old gates
+        gc = g[..., c0:c1].to(qa.dtype)
+        S = F.pad(g[..., c0:c1].cumsum(2, dtype=acc), (0, 0, W, 0))[:, :, :T]  # sum of the gates j <= i - W
+        return torch.cat((gc.new_zeros(B, H, nb, 1, c1 - c0), win(F.pad(gc, (0, 0, W, Tp - T))),
+                          blocks((S / n_old.clamp(min=1)).to(qa.dtype))), 3).flatten(1, 2)
+
     r = torch.arange(C, device=qs.device).view(C, 1)
     j = torch.arange(W + C, device=qs.device).view(1, W + C)
     mask = torch.cat((torch.ones(C, 1, dtype=torch.bool, device=qs.device), (j > r) & (j <= r + W),
                       torch.eye(C, dtype=torch.bool, device=qs.device)), 1)  # null, window, own summary
-    out = _sdpa(blocks(qa).flatten(1, 2), keys.flatten(1, 2), vals.flatten(1, 2), mask=mask)
+    out = _sdpa(blocks(qa).flatten(1, 2), keys.flatten(1, 2), g.shape[-1], values, mask=mask)
     return out.unflatten(1, (H, nb)).flatten(2, 3)[:, :, :T]
 
 
