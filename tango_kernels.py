@@ -6,17 +6,19 @@ Device switch (choose_path): the model calls gated_update, which runs
   (fused_average), inside the compiled region of the update.
 With a decoding cache both run the chunked kernels' decoding (decoding runs eagerly).
 
-Fused path. TANGO's average is softmax attention with the gates as values and the null option as
-one extra key [0, b_a] whose value is 0 (queries [tau q^, 1], keys [k^, 0]). Full prefix: one causal
+Fused path. TANGO's average is softmax attention with the gates as values and the null option as one
+extra key [0, b_a] whose value is 0 (queries [tau q^, 1], keys [k^, 0]). Full prefix: one causal
 SDPA over [null key, keys], with one dummy query in front so that the causal mask stays square.
 Windowed: blocks of C queries, each over the null key, its C + W window keys (positions before 0 are
 padding keys of score NEG) and C summary keys [unit(K_i), log n_i] whose values are the mean old
-gates S_i / n_i, a mask (C x (1 + W + 2C)) the same for every block: O(T (W + C)) per head, linear
-in T. SDPA runs only with fused kernels (sdpa_backends): a missing kernel is an error naming the
-shapes, never the math backend, which materializes the scores. The gates go through in column
-blocks of at most SDPA_VALUE_BLOCK (fused kernels take value head dims up to a limit), sharing the
-queries and keys. Under bfloat16/float16 autocast queries and keys are split into a high and a low
-half (q k = q_hi k_hi + q_lo k_hi + q_hi k_lo), so scores keep about float32 precision.
+gates S_i / n_i, an additive mask (C x (1 + W + 2C), padded to a multiple of 16 columns) the same
+for every block: O(T (W + C)) per head, linear in T. SDPA runs only with fused kernels
+(sdpa_backends): a missing kernel is an error naming the shapes, never the math backend, which
+materializes the scores (the memory-efficient kernel: Rabe and Staats, "Self-attention Does Not Need
+O(n^2) Memory", arXiv 2112.05682). The gates go through in column blocks of at most SDPA_VALUE_BLOCK (fused
+kernels take value head dims up to a limit), sharing the queries and keys. Under bfloat16/float16
+autocast queries and keys are split into a high and a low half (q k = q_hi k_hi + q_lo k_hi + q_hi
+k_lo), so scores keep about float32 precision.
 
 Chunked kernels (CPU, and decoding everywhere). ChunkedCausalAttention computes the same causal
 attention in chunks of query rows (the FlashAttention recipe) with queries/keys padded to QK_PAD
@@ -219,19 +221,24 @@ def _fused_windowed(qs, kh, g, b, W, split):
     blocks = lambda t: F.pad(t, (0, 0, 0, Tp - T)).unflatten(2, (nb, C))  # (B, H, nb, C, e)
     ka = torch.cat((kp.expand(B, H, W, -1), ka, ka.new_zeros(B, H, Tp - T, ka.shape[-1])), 2)
     win = lambda t: t.unfold(2, W + C, C).transpose(-1, -2)  # (B, H, nb, W + C, e): positions [cC - W, cC + C)
-    keys = torch.cat((kn.unsqueeze(2).expand(B, H, nb, 1, -1), win(ka), blocks(ks)), 3)
+    extra = -(1 + W + 2 * C) % 16  # never-visible keys, so the mask's rows are 16-aligned (fused kernels want it)
+    keys = torch.cat((kn.unsqueeze(2).expand(B, H, nb, 1, -1), win(ka), blocks(ks),
+                      ka.new_zeros(B, H, nb, extra, ka.shape[-1])), 3)
     acc = torch.promote_types(g.dtype, torch.float32)
 
     def values(c0, c1):  # columns [c0, c1) of the values: 0 (null), the window's gates, the mean old gates
         gc = g[..., c0:c1].to(qa.dtype)
         S = F.pad(g[..., c0:c1].cumsum(2, dtype=acc), (0, 0, W, 0))[:, :, :T]  # sum of the gates j <= i - W
         return torch.cat((gc.new_zeros(B, H, nb, 1, c1 - c0), win(F.pad(gc, (0, 0, W, Tp - T))),
-                          blocks((S / n_old.clamp(min=1)).to(qa.dtype))), 3).flatten(1, 2)
+                          blocks((S / n_old.clamp(min=1)).to(qa.dtype)), gc.new_zeros(B, H, nb, extra, c1 - c0)),
+                         3).flatten(1, 2)
 
     r = torch.arange(C, device=qs.device).view(C, 1)
     j = torch.arange(W + C, device=qs.device).view(1, W + C)
-    mask = torch.cat((torch.ones(C, 1, dtype=torch.bool, device=qs.device), (j > r) & (j <= r + W),
-                      torch.eye(C, dtype=torch.bool, device=qs.device)), 1)  # null, window, own summary
+    visible = torch.cat((torch.ones(C, 1, dtype=torch.bool, device=qs.device), (j > r) & (j <= r + W),
+                         torch.eye(C, dtype=torch.bool, device=qs.device),
+                         torch.zeros(C, extra, dtype=torch.bool, device=qs.device)), 1)  # null, window, own summary
+    mask = torch.zeros(visible.shape, dtype=qa.dtype, device=qs.device).masked_fill(~visible, float("-inf"))
     out = _sdpa(blocks(qa).flatten(1, 2), keys.flatten(1, 2), g.shape[-1], values, mask=mask)
     return out.unflatten(1, (H, nb)).flatten(2, 3)[:, :, :T]
 
