@@ -19,8 +19,10 @@ Windowed TANGO: sources in the window j in (i-W, i] get the scores above; all ol
 j <= i-W share one score tau_a <q^_i, unit(sum_{j<=i-W} k^_j)>, contribute exp(score) * sum g_j
 and mass exp(score) * n_old, n_old = i-W+1 (0-based). With W >= T it equals full-prefix TANGO.
 
-The averages G, the plain formulas and the fast paths (chunked, memory linear in T; Windowed
-TANGO in time per token flat in T), their precision under bf16 and their layout: tango_kernels.py.
+The update below is these equations (Tango.update_reference) and the plain averages
+(tango_reference, windowed_reference); the fast paths behind one call, tango_kernels.gated_update
+(chunked kernels and a per-head-group layout on CPU, PyTorch's fused attention on CUDA; memory
+linear in T, Windowed TANGO linear in T), their precision under bf16: tango_kernels.py.
 
 TANGO with three gated-projection sets: {W_g, W_v, W_o} set 1 for the first application, set 2
 for the middle ones, set 3 for the last; W_q, W_k, norm, tau, b shared. Needs K >= 3.
@@ -32,13 +34,47 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import RMSNorm, UsageError, apply_rope, compiled_region
-from tango_kernels import tango_fast, tango_reference, windowed_fast, windowed_prefill, windowed_reference, windowed_step
+from tango_kernels import chunked_average, gated_update
+
+
+# ----------------------------------------------------------------------------- the averages, plain
+# qs: (B, H, L, 32) tau-scaled unit rotated queries; kh: (B, H, S, 32) unit rotated keys (the last L
+# are the queries' own positions); g: (B, H, S, F/H) gates, head a's channels; b: (H,) null scores.
+
+def tango_reference(qs, kh, g, b):
+    """Plain full-prefix TANGO average G (B, H, L, F/H): explicit weights w (B, H, L, S), then w @ g."""
+    L, S = qs.shape[2], kh.shape[2]
+    scores = qs @ kh.transpose(-1, -2)  # l_ij
+    visible = torch.ones(L, S, dtype=torch.bool, device=qs.device).tril(diagonal=S - L)
+    m = torch.where(visible, scores.exp(), torch.zeros_like(scores))
+    denom = b.exp().view(1, -1, 1) + m.sum(-1)  # exp(b_a) + sum_j exp(l_ij)
+    return (m / denom[..., None]) @ g
+
+
+def windowed_reference(qs, kh, g, b, window):
+    """Plain Windowed TANGO average G (B, H, T, F/H), one query at a time (O(T^2); for tests). L == S."""
+    B, H, T, _ = qs.shape
+    out = []
+    for i in range(T):
+        lo = max(i - window + 1, 0)  # window sources lo..i, older sources 0..lo-1
+        logits = [b.view(1, H, 1).expand(B, H, 1).to(qs.dtype), qs[:, :, i:i + 1] @ kh[:, :, lo:i + 1].transpose(-1, -2)]
+        values = [torch.zeros_like(g[:, :, :1]), g[:, :, lo:i + 1]]
+        logits[1] = logits[1][:, :, 0]
+        if lo > 0:
+            k_old = F.normalize(kh[:, :, :lo].sum(2), dim=-1)
+            s_old = (qs[:, :, i] * k_old).sum(-1, keepdim=True)  # one score for every old source
+            logits.append(s_old + math.log(lo))  # mass exp(s_old) * n_old
+            values.append(g[:, :, :lo].mean(2, keepdim=True))
+        w = torch.softmax(torch.cat(logits, -1), -1)  # (B, H, n)
+        out.append((w[:, :, None, :] @ torch.cat(values, 2))[:, :, 0])
+    return torch.stack(out, 2)
 
 
 # ----------------------------------------------------------------------------- modules
 
 class GatedSet(nn.Module):
-    """One gated-projection set: W_g, W_v (d x F) and W_o (F x d), used per head group (see heads)."""
+    """One gated-projection set: W_g, W_v (d x F) and W_o (F x d); head a averages the gate
+    channels [a F/H, (a+1) F/H)."""
 
     def __init__(self, d, width):
         super().__init__()
@@ -46,13 +82,6 @@ class GatedSet(nn.Module):
         self.wv = nn.Linear(d, width, bias=False)
         self.wo = nn.Linear(width, d, bias=False)
         self.wo.is_residual_out = True
-
-    def heads(self, H):
-        """W_g, W_v as (H, d, F/H) and W_o as (H, F/H, d): the blocks of gate channels
-        [a F/H, (a+1) F/H) that head a averages (views of the Linear weights, nothing copied)."""
-        d = self.wo.out_features
-        w_in = lambda lin: lin.weight.view(H, -1, d).transpose(1, 2)
-        return w_in(self.wg), w_in(self.wv), self.wo.weight.view(d, H, -1).permute(1, 2, 0)
 
 
 class Tango(nn.Module):
@@ -93,36 +122,41 @@ class Tango(nn.Module):
 
     @compiled_region  # the repeated unit; the gated set is an argument, so three sets share its graphs
     def update(self, x, cos, sin, gset, cache=None):
-        """One TANGO update y = (G * v) W_o for x: (B, T, d) with the GatedSet gset."""
+        """One TANGO update y = (G * v) W_o for x: (B, T, d) with the GatedSet gset -> (B, T, d)."""
         B, T, d = x.shape
         H = self.n_head
         u = self.norm(x)
-        heads = lambda t: t.view(B, T, H, -1).transpose(1, 2)
+        heads = lambda t: t.view(B, T, H, -1).transpose(1, 2)  # (B, H, T, 32)
         qs = apply_rope(F.normalize(heads(self.wq(u)), dim=-1), cos, sin) * self.log_tau.exp().view(1, H, 1, 1)
         kh = apply_rope(F.normalize(heads(self.wk(u)), dim=-1), cos, sin)
-        # gates, values and G per head group, (H, B T, F/H): each group's channels contiguous for the
-        # averages (tango_kernels.py, "Layout"); y = (G * v) W_o is the sum of the groups' products
-        wg, wv, wo = gset.heads(H)
-        ue = u.reshape(1, B * T, d).expand(H, -1, -1)  # u for every group (a view)
-        g = F.silu(torch.bmm(ue, wg))
-        G = self.aggregate(qs, kh, g.view(H, B, T, -1).transpose(0, 1), cache)  # (B, H, T, F/H)
-        Gv = G.transpose(0, 1).reshape(H, B * T, -1) * torch.bmm(ue, wv)
-        return torch.bmm(Gv, wo).sum(0).view(B, T, d)
+        if self.impl == "reference":
+            return self.update_reference(u, qs, kh, gset, cache)
+        return gated_update(u, qs, kh, gset.wg.weight, gset.wv.weight, gset.wo.weight, self.null,
+                            self.window if self.windowed else None, cache)  # the same equations, device-fast
 
-    def aggregate(self, qs, kh, g, cache):
+    def update_reference(self, u, qs, kh, gset, cache=None):
+        """The rest of the update as written: g = SiLU(u W_g), v = u W_v, G averaged, y = (G * v) W_o.
+        u: (B, T, d), qs, kh: (B, H, T, 32) -> (B, T, d)."""
+        B, T, _ = u.shape
+        g = F.silu(gset.wg(u))  # (B, T, F)
+        v = gset.wv(u)
+        G = self.aggregate(qs, kh, g.view(B, T, self.n_head, -1).transpose(1, 2), cache)  # (B, H, T, F/H)
+        return gset.wo(G.transpose(1, 2).reshape(B, T, -1) * v)
+
+    def aggregate(self, qs, kh, g, cache=None):
+        """The reference update's average G (B, H, T, F/H) of qs, kh (B, H, T, 32), g (B, H, T, F/H),
+        four ways: full prefix without a cache, tango_reference; full prefix with one, ValueError
+        (the reference keeps no decoding state); windowed without a cache, windowed_reference;
+        windowed with a cache, the chunked kernels' decoding (tango_kernels.chunked_average: the
+        prompt, then one token at a time, checked against windowed_reference by the tests)."""
         b = self.null
         if not self.windowed:
-            if self.impl == "reference":
-                if cache is not None:
-                    raise ValueError("the reference implementation has no decoding cache")
-                return tango_reference(qs, kh, g, b)
-            return tango_fast(qs, kh, g, b, cache)
+            if cache is not None:
+                raise ValueError("the reference implementation has no decoding cache")
+            return tango_reference(qs, kh, g, b)
         if cache is None:
-            fn = windowed_reference if self.impl == "reference" else windowed_fast
-            return fn(qs, kh, g, b, self.window)
-        if "n" not in cache:
-            return windowed_prefill(qs, kh, g, b, self.window, cache)
-        return windowed_step(qs, kh, g, b, self.window, cache)
+            return windowed_reference(qs, kh, g, b, self.window)
+        return chunked_average(qs, kh, g, b, self.window, cache)
 
 
 def tango(cfg, impl="fast"):

@@ -1,55 +1,246 @@
-"""TANGO's averages G (tango.py): the plain formulas and the fast paths, with their decoding state.
+"""TANGO's update on each device (tango.py holds its equations): one call, gated_update.
 
-Fast path: the null option is one extra key whose score is b_a and whose value is 0, so the whole
-average is a single causal softmax attention whose values are the gates (queries/keys padded to
-40 dims: [tau q^, 1, 0...] . [k^, 0, 0...] = l_ij and [tau q^, 1, 0...] . [0, b_a, 0...] = b_a),
-computed by ChunkedCausalAttention in chunks of query rows (the FlashAttention recipe). No
-(T x T x F) tensor is ever formed. `tango_reference` is the plain formula, used by the tests.
+Device switch (choose_path): the model calls gated_update, which runs
+  "grouped" on CPU: the per-head-group layout and the chunked kernels below (fastest on a 2-core CPU);
+  "fused" elsewhere (CUDA): one matmul per weight and the averages in PyTorch's fused attention
+  (fused_average), inside the compiled region of the update.
+With a decoding cache both run the chunked kernels' decoding (decoding runs eagerly).
 
-Windowed TANGO (its definition: tango.py): WindowedAttention computes it in chunks of
+Fused path. TANGO's average is softmax attention with the gates as values and the null option as one
+extra key [0, b_a] whose value is 0 (queries [tau q^, 1], keys [k^, 0]). Full prefix: one causal
+SDPA over [null key, keys], with one dummy query in front so that the causal mask stays square.
+Windowed: blocks of C queries, each over the null key, its C + W window keys (positions before 0 are
+padding keys of score NEG) and C summary keys [unit(K_i), log n_i] whose values are the mean old
+gates S_i / n_i, an additive mask (C x (1 + W + 2C), padded to a multiple of 16 columns) the same
+for every block: O(T (W + C)) per head, linear in T. SDPA runs only with fused kernels
+(sdpa_backends): a missing kernel is an error naming the shapes, never the math backend, which
+materializes the scores (the memory-efficient kernel: Rabe and Staats, "Self-attention Does Not Need
+O(n^2) Memory", arXiv 2112.05682). The gates go through in column blocks of at most SDPA_VALUE_BLOCK (fused
+kernels take value head dims up to a limit), sharing the queries and keys. Under bfloat16/float16
+autocast queries and keys are split into a high and a low half (q k = q_hi k_hi + q_lo k_hi + q_hi
+k_lo), so scores keep about float32 precision.
+
+Chunked kernels (CPU, and decoding everywhere). ChunkedCausalAttention computes the same causal
+attention in chunks of query rows (the FlashAttention recipe) with queries/keys padded to QK_PAD
+dims; no (T x T x F) tensor is ever formed. WindowedAttention computes Windowed TANGO in chunks of
 C query rows, each reading one slice of W + C keys and gates (strided views, no copies), with
 running sums for the older gates; its backward goes by chunks of C keys, each reading the W + C
 queries that see them. Chunks of the same geometry run together as one batch of matmuls: cost
-O(T (W + C) (32 + F/H)) per head, time per token flat in T.
-`windowed_reference` is the plain formula. Decoding keeps the last W-1 keys/gates plus two running
-sums.
+O(T (W + C) (32 + F/H)) per head, time per token flat in T. Decoding keeps the last W-1
+keys/gates plus two running sums.
 
-Layout: the update (tango.Tango.update) computes the gates, the values and G per head group,
-(H, B T, F/H) in memory (one matmul per group, u W_g[a] with W_g[a] the group's d x F/H block;
-y = (G * v) W_o as the sum of the groups' (G * v)[a] W_o[a]), and both fast paths return their
-(B, H, T, F/H) output with the heads outermost in memory, so no F-wide activation is ever
-transposed or copied. With each group's rows contiguous, the chunk products of the averages run
-faster on this project's CPU than on the (B, T, H, F/H) layout of one (B T) x F matmul
-(results/README.md, issue 12).
+Grouped layout (CPU): gates, values and G per head group, (H, B T, F/H) in memory (one matmul
+per group, u W_g[a] with W_g[a] the group's d x F/H block; y = (G * v) W_o as the sum of the
+groups' (G * v)[a] W_o[a]), and both chunked kernels return (B, H, T, F/H) with the heads
+outermost in memory, so no F-wide activation is transposed or copied: with each group's rows
+contiguous the chunk products run faster on a CPU than on one (B T) x F matmul's layout.
 
-Memory: both fast paths save for backward only their inputs (queries, keys, gates, b), the output
-and one log-sum-exp per query, and recompute the weights in backward, so the activation memory of
-one update is O(B T (d + F)) and the transients O(B H C S) (full prefix: S = T keys per chunk of C
+Memory: both chunked kernels save for backward only their inputs (queries, keys, gates, b), the
+output and one log-sum-exp per query, and recompute the weights in backward: the activation memory
+of one update is O(B T (d + F)), the transients O(B H C S) (full prefix: S = T keys per chunk of C
 rows) or O(max(B H C, R) (C + W)) (windowed, R = WINDOW_GROUP_ROWS rows per group of chunks).
 
-Precision (bfloat16 autocast): the custom autograd functions turn autocast off inside and choose
-every dtype themselves: queries, keys, scores, the running maximum / log-sum-exp, the normalizing
-sums and the old-source sums are float32 (float64 for float64 inputs), only the weight x gate
-products run in autocast's dtype. In bfloat16, scores near tau = 10 would resolve in steps of 1/16
-(weights off by up to 3 %, averages by 1-2 %); with float32 scores the averages are within about
-0.3 % of float64, like PyTorch's attention in bfloat16 (tests/test_bf16.py).
+Precision (bfloat16 autocast): the chunked kernels turn autocast off inside and choose every dtype
+themselves: queries, keys, scores, the running maximum / log-sum-exp, the normalizing sums and the
+old-source sums are float32 (float64 for float64 inputs), only the weight x gate products run in
+autocast's dtype (scores in bfloat16 would resolve steps of 1/16 near tau = 10).
 
-Compilation: torch.compile leaves both fast paths eager (torch.compiler.disable; the compiled
-TANGO update is the graph before them and the graph after). Traced, their Python loops over T / C
-query chunks were unrolled into one graph, so compile time grew with T: on this project's CPU, at
-T = 4096 the first compiled step of a Windowed TANGO model (64 chunks per update) took about ten
-minutes and a full-prefix one about two, and neither then stepped faster than eager
-(tests/test_compile.py checks that no model's graphs grow with T).
+Compilation: torch.compile leaves the chunked kernels eager (torch.compiler.disable): traced, their
+Python loops over T / C query chunks would unroll into one graph whose compile time grows with T.
+The fused path has no loop over T and is traced into the update's graph.
 """
 import functools
 import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import HEAD_DIM
 
 QK_PAD = 40  # 32 score dims + 1 null-option dim, padded to a multiple of 8 for fused kernels
+
+
+# ----------------------------------------------------------------------------- the one call
+
+def choose_path(device):
+    """The update's path on a torch.device: "grouped" or "fused" (module docstring, "Device switch")."""
+    if device.type == "cpu":
+        return "grouped"  # the per-head-group layout and chunked kernels: fastest on this project's CPU
+    return "fused"  # PyTorch's fused attention, traced into the compiled update: no Python loop over chunks
+
+
+def gated_update(u, qs, kh, wg, wv, wo, b, window=None, cache=None):
+    """The gated part of one TANGO update (tango.py, Tango.update_reference: its equations):
+    g = SiLU(u W_g), v = u W_v, G = the average of the gates, y = (G * v) W_o.
+
+    u: (B, T, d) normed input; qs, kh: (B, H, T, 32) tau-scaled queries and keys (unit, rotated);
+    wg, wv: (F, d) and wo: (d, F), nn.Linear weights; b: (H,) null scores; window: Windowed
+    TANGO's W, or None for the full prefix; cache: None or the decoding dict of this application.
+    Returns y: (B, T, d) in u's compute dtype. The path is choose_path(u.device).
+    """
+    B, T, d = u.shape
+    H = qs.shape[1]
+    if choose_path(u.device) == "grouped":  # module docstring, "Grouped layout"
+        w_in = lambda w: w.view(H, -1, d).transpose(1, 2)  # (H, d, F/H): group a's columns, a view
+        ue = u.reshape(1, B * T, d).expand(H, -1, -1)  # u for every group (a view)
+        g = F.silu(torch.bmm(ue, w_in(wg)))
+        G = chunked_average(qs, kh, g.view(H, B, T, -1).transpose(0, 1), b, window, cache)  # (B, H, T, F/H)
+        Gv = G.transpose(0, 1).reshape(H, B * T, -1) * torch.bmm(ue, w_in(wv))
+        return torch.bmm(Gv, wo.view(d, H, -1).permute(1, 2, 0)).sum(0).view(B, T, d)
+    g = F.silu(F.linear(u, wg)).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, F/H), a view
+    if cache is None:
+        G = fused_average(qs, kh, g, b, window)
+    else:
+        G = chunked_average(qs, kh, g, b, window, cache)
+    return F.linear(G.transpose(1, 2).reshape(B, T, -1) * F.linear(u, wv), wo)
+
+
+def chunked_average(qs, kh, g, b, window=None, cache=None):
+    """The averages G (B, H, T, F/H) by the chunked kernels, four ways: full prefix (tango_fast,
+    which appends to a cache if one is given); windowed without a cache (windowed_fast); windowed
+    with an empty cache (windowed_prefill: the prompt, then the decoding state); windowed with a
+    filled cache (windowed_step: new tokens one at a time)."""
+    if window is None:
+        return tango_fast(qs, kh, g, b, cache)
+    if cache is None:
+        return windowed_fast(qs, kh, g, b, window)
+    if "n" not in cache:
+        return windowed_prefill(qs, kh, g, b, window, cache)
+    return windowed_step(qs, kh, g, b, window, cache)
+
+
+# ----------------------------------------------------------------------------- fused path
+
+SDPA_VALUE_BLOCK = 256  # gate columns per fused-attention call (fused kernels cap the value head dim)
+FUSED_WINDOW_ROWS = 256  # Windowed TANGO, fused path: query rows per block, C = min(W, this)
+NEG = -1.0e4  # score of a padding key / of the summary of no old sources: exp underflows to 0 in every dtype
+
+
+def sdpa_backends(device_type):
+    """The SDPA kernels the fused path may take on a device type: fused ones only. MATH is never in
+    the list (it materializes the L x S scores): with no fused kernel for the shapes SDPA raises.
+    The memory-efficient kernel takes a value head dim different from the query/key dim (flash
+    does not)."""
+    return [SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _low_precision(t):
+    """True if SDPA on t runs in bfloat16/float16 (autocast on, or t itself in that dtype)."""
+    dev = t.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and t.dtype != torch.float64 else t.dtype
+    return dt in (torch.bfloat16, torch.float16)
+
+
+def _hi_lo(x, split):
+    """[x] or, with split, x as (hi, lo) in autocast's dtype: hi = round(x), lo = round(x - hi)."""
+    if not split:
+        return [x]
+    dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    hi = x.to(dt)
+    return [hi, (x.float() - hi.float()).to(dt)]
+
+
+def _fused_qk(q, keys, split):
+    """Augmented queries and keys whose dot products are the logits: queries [q, 1] and keys
+    [k, e] for the score q k + e, e the extra column (0 for a source key, b_a for the null key,
+    NEG for padding, log n_i for a summary key). With split the products run as
+    q_hi k_hi + q_lo k_hi + q_hi k_lo and e as e_hi + e_lo. keys: a list of (k, e) pairs, each
+    k (..., n, 32) and e broadcastable to (..., n, 1). Returns (qa, [ka, ...]), padded to a
+    multiple of 8 dims."""
+    qh = _hi_lo(q, split)
+    ones = torch.ones_like(qh[0][..., :1])
+    qa = torch.cat(qh + ([qh[0]] if split else []) + [ones] * (2 if split else 1), -1)
+    kas = []
+    for k, e in keys:
+        kh_ = _hi_lo(k, split)
+        eh = _hi_lo(e.expand(*k.shape[:-1], 1), split)
+        parts = ([kh_[0], kh_[0], kh_[1]] if split else kh_) + eh
+        kas.append(torch.cat([t.to(qa.dtype) for t in parts], -1))
+    pad = -qa.shape[-1] % 8
+    return F.pad(qa, (0, pad)), [F.pad(ka, (0, pad)) for ka in kas]
+
+
+def _sdpa(q, k, D, values, mask=None, is_causal=False):
+    """softmax(q k^T + mask) V with scale 1 in the fused kernels only (sdpa_backends), V's D columns
+    in blocks of at most SDPA_VALUE_BLOCK sharing q and k, each block built when it is used
+    (values(c0, c1): V's columns [c0, c1), (N, M, S, c1 - c0)) and padded to a multiple of 8.
+    q: (N, M, L, e), k: (N, M, S, e) -> (N, M, L, D). RuntimeError naming the shapes if no fused
+    kernel takes them."""
+    outs = []
+    backends = sdpa_backends(q.device.type)
+    with sdpa_kernel(backends):
+        for c0 in range(0, D, SDPA_VALUE_BLOCK):
+            w = min(SDPA_VALUE_BLOCK, D - c0)
+            vc = F.pad(values(c0, c0 + w).to(q.dtype), (0, -w % 8)).contiguous()  # aligned row strides
+            if torch.compiler.is_compiling():  # traced: PyTorch itself raises for a missing kernel
+                o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
+            else:
+                try:
+                    o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
+                except RuntimeError as e:
+                    raise RuntimeError(
+                        f"TANGO fused path: no fused attention kernel ({', '.join(b.name for b in backends)}) for "
+                        f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(vc.shape)} {q.dtype} on {q.device}"
+                        + (f", mask {tuple(mask.shape)}" if mask is not None else "") + f": {e}") from None
+            outs.append(o[..., :w])
+    return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+
+def fused_average(qs, kh, g, b, window=None):
+    """TANGO's (window None, or W >= T) or Windowed TANGO's average G (B, H, T, F/H) of
+    qs, kh: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) in PyTorch's fused attention (module
+    docstring, "Fused path"); output in SDPA's dtype (autocast's when it is on)."""
+    B, H, T, _ = qs.shape
+    split = _low_precision(qs)
+    if window is None or window >= T:
+        zero = qs.new_zeros(B, H, 1, 1)
+        null = (qs.new_zeros(B, H, 1, HEAD_DIM), b.to(qs.dtype).view(1, H, 1, 1).expand(B, H, 1, 1))
+        qa, (kn, ka) = _fused_qk(qs, [null, (kh, zero)], split)
+        qa = F.pad(qa, (0, 0, 1, 0))  # a dummy query in front: the causal mask over [null, keys] stays square
+        values = lambda c0, c1: F.pad(g[..., c0:c1], (0, 0, 1, 0))  # the null key's value 0, then the gates
+        return _sdpa(qa, torch.cat((kn, ka), 2), g.shape[-1], values, is_causal=True)[:, :, 1:]
+    return _fused_windowed(qs, kh, g, b, window, split)
+
+
+def _fused_windowed(qs, kh, g, b, W, split):
+    """Windowed TANGO, fused path: blocks of C = min(W, FUSED_WINDOW_ROWS) queries; block c's keys
+    are [null, the C + W keys at positions [cC - W, cC + C), the C summary keys of its queries]."""
+    B, H, T, D = qs.shape
+    C = min(W, FUSED_WINDOW_ROWS)
+    nb = -(-T // C)
+    Tp = nb * C
+    idx = torch.arange(T, device=qs.device)
+    n_old = (idx - W + 1).clamp(min=0).to(qs.dtype).view(1, 1, T, 1)  # old sources of query i
+    K = F.pad(kh.cumsum(2), (0, 0, W, 0))[:, :, :T]  # sum of the keys j <= i - W
+    log_n = torch.where(n_old > 0, n_old.clamp(min=1).log(), torch.full_like(n_old, NEG))
+    zero = qs.new_zeros(1, 1, 1, 1)
+    null = (qs.new_zeros(B, H, 1, D), b.to(qs.dtype).view(1, H, 1, 1).expand(B, H, 1, 1))
+    padding = (qs.new_zeros(1, 1, 1, D), torch.full_like(zero, NEG))  # before position 0: score NEG
+    qa, (kn, ka, ks, kp) = _fused_qk(qs, [null, (kh, zero), (F.normalize(K, dim=-1), log_n), padding], split)
+    blocks = lambda t: F.pad(t, (0, 0, 0, Tp - T)).unflatten(2, (nb, C))  # (B, H, nb, C, e)
+    ka = torch.cat((kp.expand(B, H, W, -1), ka, ka.new_zeros(B, H, Tp - T, ka.shape[-1])), 2)
+    win = lambda t: t.unfold(2, W + C, C).transpose(-1, -2)  # (B, H, nb, W + C, e): positions [cC - W, cC + C)
+    extra = -(1 + W + 2 * C) % 16  # never-visible keys, so the mask's rows are 16-aligned (fused kernels want it)
+    keys = torch.cat((kn.unsqueeze(2).expand(B, H, nb, 1, -1), win(ka), blocks(ks),
+                      ka.new_zeros(B, H, nb, extra, ka.shape[-1])), 3)
+    acc = torch.promote_types(g.dtype, torch.float32)
+
+    def values(c0, c1):  # columns [c0, c1) of the values: 0 (null), the window's gates, the mean old gates
+        gc = g[..., c0:c1].to(qa.dtype)
+        S = F.pad(g[..., c0:c1].cumsum(2, dtype=acc), (0, 0, W, 0))[:, :, :T]  # sum of the gates j <= i - W
+        return torch.cat((gc.new_zeros(B, H, nb, 1, c1 - c0), win(F.pad(gc, (0, 0, W, Tp - T))),
+                          blocks((S / n_old.clamp(min=1)).to(qa.dtype)), gc.new_zeros(B, H, nb, extra, c1 - c0)),
+                         3).flatten(1, 2)
+
+    r = torch.arange(C, device=qs.device).view(C, 1)
+    j = torch.arange(W + C, device=qs.device).view(1, W + C)
+    visible = torch.cat((torch.ones(C, 1, dtype=torch.bool, device=qs.device), (j > r) & (j <= r + W),
+                         torch.eye(C, dtype=torch.bool, device=qs.device),
+                         torch.zeros(C, extra, dtype=torch.bool, device=qs.device)), 1)  # null, window, own summary
+    mask = torch.zeros(visible.shape, dtype=qa.dtype, device=qs.device).masked_fill(~visible, float("-inf"))
+    out = _sdpa(blocks(qa).flatten(1, 2), keys.flatten(1, 2), g.shape[-1], values, mask=mask)
+    return out.unflatten(1, (H, nb)).flatten(2, 3)[:, :, :T]
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -81,16 +272,6 @@ def _gate_dtype(g):
 def _no_autocast(t):
     """Autocast off for t's device: the custom functions below choose every dtype themselves."""
     return torch.autocast(t.device.type, enabled=False)
-
-
-def tango_reference(qs, kh, g, b):
-    """Plain full-prefix TANGO average: explicit weights w (B, H, L, S), then w @ g."""
-    L, S = qs.shape[2], kh.shape[2]
-    scores = qs @ kh.transpose(-1, -2)  # l_ij
-    visible = torch.ones(L, S, dtype=torch.bool, device=qs.device).tril(diagonal=S - L)
-    m = torch.where(visible, scores.exp(), torch.zeros_like(scores))
-    denom = b.exp().view(1, -1, 1) + m.sum(-1)  # exp(b_a) + sum_j exp(l_ij)
-    return (m / denom[..., None]) @ g
 
 
 def _augment(qs, kh, b):
@@ -126,10 +307,9 @@ def _matmul_into(out, a, b, beta=1.0):
 
 
 LOG2E = 1 / math.log(2)  # exp(x) = 2^(x log2 e)
-# The fast paths compute their weights as 2^x with x in base-2 units (queries scaled by LOG2E, the
-# log-sum-exp kept as log2): torch.exp on CPU takes a slow path for masked (-inf) entries (torch
-# 2.13, AVX-512: a (4, 64, 320) tile with a fifth of it masked took 77 us against 16 us unmasked;
-# torch.exp2 24 us either way; results/README.md, issue 12). Same values up to rounding.
+# The chunked kernels compute their weights as 2^x in base-2 units (queries scaled by LOG2E, the
+# log-sum-exp kept as log2): torch.exp on an AVX-512 CPU takes a slow path for masked (-inf)
+# entries, torch.exp2 does not. Same values up to rounding.
 
 
 class ChunkedCausalAttention(torch.autograd.Function):
@@ -156,7 +336,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
             q2 = q * LOG2E  # scores in base-2 units (see LOG2E)
             out = v.new_empty(q.shape[1], q.shape[0], L, v.shape[-1]).transpose(0, 1)  # heads outermost (Layout)
             lse2 = q.new_empty(q.shape[:3])  # log2 of each row's normalizer
-            for r0 in range(0, L, chunk):
+            for r0 in range(0, L, chunk):  # CPU: in-place matmuls one chunk (and batch entry) at a time
                 r1 = min(r0 + chunk, L)
                 p = ChunkedCausalAttention._scores(q2, k, r0, r1, off)
                 m = p.amax(-1, keepdim=True)
@@ -209,25 +389,6 @@ def tango_fast(qs, kh, g, b, cache=None):
     if cache is not None:
         cache["k"], cache["g"] = ka, g
     return ChunkedCausalAttention.apply(qa, ka, g, ATTN_CHUNK)  # query i sees the null key and keys j <= i
-
-
-def windowed_reference(qs, kh, g, b, window):
-    """Plain Windowed TANGO, one query at a time (O(T^2); for tests). L == S required."""
-    B, H, T, _ = qs.shape
-    out = []
-    for i in range(T):
-        lo = max(i - window + 1, 0)  # window sources lo..i, older sources 0..lo-1
-        logits = [b.view(1, H, 1).expand(B, H, 1).to(qs.dtype), qs[:, :, i:i + 1] @ kh[:, :, lo:i + 1].transpose(-1, -2)]
-        values = [torch.zeros_like(g[:, :, :1]), g[:, :, lo:i + 1]]
-        logits[1] = logits[1][:, :, 0]
-        if lo > 0:
-            k_old = F.normalize(kh[:, :, :lo].sum(2), dim=-1)
-            s_old = (qs[:, :, i] * k_old).sum(-1, keepdim=True)  # one score for every old source
-            logits.append(s_old + math.log(lo))  # mass exp(s_old) * n_old
-            values.append(g[:, :, :lo].mean(2, keepdim=True))
-        w = torch.softmax(torch.cat(logits, -1), -1)  # (B, H, n)
-        out.append((w[:, :, None, :] @ torch.cat(values, 2))[:, :, 0])
-    return torch.stack(out, 2)
 
 
 def _windows(x, start, stride, n, length):

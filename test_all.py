@@ -17,7 +17,8 @@ import tango_kernels
 import train
 from common import ModelConfig, UsageError
 from models import REGISTRY, TIERS, build_model, count_params, solve_width, width_multiple
-from tango_kernels import tango_fast, tango_reference, windowed_fast, windowed_reference
+from tango import tango_reference, windowed_reference
+from tango_kernels import tango_fast, windowed_fast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")

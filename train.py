@@ -283,9 +283,11 @@ def param_groups(model, weight_decay):
 
 
 def make_optimizer(model, args):
-    """AdamW (betas 0.9, 0.95) over param_groups(model, --weight_decay); fp32 states."""
+    """AdamW (betas 0.9, 0.95) over param_groups(model, --weight_decay); fp32 states; on CUDA the
+    fused implementation (one kernel for all parameters instead of a few per tensor)."""
+    fused = {"fused": True} if str(getattr(args, "device", "cpu")).startswith("cuda") else {}
     return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                             betas=(0.9, 0.95), eps=1e-8)
+                             betas=(0.9, 0.95), eps=1e-8, **fused)
 
 
 def lr_at(it, args):
@@ -339,6 +341,7 @@ def train_loop(r):
     n_train = len(r.data.tokens("train"))
     dump = DebugDump(r.dist)
     rates = []
+    pending, t_read = [], time.time()  # updates whose loss and gradient norm are not read back yet
     r.model.train()
     while r.it < args.max_iters:
         t0 = time.time()
@@ -349,33 +352,72 @@ def train_loop(r):
                   for _ in range(args.gradient_accumulation_steps)]
         loss, grad_norm = train_update(r, starts)
         r.it += 1
-        rates.append(tokens_per_update / (time.time() - t0))
-        if r.first_update_s is None:
-            r.first_update_s = time.time() - r.t_start
-            r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
-                      + (", compile" if args.compile else "") + " included)")
+        pending.append((r.it, lr, loss, grad_norm, time.time() - t0))
         dump.write(r.it, r.dist.share(starts), r.model)
-        r.log.emit(event="train", iter=r.it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
-                   **diagnostics(r.model, spectral=False))
-        r.log.progress(loss=f"{loss:.3f}", tok_s=f"{rates[-1]:.0f}")
+        if not deferred_reads(r) or r.first_update_s is None or r.it % READ_EVERY == 0 or r.it in eval_at \
+                or r.it == args.max_iters:
+            rates += read_updates(r, pending, tokens_per_update, time.time() - t_read)
+            pending, t_read = [], time.time()
         if r.it in eval_at:
             eval_and_checkpoint(r, dev_starts)
     r.log.close_bar()
     return rates
 
 
+READ_EVERY = 10  # CUDA: updates between reads of the loss and gradient norm (each read is a host sync)
+
+
+def deferred_reads(r):
+    """True on CUDA: the loss and gradient norm stay on the device and are read every READ_EVERY
+    updates (the first, and before every evaluation), not every update: each read waits for the GPU.
+    On CPU every update is read at once (no queue to wait for)."""
+    return str(r.args.device).startswith("cuda")
+
+
+def read_updates(r, pending, tokens_per_update, elapsed):
+    """Log the pending updates [(it, lr, loss, grad_norm, seconds)] (device tensors when deferred:
+    one host sync for all) and return their tokens/s; deferred, each gets the mean rate over the
+    `elapsed` seconds since the last read. TrainingError naming the first update whose loss or
+    gradient norm is not finite (with deferred reads the run stops at most READ_EVERY updates later)."""
+    rates = []
+    for it, lr, loss, grad_norm, secs in pending:
+        if deferred_reads(r):
+            loss, grad_norm = check_finite(r, it, float(loss), float(grad_norm))
+            secs = elapsed / len(pending)
+        rates.append(tokens_per_update / secs)
+        if r.first_update_s is None:
+            r.first_update_s = time.time() - r.t_start
+            r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
+                      + (", compile" if r.args.compile else "") + " included)")
+        r.log.emit(event="train", iter=it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
+                   **diagnostics(r.model, spectral=False))
+        r.log.progress(loss=f"{loss:.3f}", tok_s=f"{rates[-1]:.0f}")
+    return rates
+
+
+def check_finite(r, it, loss, grad_norm):
+    """(loss, grad_norm) if both are finite, else TrainingError naming update `it`."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at update {it}; "
+                            f"stopped; {r.checkpoint_note()}")
+    return loss, grad_norm
+
+
 def train_update(r, starts):
     """One optimizer update over this rank's share of the micro-batches (starts: one array of
     window offsets per micro-batch). Loss = summed NLL of the scored targets of every micro-batch
     of every rank / their count (an update with none has loss 0 and zero gradients). Returns that
-    loss and the gradient norm before clipping; TrainingError if either is not finite."""
+    loss and the gradient norm before clipping (floats; on CUDA 0-dim device tensors that train_loop
+    reads later, see deferred_reads); TrainingError if either is not finite (on CUDA when read)."""
     args, dist = r.args, r.dist
     mine = dist.share(starts)
     first = dist.share(list(range(len(starts))))[0]  # global index of this rank's first micro-batch
     batches = [r.data.window_batch("train", s, args.block_size) for s in mine]
-    n_mine = sum(int((y != -1).sum()) for _, y in batches)  # counted on the CPU: no device sync per micro-batch
-    n_scored = max(float(dist.all_sum(torch.tensor(float(n_mine), dtype=torch.float64, device=args.device))), 1.0)
-    batches = [(x.to(args.device), y.to(args.device)) for x, y in batches]
+    counts = [int((y != -1).sum()) for _, y in batches]  # counted on the CPU: no device sync per micro-batch
+    n_mine = sum(counts)
+    n_scored = max(float(dist.all_sum(torch.tensor(float(n_mine), dtype=torch.float64, device=args.device)))
+                   if dist.ddp else float(n_mine), 1.0)  # one process: no round trip through the device
+    batches = [(x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)) for x, y in batches]
     scale = dist.world / n_scored  # DDP averages gradients over ranks: undo that
     nll_sum = torch.zeros((), dtype=torch.float64, device=args.device)
     for j, (x, y) in enumerate(batches):
@@ -386,11 +428,12 @@ def train_update(r, starts):
                 _, nll = r.train_model(x, y, reduction="sum")  # summed NLL of the scored targets (common.LM.head)
             (nll * scale).backward()
         nll_sum += nll.detach().double()
-    loss = float(dist.all_sum(nll_sum)) / n_scored
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(r.model.parameters(), args.grad_clip))
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        raise TrainingError(f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at update {r.it + 1}; "
-                            f"stopped; {r.checkpoint_note()}")
+    dist.all_sum(nll_sum)
+    grad_norm = torch.nn.utils.clip_grad_norm_(r.model.parameters(), args.grad_clip)
+    if deferred_reads(r):  # read later by train_loop (read_updates): no host sync here
+        loss = nll_sum / n_scored
+    else:
+        loss, grad_norm = check_finite(r, r.it + 1, float(nll_sum) / n_scored, float(grad_norm))
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm

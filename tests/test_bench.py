@@ -123,19 +123,48 @@ def test_targets_arithmetic():
     assert "timeout" in bench_report.table(rows)
 
 
-def test_quick_cpu_runs_every_model_and_the_long_four(tmp_path):
-    """The suite runs `python -m tools.bench --quick --device cpu --size tiny` (so the GPU command cannot rot)."""
+def test_quick_cpu_runs_every_model_and_the_long_four(tmp_path, mdm, data_root):
+    """The suite runs `python -m tools.bench --quick --device cpu --size tiny` (so the GPU command cannot
+    rot), with a main job on the tests' small dataset: every row has its speed, MFU, memory and compile
+    columns, the main job its time to first update, and the report says the GPU figures are not measured."""
     out = tmp_path / "q.json"
-    assert bench.main(["--quick", "--device", "cpu", "--size", "tiny", "--json", str(out)]) == 0
+    main_job = (f"--model tango --depth 2 --size tiny --block_size 32 --batch_size 2 --dataset dmmath "
+                f"--data_dir {mdm} --data_root {data_root}")
+    assert bench.main(["--quick", "--device", "cpu", "--size", "tiny", "--json", str(out), "--main_job", main_job]) == 0
     res = json.loads(out.read_text())
-    assert res["meta"]["quick"] and res["meta"]["vocab_size"] == 256
+    assert res["meta"]["quick"] and res["meta"]["vocab_size"] == 256 and res["meta"]["gpu_measured"] is False
     expected = [(m, T) for m in bench.models.REGISTRY for T in (32, 128) if T == 32 or m in bench.QUICK_LONG]
     assert [(r["model"], r["T"]) for r in res["rows"]] == expected  # run T by T, listed model by model
     for r in res["rows"]:
         assert r["status"] == "ok", r
         assert r["compile"] is False and r["tokens_per_step"] == 128
-        assert r["first_step_s"] > 0
-    assert "| first step s |" in (tmp_path / "q.md").read_text()
+        assert r["first_step_s"] > 0 and 0 < r["mfu"] and r["peak_mem_mb"] >= 0
+        assert r["compile_s"] == 0 and r["graphs"] == 0 and r["recompiles"] == 0  # eager
+    mj = res["main_job"]
+    assert mj["status"] == "ok" and mj["first_update_s"] > 0, mj
+    assert mj["command"].startswith("python train.py --model tango --depth 2") and mj["command"].endswith("--device cpu")
+    md = (tmp_path / "q.md").read_text()
+    assert "| first step s | compile s | recompiles |" in md and "the GPU figures" in md and "not measured" in md
+    assert f"first update after {mj['first_update_s']:.1f} s" in md
+
+
+def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
+    """Compiled rows (here with dynamo's eager backend: the graphs are captured as with inductor,
+    without a C++ compile) report the graphs captured, no recompile after the first step, and the
+    compile seconds; a main job that fails is a row that says so."""
+    out = tmp_path / "c.json"
+    assert bench.main(["--models", "tango,loop", "--device", "cpu", "--size", "tiny", "--block_sizes", "32",
+                       "--compile", "on", "--compile_backend", "eager", "--vocab_size", "256", "--batch_tokens", "64",
+                       "--steps", "2", "--peak_n", "128", "--json", str(out),
+                       "--main_job", "--model no-such-model"]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["model"]: r for r in res["rows"]}
+    assert rows["tango"]["status"] == "ok" and rows["loop"]["status"] == "ok", res["rows"]
+    # TANGO on CPU: the head and the update's three graphs (tango_kernels: eager chunked kernels between)
+    assert rows["tango"]["graphs"] == 4 and rows["loop"]["graphs"] >= 2
+    for r in rows.values():
+        assert r["recompiles"] == 0 and r["compile_s"] >= 0
+    assert res["main_job"]["status"].startswith("error: exit code 2") and "no-such-model" in res["main_job"]["status"]
 
 
 def test_cuda_defaults_and_quick_plan(monkeypatch):

@@ -67,10 +67,11 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
         torch._dynamo.reset()
         seen, end, regions, variants, summary = compiled_run(mdm, data_root, tmp_path, monkeypatch, K)
         assert regions == ["LM.head", "Tango.update"]
-        # training: one graph for the head, two for the TANGO update (before and after its eager
-        # fast path, tango_kernels.py "Compilation"); the first evaluation (no grad) as many again; the
-        # second evaluation, test NLL, exact-match decoding and the sample: none
-        assert seen == [3, 6, 6, 6] and end == 6, (K, seen, end)
+        # training: one graph for the head, three for the TANGO update on CPU (queries and keys up to
+        # the call of tango_kernels.gated_update, then its grouped path before and after the eager
+        # chunked kernels, tango_kernels.py "Compilation"); the first evaluation (no grad) as many
+        # again; the second evaluation, test NLL, exact-match decoding and the sample: none
+        assert seen == [4, 8, 8, 8] and end == 8, (K, seen, end)
         assert variants == {"Tango.update": 2, "LM.head": 2}
         assert summary["first_update_s"] > 0 and summary["exact_match_interpolate"] >= 0
         counts[K] = (seen, end, variants)
@@ -82,9 +83,8 @@ def test_tango_compiles_each_region_once_for_training_once_for_evaluation(mdm, d
 @pytest.mark.parametrize("name", list(models.REGISTRY))
 def test_graphs_do_not_grow_with_the_context(name, monkeypatch):
     """A Python loop over the context traced into a compiled region is unrolled into its graph, so
-    compile time grows with T (TANGO's fast paths loop over T / C query chunks: Windowed TANGO at
-    T = 4096 took about ten minutes to compile on CPU until they ran eagerly, tango_kernels.py
-    "Compilation"). Every
+    compile time grows with T (TANGO's chunked kernels loop over T / C query chunks and run eagerly,
+    tango_kernels.py "Compilation"; the fused path: tests/test_tango_fused.py). Every
     model's graphs, with every subgraph dynamo nests in them, hold as many nodes at T = 8 as at
     T = 32 (2 and 8 chunks of TANGO, FLASH, the windows)."""
     import tango_kernels
@@ -200,3 +200,61 @@ def test_rope_tables_built_once_per_forward_in_the_compute_dtype(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx)
     assert seen == [torch.float32, torch.bfloat16] and len(calls) == 2  # K = 3 applications, one table each forward
+
+
+# ----------------------------------------------------------------------------- host synchronizations (train.py)
+def _tiny_run(mdm, data_root, out, *extra):
+    return train.run(train.parse_args(
+        ["--model", "loop", "--depth", "2", "--size", "tiny", "--block_size", "32", "--batch_size", "2",
+         "--max_iters", "12", "--eval_interval", "6", "--eval_windows", "4", "--eval_batch_size", "4",
+         "--em_samples", "2", "--sample_tokens", "4", "--quiet", "--dataset", "dmmath", "--data_dir", str(mdm),
+         "--data_root", str(data_root), "--out_dir", str(out), *extra]))
+
+
+def _train_records(out):
+    import json
+    with open(out / "log.jsonl") as f:
+        return [r for r in map(json.loads, f) if r["event"] == "train"]
+
+
+def test_deferred_reads_log_every_update_with_one_read_per_interval(mdm, data_root, tmp_path, monkeypatch):
+    """On CUDA (deferred_reads, forced here on CPU) train_update returns the loss and gradient norm
+    as device tensors and the loop reads them back on the first update, every READ_EVERY updates
+    and before each evaluation: reads after updates 1, 5, 6 (evaluation), 10, 12. Every update is
+    still logged, with the loss of the NLL computed in the model's head (mean x count) within 1e-5
+    of the eager run's summed NLL, the same gradient norms, and a finite tokens/s."""
+    _tiny_run(mdm, data_root, tmp_path / "eager")
+    eager = _train_records(tmp_path / "eager")
+    reads = []
+    read_updates = train.read_updates
+    monkeypatch.setattr(train, "deferred_reads", lambda r: True)
+    monkeypatch.setattr(train, "READ_EVERY", 5)
+    monkeypatch.setattr(train, "read_updates", lambda r, pending, *a: reads.append([p[0] for p in pending])
+                        or read_updates(r, pending, *a))
+    seen = []
+    monkeypatch.setattr(train, "check_finite", lambda r, it, loss, norm: seen.append(type(loss)) or (loss, norm))
+    _tiny_run(mdm, data_root, tmp_path / "deferred")
+    deferred = _train_records(tmp_path / "deferred")
+    assert reads == [[1], [2, 3, 4, 5], [6], [7, 8, 9, 10], [11, 12]]
+    assert seen == [float] * 12  # read as floats from the device tensors
+    assert [r["iter"] for r in deferred] == list(range(1, 13)) == [r["iter"] for r in eager]
+    for a, b in zip(deferred, eager):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["tok_per_s"] > 0 and a["lr"] == b["lr"]
+
+
+def test_deferred_reads_still_stop_on_a_non_finite_loss(mdm, data_root, tmp_path, monkeypatch):
+    """A non-finite gradient norm read late (after update 6, the first read after update 1) still
+    stops the run before any checkpoint, naming the update where it happened: with a learning rate
+    of 1e30 the first update's step makes the second update's gradient overflow."""
+    monkeypatch.setattr(train, "deferred_reads", lambda r: True)
+    with pytest.raises(train.TrainingError, match=r"or gradient norm \(nan\) at update 2; stopped; no checkpoint exists yet"):
+        _tiny_run(mdm, data_root, tmp_path / "nan", "--learning_rate", "1e30", "--warmup_iters", "0")
+
+
+def test_adamw_is_fused_on_cuda_only():
+    from types import SimpleNamespace
+    model = models.build_model(_small("loop", 3))
+    for device, fused in (("cuda", True), ("cuda:1", True), ("cpu", None)):
+        opt = train.make_optimizer(model, SimpleNamespace(device=device, weight_decay=0.1, learning_rate=1e-3))
+        assert opt.defaults.get("fused") is fused, device

@@ -37,6 +37,13 @@ keeping freed memory for the next step (cpu_memory.keep_freed_memory; --cpu_memo
 glibc's default, under which the page faults of each step's fresh large tensors took a fifth to
 a half of a step on this project's CPU: docs/training.md, "Training on CPU").
 
+compile s   compiled rows: the first training step's seconds minus a timed step's (the compile of the
+            forward and backward graphs); 0 for eager rows.
+recompiles  graphs torch.compile captured after the first training step (graphs: all it captured);
+            0 when the first step's graphs serve every later step.
+main job    with --quick (--main_job FLAGS, default "--model tango --depth 8"): `python train.py FLAGS
+            --device DEV` run until it prints its time to first update (data, model and compile
+            included; its data prepared first if not yet), then stopped.
 tokens/s    B T / median step time over --steps timed steps (fewer once they took --step_budget
             seconds, at least one; with --rounds, the steps of all rounds), after --warmup untimed
             ones (the last is the memory measurement) and, on CPU with --cpu_memory keep, more
@@ -67,6 +74,8 @@ tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the sa
 stream2, stream) on a random untied Transformer++ at the smallest block size (bench_decode.reflux_rows):
 the full-sequence protocol and cached decoding, with flops.reflux_forward_macs's MACs ratio beside them.
 `python -m tools.bench decode ...` (batch-1 cached decoding latency) is in bench_decode.py too.
+
+Without a GPU (--device cpu) the report says that the GPU figures are not measured.
 
 Outputs: a markdown table (printed, and --md, default results/bench/bench_<device>.md) and JSON
 (--json, default results/bench/bench_<device>.json) with the settings, definitions, load
@@ -153,15 +162,23 @@ def child(spec):
     for grp, lr in zip(opt.param_groups, lrs):
         grp["lr"] = lr
     if spec["compile"]:  # after the tiny eager step, which must not compile a graph of its own shape
-        compile_regions(model)  # as train.py --compile: each repeated unit (and the head) once
+        backend = spec.get("backend", "inductor")
+        compile_regions(model, backend=backend)  # as train.py --compile: each repeated unit (and the head) once
 
     # warm-up; the last warm-up step (after any compilation) is the memory measurement
+    graphs0 = graphs_compiled()
     t0 = time.perf_counter()
-    first_step_s = None
+    first_step_s = first_dur = graphs_first = None
+
+    def first_done():  # after the first training step: its time (compile included) and its graphs
+        nonlocal first_step_s, first_dur, graphs_first
+        if first_step_s is None:
+            first_step_s, first_dur, graphs_first = time.perf_counter() - t_begin, time.perf_counter() - t0, graphs_compiled()
+
     for _ in range(spec["warmup"] - 1):
         step()
         sync()
-        first_step_s = first_step_s or time.perf_counter() - t_begin
+        first_done()
     sync()
     keep = not dev.startswith("cuda") and spec.get("cpu_memory", "keep") == "keep"
     if dev.startswith("cuda"):
@@ -172,7 +189,7 @@ def child(spec):
         mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
     else:
         mem_mb, method = step_memory(step, keep)
-    first_step_s = first_step_s or time.perf_counter() - t_begin
+    first_done()
     settle_steps = settle_heap(step) if keep else 0  # untimed: until the kept heap stops growing
     warmup_s = time.perf_counter() - t0
     times, losses = [], []
@@ -187,11 +204,19 @@ def child(spec):
         raise RuntimeError(f"non-finite loss {losses}")
     tokens = B * T
     fl = flops.train_flops(cfg, T, tokens)
+    compile_s = max(0.0, first_dur - statistics.median(times)) if spec["compile"] else 0.0
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
             "warmup_s": warmup_s, "first_step_s": first_step_s, "model_flops_per_step": fl, "model_flops_per_token": fl / tokens,
-            **timing(times, tokens, fl),
+            **timing(times, tokens, fl), "compile_s": compile_s, "graphs": graphs_compiled() - graphs0,
+            "recompiles": graphs_compiled() - graphs_first,
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
             "final_loss": losses[-1]}
+
+
+def graphs_compiled():
+    """Graphs torch.compile has captured in this process so far (dynamo's unique_graphs counter)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def timing(times, tokens, fl):
@@ -238,6 +263,47 @@ def run_config(spec, timeout):
     else:
         err = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
         row["status"] = "error: " + err[:300]
+    return row
+
+
+MAIN_JOB = "--model tango --depth 8"  # the main job (README): its time to its first update, with --quick
+
+
+def main_job_first_update(flags, device, timeout):
+    """Seconds from start to the end of the first update of `python train.py FLAGS --device DEVICE`
+    as it prints them ("first update after X s": data, model and compile included), the process
+    stopped right after that line. Returns a dict: command, status ("ok", "timeout", "error: ...")
+    and first_update_s, prepared (True if the run prepared its data, whose time is included)."""
+    import re
+    import shlex
+    import tempfile
+    import threading
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "train.py", *shlex.split(flags), "--device", device, "--out_dir", out, "--quiet"]
+        row = {"command": "python " + " ".join(shlex.quote(c) for c in cmd[1:-4]) + f" --device {device}",
+               "prepared": False}
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its lines as they are printed
+        timer = threading.Timer(timeout, p.kill)  # a run that hangs without printing is stopped too
+        timer.start()
+        last = ""
+        try:
+            for line in p.stdout:
+                row["prepared"] |= line.startswith("prepared ")
+                m = re.match(r"first update after ([0-9.]+) s", line)
+                if m:
+                    row.update(status="ok", first_update_s=float(m.group(1)))
+                    break
+                last = line.strip() or last
+            else:
+                code = p.wait()
+                row["status"] = "timeout" if not timer.is_alive() else f"error: exit code {code}: {last[:300]}"
+        finally:
+            timer.cancel()
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
     return row
 
 
@@ -334,6 +400,10 @@ def parse(argv):
     p.add_argument("--json", default=None, help="output JSON (default results/bench/bench_<device>.json; --quick: out/bench_<device>.json)")
     p.add_argument("--md", default=None, help="output markdown (default: next to --json, .md)")
     p.add_argument("--note", action="append", default=[], help="free-text note stored in the outputs (repeatable)")
+    p.add_argument("--main_job", default=None,
+                   help=f"train.py flags of the main job whose time to first update is measured (default with "
+                        f"--quick: '{MAIN_JOB}'; 'none' to skip)")
+    p.add_argument("--compile_backend", default="inductor", help="torch.compile backend of the compiled rows")
     p.add_argument("--reflux", action="store_true",
                    help="also time the ReFlux schedules (reflux.py) at the smallest block size (on with --quick)")
     a = p.parse_args(argv)
@@ -350,6 +420,8 @@ def parse(argv):
     a.steps = a.steps or 2
     a.vocab_size = a.vocab_size or 50257
     a.reflux = a.reflux or a.quick
+    a.main_job = a.main_job or (MAIN_JOB if a.quick else "none")
+    a.main_job = None if a.main_job == "none" else a.main_job
     a.models = [m for m in a.models.split(",") if m]
     for m in a.models:
         if m not in models.REGISTRY:
@@ -412,7 +484,8 @@ def main(argv=None):
         spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
                 "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
                 "batch_tokens": a.batch_tokens, "steps": math.ceil(a.steps / a.rounds), "step_budget": a.step_budget / a.rounds,
-                "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads, "cpu_memory": a.cpu_memory}
+                "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads, "cpu_memory": a.cpu_memory,
+                "backend": a.compile_backend}
         if (model, comp) in failed:  # a larger T (or a later round) of a configuration that failed
             row = {**spec, "status": f"skipped ({failed[model, comp]})"}
         else:
@@ -420,10 +493,18 @@ def main(argv=None):
             if row["status"] != "ok":
                 failed[model, comp] = f"T={T} {row['status'].split(':')[0]}"
         parts.setdefault((model, comp, T), []).append(row)
-        msg = (f"{row['tokens_per_s']:,.0f} tokens/s  {row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s "
-               f"({row['wall_s']:.0f} s, load {row['load_before']})" if row["status"] == "ok" else row["status"])
+        msg = (f"{row['tokens_per_s']:,.0f} tokens/s  MFU {100 * row['achieved_flops_per_s'] / peak:.1f}%  "
+               f"{row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s  compile {row['compile_s']:.1f} s  "
+               f"recompiles {row['recompiles']} ({row['wall_s']:.0f} s, load {row['load_before']})"
+               if row["status"] == "ok" else row["status"])
         print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} "
               + (f"round {rnd + 1}/{a.rounds} " if a.rounds > 1 else "") + msg, flush=True)
+    main_job = None
+    if a.main_job:
+        main_job = main_job_first_update(a.main_job, a.device, a.timeout)
+        print(f"  main job `{main_job['command']}`: " + (f"first update after {main_job['first_update_s']:.1f} s"
+              + (" (data prepared in this run, included)" if main_job["prepared"] else "")
+              if main_job["status"] == "ok" else main_job["status"]), flush=True)
     rows = [merge_rounds(p) for p in parts.values()]
     rows.sort(key=lambda r: (a.models.index(r["model"]), r["compile"], r["T"]))  # listed model by model
     add_ratios(rows, peak)
@@ -444,7 +525,9 @@ def main(argv=None):
                                        default=None),
         "wall_s": time.time() - t_start, "notes": a.note,
     }
-    out = {"meta": meta, "rows": rows, "targets": tg}
+    cuda = a.device.startswith("cuda")
+    meta["gpu_measured"] = cuda
+    out = {"meta": meta, "rows": rows, "targets": tg, "main_job": main_job}
     if rf_rows is not None:
         out["reflux"] = rf_rows
     md = (f"`{meta['command']}`\n\n{a.device}, {a.dtype}, {threads} threads, tier {a.size} (d={meta['tier']['d']}, "
@@ -458,7 +541,15 @@ def main(argv=None):
           + f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average {load_start} at start, "
           f"max {meta['load_average_max_during']} during.\n\n"
           f"MFU: {FLOPS_DEF}, over the matmul peak. Peak MB: {meta['memory_definition']}.\n\n"
+          + ("" if cuda else "No GPU in this run: the GPU figures (CUDA rows, bf16 MFU, compile times) are not "
+             "measured here.\n\n")
+          + "Compile s: the first compiled step's seconds minus a timed step's; recompiles: graphs captured after "
+          "the first training step.\n\n"
           + table(rows) + "\n\nTargets:\n\n" + targets_text(tg) + "\n"
+          + (f"\nMain job `{main_job['command']}`: "
+             + (f"first update after {main_job['first_update_s']:.1f} s from start"
+                + (" (its data prepared in this run, included)" if main_job["prepared"] else "")
+                if main_job["status"] == "ok" else main_job["status"]) + ".\n" if main_job else "")
           + ("\nReFlux schedules (inference, one sequence, no gradients; bench_decode.reflux_rows):\n\n"
              + reflux_table(rf_rows) + "\n" if rf_rows is not None else "")
           + "".join(f"\nNote: {n}\n" for n in a.note))

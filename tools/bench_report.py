@@ -85,20 +85,21 @@ def targets(rows):
 
 
 def table(rows):
-    head = ("| model | T | batch | compile | tokens/s | ms/token | peak MB | MFU | MFU / Loop T++ | first step s |\n"
-            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    head = ("| model | T | batch | compile | tokens/s | ms/token | peak MB | MFU | MFU / Loop T++ | first step s "
+            "| compile s | recompiles |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         c = "on" if r["compile"] else "off"
         if r["status"] != "ok":
             batch = max(1, r["batch_tokens"] // r["T"]) if "batch_tokens" in r else ""
             lines.append(f"| {r['model']} | {r['T']} | {batch} | {c} | "
-                         f"{r['status']} | | | | | |")
+                         f"{r['status']} | | | | | | | |")
             continue
         ratio = f"{r['mfu_vs_ref']:.2f}" if "mfu_vs_ref" in r else ""
         lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {c} | {r['tokens_per_s']:,.0f} | "
                      f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}% | {ratio} | "
-                     + (f"{r['first_step_s']:.1f} |" if "first_step_s" in r else " |"))
+                     + (f"{r['first_step_s']:.1f} |" if "first_step_s" in r else " |")
+                     + (f" {r['compile_s']:.1f} | {r['recompiles']} |" if "compile_s" in r else " | |"))
     return "\n".join(lines)
 
 
