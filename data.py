@@ -282,7 +282,8 @@ def add_arguments(add):
     add("--dataset", default="stdlib", help="stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG] "
         "(a Hugging Face hub dataset, a save_to_disk folder, or json/csv/parquet/text with --hf_data_files)")
     add("--tokenizer", default="auto", choices=TOKENIZERS,
-        help="gpt2 (BPE) or char (the train split's characters + an unknown id); auto: char for dmmath, else gpt2")
+        help="gpt2 (BPE) or char (the train split's characters + an unknown id); auto: char for dmmath and for "
+        "train.py's cpu tier, else gpt2")
     add("--data_dir", default=None,  # %(default).0s: the help names the real default, not None
         help="dmmath: folder in the official layout (when not given: ../shared/data/dmmath beside this repo)%(default).0s")
     add("--data_root", default="data", help="where prepared token bins are cached")

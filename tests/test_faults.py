@@ -544,7 +544,7 @@ def test_offline_bpe_error_leaves_no_data_root(tmp_path, monkeypatch, capsys):
     (tmp_path / "text.txt").write_text("some text " * 100)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        train.main(["--dataset", str(tmp_path / "text.txt"), "--data_root", str(tmp_path / "new" / "data"),
+        train.main(["--dataset", str(tmp_path / "text.txt"), "--tokenizer", "gpt2", "--data_root", str(tmp_path / "new" / "data"),
                     "--out_dir", str(tmp_path / "out"), "--quiet"])
     assert e.value.code == 2 and "GPT2_BPE_FILE" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["text.txt"]  # neither data root (nor its parent) nor out_dir
@@ -888,7 +888,7 @@ def test_sweep_resumes_a_root_whose_runs_got_flags_their_model_ignores(tmp_path,
                        "dmmath", "--", "--size", "tiny", "--window", "16"]) == 0
     assert started[0] == "prepare" and len(started) == 2  # the loop run is done; tango-windowed trains, with --window
     assert "tango-windowed" in started[1] and started[1][-2:] == ["--window", "16"]
-    with pytest.raises(UsageError, match="trained with --block_size 128, this sweep asks for --block_size 256"):
+    with pytest.raises(UsageError, match="trained with --eval_interval 20, this sweep asks for --eval_interval 50"):
         sweep.main(["run", "--root", str(root), "--models", "loop", "--depths", "2", "--datasets", "dmmath"])
 
 

@@ -207,7 +207,7 @@ def test_resume_equals_uninterrupted_run(runs):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert ca["rng"]["numpy"] == cb["rng"]["numpy"] and ca["iter"] == cb["iter"] == 6
     # the learning rate of the first update after the resume is the uninterrupted run's
-    assert tb[3]["lr"] == train.lr_at(3, Sched(lr=2e-3, warm=2, total=6))
+    assert tb[3]["lr"] == train.lr_at(3, Sched(lr=4e-3, warm=2, total=6))  # the cpu tier's peak
 
 
 def test_same_seed_same_log_other_seed_differs(runs):
@@ -328,8 +328,8 @@ def test_help_shows_every_tiers_value(capsys):
         train.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0 and "default: None" not in out and "kl_threshold" not in out
-    assert "training context length T; default: tiny 128 / cpu 256 / 70M 2048 / 160M 2048" in out
-    assert "peak learning rate; default: tiny 0.006 / cpu 0.002 / 70M 0.0006 / 160M 0.0006" in out
+    assert "training context length T; default: tiny 128 / cpu 128 / 70M 2048 / 160M 2048" in out
+    assert "peak learning rate; default: tiny 0.006 / cpu 0.004 / 70M 0.0006 / 160M 0.0006" in out
     assert all(a.help and a.help.count("default") <= 1 for a in train.build_parser()._actions)
 
 
@@ -524,7 +524,7 @@ CASES = [
     ("dataset_missing", ["--dataset", "TMP/nothing", "--data_dir", None], "--dataset", [], "fresh"),
     ("dataset_empty", ["--dataset", "TMP/empty", "--data_dir", None], "--dataset",
      [_write("tmp/empty", lambda p: p.mkdir())], "fresh"),
-    ("no_vocab", ["--dataset", "TMP/text.txt", "--data_dir", None, "ENV:GPT2_BPE_FILE=/nonexistent/gpt2"],
+    ("no_vocab", ["--dataset", "TMP/text.txt", "--tokenizer", "gpt2", "--data_dir", None, "ENV:GPT2_BPE_FILE=/nonexistent/gpt2"],
      "GPT2_BPE_FILE", [_write("tmp/text.txt", lambda p: p.write_text("some text " * 50))], "fresh"),
     ("data_dir_not_dmmath", ["--dataset", "stdlib", "--data_dir", "TMP"], "--data_dir", [], "fresh"),
     ("dmmath_layout", ["--data_dir", "TMP/empty"], "--data_dir", [_write("tmp/empty", lambda p: p.mkdir())],
