@@ -81,7 +81,7 @@ def cmd_run(args, extra):
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *train_argv(args.root, ds, m, k, s, lr, extra)]
         if os.path.exists(os.path.join(out, "ckpt_latest.pt")):
             cmd.append("--resume")
-        say(f"[{i}/{len(grid)}] " + " ".join(cmd[1:]), log)
+        say(f"[{i}/{len(grid)}] " + " ".join(["train.py", *cmd[2:]]), log)  # no path of this machine in the log
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stdout.txt"), "a") as f:  # a resumed run keeps the earlier output
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -174,7 +174,8 @@ def train_flags(extra):
 
 def cmd_collect(root, to):
     """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
-    (curves_of), small enough to commit, and <root>/sweep-output.txt (the run commands' output)."""
+    (curves_of) and args.json (train.py's resolved flags, from the log's last start), small enough
+    to commit, and <root>/sweep-output.txt (the run commands' output)."""
     n = 0
     if os.path.exists(os.path.join(root, "sweep-output.txt")):
         os.makedirs(to, exist_ok=True)
@@ -186,6 +187,10 @@ def cmd_collect(root, to):
         shutil.copyfile(path, os.path.join(dest, "summary.json"))
         with open(os.path.join(dest, "curves.json"), "w") as f:
             json.dump(curves_of(run), f, separators=(",", ":"))
+        start = [r for r in log_records(run) if r.get("event") == "start"]
+        if start:  # train.py's resolved flags, so a committed run's settings can be checked
+            with open(os.path.join(dest, "args.json"), "w") as f:
+                json.dump(start[-1]["args"], f, indent=0, sort_keys=True)
         n += 1
     print(f"collected {n} runs from {root} into {to}")
     return 0
@@ -252,6 +257,7 @@ def main(argv=None):
     q.add_argument("--out", default=None, help="also write the report to this file")
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
+    q.add_argument("--budget", action="store_true", help="each run's last-quarter improvement of dev NLL instead")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
                    "its markers, see sweep_report.report_markers) is replaced by the report")
     args = p.parse_args(argv)
@@ -264,14 +270,16 @@ def main(argv=None):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
-    from tools.sweep_report import grid_report, lr_report, plot, replace_between_markers, report, report_markers
+    from tools.sweep_report import (budget_report, grid_report, lr_report, plot, replace_between_markers, report,
+                                    report_markers)
     if args.cmd == "plot":
         plot(args.root, args.out)
         return 0
     else:
-        text = lr_report(args.root) if args.lr else grid_report(args.root) if args.grid else report(args.root)
+        text = (lr_report(args.root) if args.lr else budget_report(args.root) if args.budget
+                else grid_report(args.root) if args.grid else report(args.root))
         if args.into:
-            replace_between_markers(args.into, report_markers(args.root, args.grid), text)
+            replace_between_markers(args.into, report_markers(args.root, args.grid, args.budget), text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

@@ -246,6 +246,27 @@ def grid_report(root):
     return "\n".join(out) + "\n"
 
 
+def budget_report(root):
+    """Markdown: each run's learning curve judged at its budget, for choosing the number of updates:
+    dev NLL at the first evaluation at or after 3/4 of the run's updates and at its last one, the
+    relative improvement over that last quarter (%), and the final dev NLL as a fraction of the dev
+    split's unigram entropy (%). One row per run (dataset, model, K, seed), in grid order."""
+    rows = load_runs(root)
+    out = ["| dataset | model | K | seed | updates | dev NLL at 3/4 | dev NLL at end | last quarter | "
+           "end / unigram |", "|---|---|---|---|---|---|---|---|---|"]
+    models = _order({key[1] for key in rows})
+    for ds, m, k in sorted(rows, key=lambda key: (key[0], key[2], models.index(key[1]))):
+        for s in rows[ds, m, k]:
+            evals = curves_of(s["_dir"])["eval"]
+            if not evals:
+                continue
+            last_it, last = evals[-1]
+            q_it, q = next((it, v) for it, v in evals if it >= 0.75 * last_it)
+            out.append(f"| {ds} | {m} | {k} | {s['seed']} | {last_it} | {q:.3f} (upd {q_it}) | {last:.3f} | "
+                       f"{100 * (q - last) / q:.1f} % | {100 * last / s['unigram_dev']:.0f} % |")
+    return "\n".join(out) + "\n"
+
+
 def paired_differences(rows, datasets):
     """Per dataset: each model's test NLL minus TANGO's at the same seed (mean ± std over the seeds
     both have, n = how many; negative = lower than TANGO) at every held-out depth, and each model's
@@ -431,8 +452,10 @@ def plot(root, out):
     return written
 
 
-def report_markers(root, grid):
+def report_markers(root, grid, budget=False):
     """(begin, end): the lines around a report block of --root root in a markdown file."""
+    if budget:
+        return f"<!-- sweep report --budget --root {root} -->\n", "<!-- end of budget report -->"
     if grid:
         return f"<!-- sweep report --grid --root {root} -->\n", "<!-- end of grid report -->"
     return f"<!-- sweep report --root {root} -->\n", "<!-- end of sweep report -->"

@@ -1,0 +1,114 @@
+"""The cpu-tier character grid: results/cpugrid/README.md's budget table, grid tables and claims are
+`sweep.py report --budget` / `report --grid` over the committed summaries and curves, byte for byte;
+its plot is the committed PNG; its printed commands are the settings the runs were trained with."""
+import json
+import os
+import shlex
+import shutil
+
+import pytest
+
+import train
+from harness.checkpoint import MACHINE_FLAGS
+from harness.config import unread_model_flags
+from tools import sweep, sweep_report
+from test_chargrid import pinned
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+ROOT = "results/cpugrid"
+
+
+def readme():
+    with open(os.path.join(HERE, ROOT, "README.md")) as f:
+        return f.read()
+
+
+def block(doc, markers):
+    begin, end = markers
+    i = doc.index(begin) + len(begin)
+    return doc[i:doc.index(end, i)]
+
+
+def sweep_commands():
+    """The `python -m tools.sweep ...` lines of the README's commands block, as argv lists."""
+    doc = readme()
+    start = doc.index("```\n", doc.index("<!-- cpugrid commands -->\n")) + 4
+    cmds = []
+    for line in doc[start:doc.index("```", start)].splitlines():
+        words = shlex.split(line)
+        if "tools.sweep" in words:
+            cmds.append(words[words.index("tools.sweep") + 1:])
+    return cmds
+
+
+def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
+    monkeypatch.chdir(HERE)
+    doc = readme()
+    assert block(doc, sweep_report.report_markers(ROOT, False, budget=True)) == sweep_report.budget_report(ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, True)) == sweep_report.grid_report(ROOT)
+    rows = sweep_report.load_runs(ROOT)
+    assert rows and {k[0] for k in rows} == {"stdlib"}
+    assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
+
+
+def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(monkeypatch):
+    """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
+    run` command resolves to at today's code (machine flags aside), so the printed commands
+    continue the grid with the same settings."""
+    monkeypatch.chdir(HERE)
+    runs = [c for c in sweep_commands() if c[0] == "run"]
+    assert len(runs) == 3
+    grids = []
+    for argv in runs:
+        own = dict(zip(argv[1:argv.index("--"):2], argv[2:argv.index("--"):2]))
+        extra = argv[argv.index("--") + 1:]
+        grids.append((own, extra))
+    rows = sweep_report.load_runs(ROOT)
+    for (ds, m, k), summaries in rows.items():
+        for s in summaries:
+            own, extra = next((o, e) for o, e in grids if m in o["--models"].split(",") and
+                              str(k) in o["--depths"].split(",") and s["seed"] <= int(o["--seeds"]))
+            argv = sweep.train_argv("runs/cpugrid", ds, m, k, s["seed"], None, extra)
+            requested = vars(train.resolve_args(train.parse_args(argv)))
+            with open(os.path.join(s["_dir"], "args.json")) as f:
+                saved = json.load(f)
+            keys = set(saved) - set(MACHINE_FLAGS) - unread_model_flags(m)
+            assert {k_: saved[k_] for k_ in keys} == {k_: requested[k_] for k_ in keys}, s["_dir"]
+            assert saved["max_iters"] == 600 and saved["block_size"] == 256 and saved["tokenizer"] == "char"
+
+
+def test_budget_report_arithmetic(tmp_path):
+    """The last-quarter improvement is (NLL at the first evaluation at or after 3/4 of the updates
+    - NLL at the end) / the former; the share is the end NLL over the unigram entropy."""
+    run = tmp_path / "stdlib" / "tango-K4-s1"
+    run.mkdir(parents=True)
+    summary = {"model": "tango", "depth": 4, "seed": 1, "unigram_dev": 3.0, "test_nll": 1.0, "dev_nll": 1.5,
+               "non_embedding_params": 10}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "curves.json").write_text(json.dumps({"tokens_per_update": 8, "train": [[1, 3.0]],
+                                                 "eval": [[100, 2.5], [300, 2.0], [400, 1.6], [500, 1.2]]}))
+    table = sweep_report.budget_report(str(tmp_path))
+    # 3/4 of 500 = 375: the first evaluation at or after it is update 400 (1.6); (1.6 - 1.2) / 1.6 = 25 %; 1.2 / 3 = 40 %
+    assert table.splitlines()[2] == "| stdlib | tango | 4 | 1 | 500 | 1.600 (upd 400) | 1.200 | 25.0 % | 40 % |"
+
+
+def test_cpugrid_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
+    mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
+    import PIL
+    have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
+    if have != {p: pinned(p) for p in have}:
+        pytest.skip(f"the committed PNG was made with matplotlib {pinned('matplotlib')} and pillow "
+                    f"{pinned('pillow')} (pinned in .ci/run); this has {have}, whose bytes may differ")
+    monkeypatch.chdir(HERE)
+    written = sweep_report.plot(ROOT, str(tmp_path))
+    assert [os.path.basename(p) for p in written] == ["stdlib.png"]
+    with open(written[0], "rb") as a, open(os.path.join(ROOT, "stdlib.png"), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_budget_report_command_writes_into_this_readme(tmp_path, monkeypatch):
+    argv, = [c for c in sweep_commands() if c[:2] == ["report", "--budget"]]
+    shutil.copytree(os.path.join(HERE, ROOT), tmp_path / ROOT)
+    monkeypatch.chdir(tmp_path)
+    sweep.main(argv)
+    assert (tmp_path / ROOT / "README.md").read_text() == readme()
