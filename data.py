@@ -220,8 +220,11 @@ class Data:
         for s in splits or ("train", "dev", self.test_split):
             n = len(self.tokens(s))
             if n < block_size + 1:
+                cut = self.meta.get("max_tokens") if isinstance(self.meta, dict) else None
+                hint = (f"; --max_tokens {cut} kept the source's first {cut:,} tokens, too few for every split "
+                        "(raise it)") if cut else ""
                 raise UsageError(f"--block_size {block_size} is too large: split '{s}' of {self.folder} "
-                                 f"has only {n} tokens (need block_size+1)")
+                                 f"has only {n} tokens (need block_size+1){hint}")
 
     def train_batch(self, rng, batch_size, block_size):
         """Random windows of the train split: x, y int64 (B, T); starts drawn from ``rng``."""

@@ -1,5 +1,6 @@
-"""Sample from a train.py checkpoint, as nanoGPT's sample.py does: any registered model, cached
-decoding (LM.generate), the tokenizer the checkpoint was trained with.
+"""Sample from a train.py checkpoint (any registered model, cached decoding), as nanoGPT does.
+
+Any registered model, cached decoding (LM.generate), the tokenizer the checkpoint was trained with.
 
     python sample.py --out_dir out --start "def " --num_samples 3 --max_new_tokens 200 --temperature 0.8 --top_k 200
     python sample.py --out_dir out --start FILE:prompt.txt    # the prompt is the file's text (UTF-8)

@@ -512,6 +512,7 @@ def finish(r, rates, t_start):
                "test_nll": test, "unigram_dev": data_mod.unigram_entropy(data, "dev"),
                "tokens": best["iter"] * tokens_per_update,
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
+               "tok_per_s_updates": len(rates[-100:]),
                "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
                "first_update_s": r.first_update_s, "wall_s": time.time() - t_start}
     if curve is not None:

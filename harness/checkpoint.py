@@ -205,9 +205,13 @@ def saved_args(ckpt, path):
 
 def merge_resume_args(args, given, saved, path=None, action="resume it, or use a fresh --out_dir"):
     """Fill args from a checkpoint's args (at path, default <out_dir>/ckpt_latest.pt) for --resume
-    or --eval_only (see IDENTITY_FLAGS). Returns the explicit overrides as {flag: [checkpoint value,
+    or --eval_only (see IDENTITY_FLAGS; --data_root, when not given, is the run's if that folder
+    exists here). Returns the explicit overrides as {flag: [checkpoint value,
     new value]}; UsageError for a conflicting identity flag ("drop the flag to <action>")."""
     changed = {}
+    root = saved.get("data_root")
+    if "data_root" not in given and isinstance(root, str) and os.path.isdir(root):
+        args.data_root = root  # the run's prepared bins, where they are on this machine: not prepared again
     for k, v in saved.items():
         if k in MACHINE_FLAGS or not hasattr(args, k):  # (flags since removed are skipped)
             continue

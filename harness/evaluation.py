@@ -125,7 +125,8 @@ def print_report(s, data, args):
     row(f"dev NLL (best, upd {s['best_iter']})", f"{s['dev_nll']:.4f} nats/token")
     row(f"test NLL ({data.test_split})", f"{s['test_nll']:.4f} nats/token")
     if s["tok_per_s_median_last100"]:
-        row("throughput", f"{s['tok_per_s_median_last100']:.0f} tokens/s (median, last 100 updates)")
+        n = s.get("tok_per_s_updates", 100)  # fewer than 100 in a short run
+        row("throughput", f"{s['tok_per_s_median_last100']:.0f} tokens/s (median of the last {n} updates)")
     for split in data.meta.get("em_splits", []):
         n = min(args.em_samples, len(data.problems(split)))
         row(f"exact match {split}", f"{s[f'exact_match_{split}']:.2%}  ({n} problems)")

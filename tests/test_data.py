@@ -379,6 +379,9 @@ def test_char_single_file_by_position_and_max_tokens(tmp_path):
     cut = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=out, tokenizer="char", max_tokens=500))
     assert cut.folder.endswith("-char-max500") and sum(cut.meta["splits"].values()) == 500
     assert cut.decode(np.concatenate([cut.tokens(s) for s in ("train", "dev", "test")])) == text[:500]
+    with pytest.raises(UsageError, match=r"split 'dev' .* has only 25 tokens \(need block_size\+1\); --max_tokens 500 "
+                                         r"kept the source's first 500 tokens, too few for every split"):
+        cut.check_block_size(25)  # the split too short for the context names the cut that made it so
 
 
 def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import data as data_mod
+from harness import checkpoint
 import sample
 import train
 from harness.checkpoint import load_checkpoint
@@ -307,3 +308,14 @@ def test_data_module_reads_the_char_vocabulary_as_sample_does(data_root, ckpts):
     assert tok.eot == data.eot and tok.encode(PROMPT) == data.encode(PROMPT)
     ids = list(range(data.vocab_size))
     assert tok.decode(ids) == data.decode(ids)
+
+
+def test_eval_only_and_resume_read_the_runs_prepared_data_without_data_root(ckpts, mdm_flags, tmp_path, monkeypatch):
+    """Without --data_root, --eval_only (and --resume, through the same merge) reads the bins the run
+    was trained on where they are on this machine, instead of preparing the dataset again under ./data."""
+    monkeypatch.chdir(tmp_path)  # a ./data here would be the default root
+    out = train_main(["--eval_only", "--out_dir", ckpts["loop"]])
+    assert "prepared" not in out and "dev NLL (best" in out and not (tmp_path / "data").exists()
+    args = train.parse_args(["--out_dir", "x"])
+    checkpoint.merge_resume_args(args, set(), {"data_root": str(tmp_path / "gone"), "depth": 3})
+    assert args.data_root == "data" and args.depth == 3  # a root that is not here: the default stays

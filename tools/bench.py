@@ -362,7 +362,8 @@ def run_config_here(spec):
 
 
 def parse(argv):
-    p = ExitParser(prog="bench.py", description="Training-step throughput, peak memory and MFU at matched parameters.")
+    p = ExitParser(prog="bench.py", description="Training-step throughput, peak memory and MFU at matched parameters "
+                   "(batch-1 decoding and ReFlux timings: python -m tools.bench decode --help).")
     p.add_argument("--models", default=",".join(models.REGISTRY), help="comma-separated registry names (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="every model at T = 2048 compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop "
