@@ -1,6 +1,6 @@
 """Sample from a train.py checkpoint (any registered model, cached decoding), as nanoGPT does.
 
-Any registered model, cached decoding (LM.generate), the tokenizer the checkpoint was trained with.
+Decoding is LM.generate with its cache; the tokenizer is the one the checkpoint was trained with.
 
     python sample.py --out_dir out --start "def " --num_samples 3 --max_new_tokens 200 --temperature 0.8 --top_k 200
     python sample.py --out_dir out --start FILE:prompt.txt    # the prompt is the file's text (UTF-8)

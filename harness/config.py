@@ -19,7 +19,7 @@ from common import UsageError
 from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
-# characters, runs in under 5 minutes on 2 cores and learns most per minute with 1,024-token updates,
+# characters, takes under 5 minutes on 2 cores),
 # the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
 # window (Windowed TANGO W), chunk (FLASH C) and gau_s (GAU/FLASH s) scale with the context: at
 # W >= T Windowed TANGO is exactly full-prefix TANGO and at C >= T FLASH is one quadratic chunk.
