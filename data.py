@@ -220,7 +220,7 @@ class Data:
         for s in splits or ("train", "dev", self.test_split):
             n = len(self.tokens(s))
             if n < block_size + 1:
-                cut = self.meta.get("max_tokens") if isinstance(self.meta, dict) else None
+                cut = self.meta.get("max_tokens")
                 hint = (f"; --max_tokens {cut} kept the source's first {cut:,} tokens, too few for every split "
                         "(raise it)") if cut else ""
                 raise UsageError(f"--block_size {block_size} is too large: split '{s}' of {self.folder} "

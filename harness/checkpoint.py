@@ -29,7 +29,8 @@ LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
 TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
                  "seed", "data_seed")
 # --resume: these must agree with the checkpoint (they define the model, its data order or the
-# meaning of "best dev"); MACHINE_FLAGS are never taken from it; every other flag is taken from the
+# meaning of "best dev"); MACHINE_FLAGS are never taken from it (but --data_root, when not given,
+# is the run's if that folder exists here: merge_resume_args); every other flag is taken from the
 # checkpoint unless given explicitly, in which case the given value wins and the change is logged.
 IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
                   "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda",

@@ -12,7 +12,7 @@ import train
 from harness.checkpoint import MACHINE_FLAGS
 from harness.config import unread_model_flags
 from tools import sweep, sweep_report
-from test_chargrid import pinned
+from test_chargrid import pinned, sweep_options
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/cpugrid"
@@ -58,11 +58,7 @@ def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(monkeypatch):
     monkeypatch.chdir(HERE)
     runs = [c for c in sweep_commands() if c[0] == "run"]
     assert len(runs) == 3
-    grids = []
-    for argv in runs:
-        own = dict(zip(argv[1:argv.index("--"):2], argv[2:argv.index("--"):2]))
-        extra = argv[argv.index("--") + 1:]
-        grids.append((own, extra))
+    grids = [(sweep_options(argv), argv[argv.index("--") + 1:]) for argv in runs]
     rows = sweep_report.load_runs(ROOT)
     for (ds, m, k), summaries in rows.items():
         for s in summaries:

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import data as data_mod
-from harness import checkpoint
 import sample
 import train
-from harness.checkpoint import load_checkpoint
+from harness.checkpoint import load_checkpoint, merge_resume_args
 from harness.token_files import EOT_SYMBOL
 from models import REGISTRY
 
@@ -317,5 +316,5 @@ def test_eval_only_and_resume_read_the_runs_prepared_data_without_data_root(ckpt
     out = train_main(["--eval_only", "--out_dir", ckpts["loop"]])
     assert "prepared" not in out and "dev NLL (best" in out and not (tmp_path / "data").exists()
     args = train.parse_args(["--out_dir", "x"])
-    checkpoint.merge_resume_args(args, set(), {"data_root": str(tmp_path / "gone"), "depth": 3})
+    merge_resume_args(args, set(), {"data_root": str(tmp_path / "gone"), "depth": 3})
     assert args.data_root == "data" and args.depth == 3  # a root that is not here: the default stays

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import checkpoint
+from harness import checkpoint, evaluation
 import data as data_mod
 import train
 from common import ModelConfig
@@ -610,12 +610,10 @@ def test_bad_input_in_a_real_process(mdm, data_root, tmp_path):
 
 def test_report_names_how_many_updates_its_throughput_median_covers(capsys):
     """The throughput line says over how many updates the median was taken (a 3-update run has 3)."""
-    from types import SimpleNamespace
-    from harness.evaluation import print_report
     s = {"non_embedding_params": 10, "unigram_dev": 3.0, "best_iter": 3, "dev_nll": 2.0, "test_nll": 2.1,
          "tok_per_s_median_last100": 1234.4, "tok_per_s_updates": 3,
          "first_update_s": None, "wall_s": 5.0}
     data = SimpleNamespace(test_split="test", meta={})
     args = SimpleNamespace(model="tango", depth=2, dataset="stdlib", size="tiny", em_samples=1, compile=False)
-    print_report(s, data, args)
+    evaluation.print_report(s, data, args)
     assert "throughput               1234 tokens/s (median of the last 3 updates)\n" in capsys.readouterr().out
