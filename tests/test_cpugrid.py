@@ -57,7 +57,7 @@ def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(monkeypatch):
     continue the grid with the same settings."""
     monkeypatch.chdir(HERE)
     runs = [c for c in sweep_commands() if c[0] == "run"]
-    assert len(runs) == 3
+    assert len(runs) == 4
     grids = [(sweep_options(argv), argv[argv.index("--") + 1:]) for argv in runs]
     rows = sweep_report.load_runs(ROOT)
     for (ds, m, k), summaries in rows.items():
