@@ -108,3 +108,36 @@ def test_budget_report_command_writes_into_this_readme(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sweep.main(argv)
     assert (tmp_path / ROOT / "README.md").read_text() == readme()
+
+
+def throughput_table(root):
+    """The throughput block of results/cpugrid/README.md, from bench_K4.json and bench_K8.json."""
+    def rows(k):
+        with open(os.path.join(root, f"bench_K{k}.json")) as f:
+            return {r["model"]: r for r in json.load(f)["rows"]}
+    a, b = rows(4), rows(8)
+    lines = ["| model | tokens/s K=4 | tokens/s K=8 | peak MB K=4 | peak MB K=8 | MFU / Loop T++ K=4 "
+             "| MFU / Loop T++ K=8 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for m in a:
+        lines.append(f"| {m} | {a[m]['tokens_per_s']:,.0f} | {b[m]['tokens_per_s']:,.0f} | "
+                     f"{a[m]['peak_mem_mb']:,.0f} | {b[m]['peak_mem_mb']:,.0f} | "
+                     f"{a[m]['mfu_vs_ref']:.2f} | {b[m]['mfu_vs_ref']:.2f} |")
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
+    """The throughput table is the two bench JSONs; they measured the grid's shapes, with the models
+    at the width the grid's runs trained (same non-embedding parameters)."""
+    monkeypatch.chdir(HERE)
+    assert block(readme(), ("<!-- cpugrid throughput: bench_K4.json, bench_K8.json -->",
+                            "<!-- end of throughput -->")) == throughput_table(ROOT)
+    runs = sweep_report.load_runs(ROOT)
+    for k in (4, 8):
+        with open(os.path.join(ROOT, f"bench_K{k}.json")) as f:
+            bench = json.load(f)["rows"]
+        assert {r["model"] for r in bench} == {"tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae"}
+        for r in bench:
+            assert (r["depth"], r["T"], r["batch"], r["vocab_size"], r["window"], r["threads"], r["status"]) == \
+                (k, 256, 8, 416, 64, 2, "ok")
+            for s in runs.get(("stdlib", r["model"], k), []):
+                assert (s["width"], s["non_embedding_params"]) == (r["width"], r["non_embedding_params"])
