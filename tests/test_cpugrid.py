@@ -110,12 +110,17 @@ def test_budget_report_command_writes_into_this_readme(tmp_path, monkeypatch):
     assert (tmp_path / ROOT / "README.md").read_text() == readme()
 
 
-def throughput_table(root):
-    """The throughput block of results/cpugrid/README.md, from bench_K4.json and bench_K8.json."""
-    def rows(k):
-        with open(os.path.join(root, f"bench_K{k}.json")) as f:
-            return {r["model"]: r for r in json.load(f)["rows"]}
-    a, b = rows(4), rows(8)
+def bench_rows(root, k):
+    """The rows of <root>/bench_K<k>.json (tools.bench --json), by model."""
+    with open(os.path.join(root, f"bench_K{k}.json")) as f:
+        rows = json.load(f)["rows"]
+    by_model = {r["model"]: r for r in rows}
+    assert len(by_model) == len(rows), f"bench_K{k}.json has a model twice"
+    return by_model
+
+
+def throughput_table(a, b):
+    """The throughput block of results/cpugrid/README.md from the K = 4 and K = 8 bench rows."""
     lines = ["| model | tokens/s K=4 | tokens/s K=8 | peak MB K=4 | peak MB K=8 | MFU / Loop T++ K=4 "
              "| MFU / Loop T++ K=8 |", "|---|---:|---:|---:|---:|---:|---:|"]
     for m in a:
@@ -129,14 +134,13 @@ def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
     """The throughput table is the two bench JSONs; they measured the grid's shapes, with the models
     at the width the grid's runs trained (same non-embedding parameters)."""
     monkeypatch.chdir(HERE)
+    bench = {k: bench_rows(ROOT, k) for k in (4, 8)}
     assert block(readme(), ("<!-- cpugrid throughput: bench_K4.json, bench_K8.json -->",
-                            "<!-- end of throughput -->")) == throughput_table(ROOT)
+                            "<!-- end of throughput -->")) == throughput_table(bench[4], bench[8])
     runs = sweep_report.load_runs(ROOT)
-    for k in (4, 8):
-        with open(os.path.join(ROOT, f"bench_K{k}.json")) as f:
-            bench = json.load(f)["rows"]
-        assert {r["model"] for r in bench} == {"tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae"}
-        for r in bench:
+    for k, rows in bench.items():
+        assert set(rows) == {"tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae"}
+        for r in rows.values():
             assert (r["depth"], r["T"], r["batch"], r["vocab_size"], r["window"], r["threads"], r["status"]) == \
                 (k, 256, 8, 416, 64, 2, "ok")
             for s in runs.get(("stdlib", r["model"], k), []):
