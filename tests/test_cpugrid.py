@@ -1,5 +1,6 @@
 """The cpu-tier character grid: results/cpugrid/README.md's budget table, grid tables and claims are
-`sweep.py report --budget` / `report --grid` over the committed summaries and curves, byte for byte;
+`sweep.py report --budget` / `report --grid` over the committed summaries and curves and
+`report --throughput` over the committed bench JSONs, byte for byte;
 its plot is the committed PNG; its printed commands are the settings the runs were trained with."""
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import pytest
 
 import train
+from common import UsageError
 from harness.checkpoint import MACHINE_FLAGS
 from harness.config import unread_model_flags
 from tools import sweep, sweep_report
@@ -102,8 +104,10 @@ def test_cpugrid_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
         assert a.read() == b.read()
 
 
-def test_budget_report_command_writes_into_this_readme(tmp_path, monkeypatch):
-    argv, = [c for c in sweep_commands() if c[:2] == ["report", "--budget"]]
+@pytest.mark.parametrize("mode", ["--budget", "--throughput"])
+def test_report_command_writes_into_this_readme(mode, tmp_path, monkeypatch):
+    argv, = [shlex.split(line)[3:] for line in readme().splitlines()
+             if line.startswith(f"python -m tools.sweep report {mode} ")]
     shutil.copytree(os.path.join(HERE, ROOT), tmp_path / ROOT)
     monkeypatch.chdir(tmp_path)
     sweep.main(argv)
@@ -119,24 +123,33 @@ def bench_rows(root, k):
     return by_model
 
 
-def throughput_table(a, b):
-    """The throughput block of results/cpugrid/README.md from the K = 4 and K = 8 bench rows."""
-    lines = ["| model | tokens/s K=4 | tokens/s K=8 | peak MB K=4 | peak MB K=8 | MFU / Loop T++ K=4 "
-             "| MFU / Loop T++ K=8 |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for m in a:
-        lines.append(f"| {m} | {a[m]['tokens_per_s']:,.0f} | {b[m]['tokens_per_s']:,.0f} | "
-                     f"{a[m]['peak_mem_mb']:,.0f} | {b[m]['peak_mem_mb']:,.0f} | "
-                     f"{a[m]['mfu_vs_ref']:.2f} | {b[m]['mfu_vs_ref']:.2f} |")
-    return "\n" + "\n".join(lines) + "\n"
+def test_throughput_report_columns(tmp_path):
+    """One column per K for each of tokens/s, peak MB and MFU over Loop Transformer++'s, the models in
+    the paper's order; a model one depth lacks is a dash; a file of two depths is an error."""
+    def row(m, k, tps, mb, mfu):
+        return {"model": m, "depth": k, "tokens_per_s": tps, "peak_mem_mb": mb, "mfu_vs_ref": mfu}
+    (tmp_path / "bench_K4.json").write_text(json.dumps({"rows": [row("loop", 4, 4365.4, 406.2, 1.0),
+                                                                  row("tango", 4, 2530.0, 1487.0, 0.914)]}))
+    (tmp_path / "bench_K8.json").write_text(json.dumps({"rows": [row("tango", 8, 1134.0, 917.0, 0.905)]}))
+    assert sweep_report.throughput_report(str(tmp_path)).splitlines() == [
+        "| model | tokens/s K=4 | tokens/s K=8 | peak MB K=4 | peak MB K=8 | MFU / Loop T++ K=4 | MFU / Loop T++ K=8 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        "| tango | 2,530 | 1,134 | 1,487 | 917 | 0.91 | 0.91 |",
+        "| loop | 4,365 | – | 406 | – | 1.00 | – |"]
+    (tmp_path / "bench_K8.json").write_text(json.dumps({"rows": [row("tango", 8, 1, 1, 1), row("loop", 4, 1, 1, 1)]}))
+    with pytest.raises(UsageError, match="bench_K8.json: the rows must be one depth K and one row per model"):
+        sweep_report.throughput_report(str(tmp_path))
+    with pytest.raises(UsageError, match="no bench_K<k>.json"):
+        sweep_report.throughput_report(str(tmp_path / "nothing"))
 
 
 def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
-    """The throughput table is the two bench JSONs; they measured the grid's shapes, with the models
+    """The throughput table is `report --throughput` over the two bench JSONs; they measured the grid's shapes, with the models
     at the width the grid's runs trained (same non-embedding parameters)."""
     monkeypatch.chdir(HERE)
     bench = {k: bench_rows(ROOT, k) for k in (4, 8)}
-    assert block(readme(), ("<!-- cpugrid throughput: bench_K4.json, bench_K8.json -->",
-                            "<!-- end of throughput -->")) == throughput_table(bench[4], bench[8])
+    assert block(readme(), sweep_report.report_markers(ROOT, False, throughput=True)) == \
+        sweep_report.throughput_report(ROOT)
     runs = sweep_report.load_runs(ROOT)
     for k, rows in bench.items():
         assert set(rows) == {"tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae"}

@@ -291,7 +291,9 @@ def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
         (["report", "--root", "g", "--into", "doc.md"], "--into doc.md: no line <!-- sweep report --root g -->; "
                                                         "put the two marker lines where the report goes"),
         (["report", "--grid", "--root", "g", "--into", "nope.md"], "--into nope.md: no such file"),
-        (["report", "--lr", "--root", "g", "--into", "doc.md"], "--into: report and report --grid only"),
+        (["report", "--lr", "--root", "g", "--into", "doc.md"], "--into: not with --lr"),
+        (["report", "--grid", "--budget", "--root", "g"], "report: one of --lr, --grid, --budget, --throughput at a time"),
+        (["report", "--throughput", "--root", "g"], "--root g: no bench_K<k>.json"),
     ]:
         with pytest.raises(UsageError) as e:
             sweep.main(argv)

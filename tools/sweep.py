@@ -20,7 +20,9 @@ a model's own flags such as `--window` or `--n_core` only to the models that rea
 in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
 prints the TANGO paper's section 4.1 tables and checks its claims one by one (and the grid's wall
 time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
-`--into FILE` also writes the report into FILE between its marker lines (sweep_report.report_markers).
+`report --budget` judges each run's learning curve at its budget, `report --throughput` tabulates the
+tools.bench JSONs of the grid's shapes (`<root>/bench_K<k>.json`); `--into FILE` also writes the
+report into FILE between its marker lines (sweep_report.report_markers).
 `collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
 the curves (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
 same curves). This file runs and collects the grid; report and plot, which only read it, are in
@@ -258,6 +260,8 @@ def main(argv=None):
     q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
     q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
     q.add_argument("--budget", action="store_true", help="each run's last-quarter improvement of dev NLL instead")
+    q.add_argument("--throughput", action="store_true",
+                   help="the tools.bench throughput of <root>/bench_K<k>.json, one column per K, instead")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
                    "its markers, see sweep_report.report_markers) is replaced by the report")
     args = p.parse_args(argv)
@@ -265,21 +269,25 @@ def main(argv=None):
         check_run_flags(args, extra)
         return cmd_run(args, extra)
     if args.cmd == "report" and args.into and args.lr:
-        raise UsageError("--into: report and report --grid only (the learning-rate table has no markers)")
-    if not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
+        raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
+    if args.cmd == "report" and sum((args.lr, args.grid, args.budget, args.throughput)) > 1:
+        raise UsageError("report: one of --lr, --grid, --budget, --throughput at a time")
+    throughput = args.cmd == "report" and args.throughput  # reads the bench JSONs, not the runs
+    if not throughput and not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
     from tools.sweep_report import (budget_report, grid_report, lr_report, plot, replace_between_markers, report,
-                                    report_markers)
+                                    report_markers, throughput_report)
     if args.cmd == "plot":
         plot(args.root, args.out)
         return 0
     else:
         text = (lr_report(args.root) if args.lr else budget_report(args.root) if args.budget
+                else throughput_report(args.root) if throughput
                 else grid_report(args.root) if args.grid else report(args.root))
         if args.into:
-            replace_between_markers(args.into, report_markers(args.root, args.grid, args.budget), text)
+            replace_between_markers(args.into, report_markers(args.root, args.grid, args.budget, throughput), text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

@@ -452,8 +452,38 @@ def plot(root, out):
     return written
 
 
-def report_markers(root, grid, budget=False):
+def throughput_report(root):
+    """Markdown: the training throughput that tools.bench measured at the grid's shapes, one column
+    pair per depth: tokens/s, the step's peak memory (MB) and MFU over Loop Transformer++'s, from
+    <root>/bench_K<k>.json (tools.bench --json). UsageError when there is none, or when a file's rows
+    are not one depth or not one row per model."""
+    paths = glob.glob(os.path.join(root, "bench_K*.json"))
+    if not paths:
+        raise UsageError(f"--root {root}: no bench_K<k>.json (python -m tools.bench --json ...)")
+    by_depth = {}
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        depths, models = {r["depth"] for r in rows}, [r["model"] for r in rows]
+        if len(depths) != 1 or len(set(models)) != len(models):
+            raise UsageError(f"{path}: the rows must be one depth K and one row per model")
+        by_depth[depths.pop()] = {r["model"]: r for r in rows}
+    ks = sorted(by_depth)
+    models = _order(set().union(*by_depth.values()))
+    cols = [("tokens/s", "tokens_per_s", ",.0f"), ("peak MB", "peak_mem_mb", ",.0f"),
+            ("MFU / Loop T++", "mfu_vs_ref", ".2f")]
+    out = ["| model | " + " | ".join(f"{name} K={k}" for name, _, _ in cols for k in ks) + " |",
+           "|---|" + "---:|" * (len(cols) * len(ks))]
+    for m in models:
+        cells = [format(by_depth[k][m][key], fmt) if m in by_depth[k] else "–" for _, key, fmt in cols for k in ks]
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def report_markers(root, grid, budget=False, throughput=False):
     """(begin, end): the lines around a report block of --root root in a markdown file."""
+    if throughput:
+        return f"<!-- sweep report --throughput --root {root} -->\n", "<!-- end of throughput report -->"
     if budget:
         return f"<!-- sweep report --budget --root {root} -->\n", "<!-- end of budget report -->"
     if grid:
