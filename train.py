@@ -180,7 +180,10 @@ class Run:
     """What a run holds once its inputs are validated. model is the LM (checkpoints, generation),
     its repeated units compiled under --compile; fwd is the model evaluation calls; train_model
     is fwd, DDP-wrapped under torchrun. it: updates done; saved_at: update of the checkpoint in
-    out_dir (None: none yet); first_update_s: seconds from t_start to the end of the first update."""
+    out_dir (None: none yet); first_update_s: seconds from t_start to the end of the first update;
+    resumed_at: the update this process resumed from (None: a fresh run); wall_before: seconds of
+    training behind the resumed checkpoint (0 for a fresh run; None when the checkpoint predates
+    that record), so wall_s() counts every process that led to this run."""
     args: argparse.Namespace
     dist: Dist
     data: data_mod.Data
@@ -198,6 +201,12 @@ class Run:
     t_start: float = 0.0
     first_update_s: float = None
     saved_at: int = None
+    wall_before: float = 0.0
+    resumed_at: int = None
+
+    def wall_s(self):
+        """Seconds of training so far: this process's plus wall_before (this process's only if None)."""
+        return (self.wall_before or 0.0) + time.time() - self.t_start
 
     def checkpoint_note(self):
         """What a stopped run leaves: the last good checkpoint, or that none exists yet."""
@@ -221,7 +230,7 @@ def run(args, given=frozenset()):
     r.t_start = t_start
     open_outputs(r, resumed=ckpt is not None, changed=changed)
     rates = train_loop(r)
-    summary = finish(r, rates, t_start)
+    summary = finish(r, rates)
     r.log.close()
     return summary
 
@@ -245,7 +254,8 @@ def setup(args, given):
         r.best_dev = check_resume(ckpt, cfg, data, args)
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
         check_unfinished(ckpt, args)
-        r.it = r.saved_at = ckpt["iter"]
+        r.it = r.saved_at = r.resumed_at = ckpt["iter"]
+        r.wall_before = ckpt.get("wall_s")  # checkpoints written before this was recorded lack it
     r.ctx = autocast_ctx(args)
     if args.compile:  # regional: each body's repeated unit (and the head) compiles once, whatever the depth
         compile_regions(model)
@@ -484,7 +494,7 @@ def diagnostics(model, spectral):
 
 # ----------------------------------------------------------------------------- the final report
 
-def finish(r, rates, t_start):
+def finish(r, rates):
     """Evaluate the best-dev checkpoint on test (sharded over ranks); rank 0 adds exact match,
     writes summary.json and prints the report. Returns the summary (None on other ranks)."""
     args, data, model = r.args, r.data, r.model
@@ -514,7 +524,9 @@ def finish(r, rates, t_start):
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "tok_per_s_updates": len(rates[-100:]),
                "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
-               "first_update_s": r.first_update_s, "wall_s": time.time() - t_start}
+               "first_update_s": r.first_update_s, "wall_s": r.wall_s(), "resumed_at": r.resumed_at}
+    if r.wall_before is None:  # an older checkpoint: the time before the resume is unknown
+        summary["wall_s_this_process_only"] = True
     if curve is not None:
         summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
     for split in data.meta.get("em_splits", []):

@@ -48,7 +48,7 @@ def save_checkpoints(r, dev, improved):
     args = r.args
     state = {"format": CKPT_FORMAT, "model": clean_state_dict(r.model), "config": r.cfg.to_dict(),
              "data": data_signature(r.data), "iter": r.it, "best_dev": r.best_dev, "dev_nll": dev,
-             "seed": args.seed, "data_seed": args.data_seed, "args": vars(args)}
+             "seed": args.seed, "data_seed": args.data_seed, "args": vars(args), "wall_s": r.wall_s()}
     if improved:
         save_atomic(state, os.path.join(args.out_dir, BEST))
     save_atomic(dict(state, optimizer=to_cpu(r.optimizer.state_dict()), rng=rng_state(r.rng, args.device)),

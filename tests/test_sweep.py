@@ -129,7 +129,14 @@ def test_collect_and_plot(tmp_path):
     sweep.cmd_collect(str(tmp_path / "runs"), str(tmp_path / "res"))
     c = json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s1" / "curves.json").read_text())
     assert c == {"tokens_per_update": 48, "eval": [[2, 4.5]], "train": [[1, 5.0], [2, 4.0]]}
-    assert json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s1" / "summary.json").read_text())["test_nll"] == 3.0
+    got = (tmp_path / "res" / "stdlib" / "tango-K4-s1" / "summary.json").read_text()
+    assert got == (run / "summary.json").read_text()  # no resume recorded in its log: copied as it is
+    # a run resumed by a train.py that did not record resumes in summary.json: collect marks its wall_s
+    log[4]["resumed_at"] = 2
+    (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log) + "\n")
+    sweep.cmd_collect(str(tmp_path / "runs"), str(tmp_path / "res"))
+    got = json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s1" / "summary.json").read_text())
+    assert got == {**json.loads((run / "summary.json").read_text()), "resumed_at": 2, "wall_s_this_process_only": True}
     assert sweep.curves_of(str(run)) == c  # the same curves straight from log.jsonl
     pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
     fake_grid(str(tmp_path / "grid"), TEST, seeds=(1, 2))
@@ -272,6 +279,10 @@ def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
                       "wall time not counted). The 14 runs' own `wall_s` add up to 238 s.\n")
     out.write_text(out.read_text() + "[1/7] a command still running\n")
     assert last() == running
+    p = sorted(tmp_path.glob("stdlib/*/summary.json"))[0]
+    p.write_text(json.dumps({**json.loads(p.read_text()), "resumed_at": 100, "wall_s_this_process_only": True}))
+    assert last() == running.replace("238 s.", "238 s (1 of them resumed without the time before the resume "
+                                               "recorded: their `wall_s` counts the last process only).")
 
 
 def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):

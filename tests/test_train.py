@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -302,6 +303,36 @@ def test_checkpoint_from_before_chunk_and_gau_s_flags_resumes(runs, mdm, data_ro
     args = records(out, "start")[-1]["args"]
     assert (args["chunk"], args["gau_s"]) == (256, 128)
     assert load(out / "ckpt_latest.pt")["config"]["chunk"] == 256
+
+
+def test_resumed_run_wall_time_counts_the_time_before_the_resume(runs, mdm, data_root, tmp_path, capsys):
+    """summary.json's wall_s of a resumed run is the checkpoint's stored training time plus this
+    process's; a checkpoint without it (written before it was stored) gives this process's only,
+    marked as such. A fresh run's summary has resumed_at None and its checkpoint its wall time."""
+    fresh = json.loads((runs["out"]["A"] / "summary.json").read_text())
+    latest = load(runs["out"]["A"] / "ckpt_latest.pt")
+    assert fresh["resumed_at"] is None and "wall_s_this_process_only" not in fresh
+    assert 0 < latest["wall_s"] <= fresh["wall_s"]
+    for stored in (1000.0, None):
+        out = tmp_path / f"out{stored}"
+        shutil.copytree(runs["out"]["A"], out)
+        ck = load(out / "ckpt_latest.pt")
+        if stored is None:
+            del ck["wall_s"]
+        else:
+            ck["wall_s"] = stored
+        torch.save(ck, out / "ckpt_latest.pt")
+        t0 = time.time()
+        code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
+        took = time.time() - t0
+        assert code == 0, err
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["resumed_at"] == 6
+        if stored is None:
+            assert summary["wall_s_this_process_only"] is True and 0 < summary["wall_s"] <= took
+        else:
+            assert "wall_s_this_process_only" not in summary and stored < summary["wall_s"] <= stored + took
+            assert stored < load(out / "ckpt_latest.pt")["wall_s"] <= summary["wall_s"]
 
 
 def test_checkpoint_with_the_removed_kl_fields_resumes(runs, mdm, data_root, tmp_path, capsys):

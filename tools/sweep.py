@@ -177,7 +177,8 @@ def train_flags(extra):
 def cmd_collect(root, to):
     """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
     (curves_of) and args.json (train.py's resolved flags, from the log's last start), small enough
-    to commit, and <root>/sweep-output.txt (the run commands' output)."""
+    to commit, and <root>/sweep-output.txt (the run commands' output). A summary of a resumed run
+    written before train.py recorded resumes gets the log's resumed_at and wall_s_this_process_only."""
     n = 0
     if os.path.exists(os.path.join(root, "sweep-output.txt")):
         os.makedirs(to, exist_ok=True)
@@ -186,10 +187,18 @@ def cmd_collect(root, to):
         run = os.path.dirname(path)
         dest = os.path.join(to, os.path.relpath(run, root))
         os.makedirs(dest, exist_ok=True)
-        shutil.copyfile(path, os.path.join(dest, "summary.json"))
+        start = [r for r in log_records(run) if r.get("event") == "start"]
+        with open(path) as f:
+            summary = json.load(f)
+        if "resumed_at" not in summary and start and start[-1].get("resumed_at"):
+            # trained by a train.py that did not record a resume: its wall_s is the last process's only
+            summary.update(resumed_at=start[-1]["resumed_at"], wall_s_this_process_only=True)
+            with open(os.path.join(dest, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+        else:
+            shutil.copyfile(path, os.path.join(dest, "summary.json"))
         with open(os.path.join(dest, "curves.json"), "w") as f:
             json.dump(curves_of(run), f, separators=(",", ":"))
-        start = [r for r in log_records(run) if r.get("event") == "start"]
         if start:  # train.py's resolved flags, so a committed run's settings can be checked
             with open(os.path.join(dest, "args.json"), "w") as f:
                 json.dump(start[-1]["args"], f, indent=0, sort_keys=True)

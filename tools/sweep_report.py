@@ -304,8 +304,8 @@ def wall_time(root, rows):
     """Lines on the grid's cost when root has the printed output of its `sweep.py run` commands
     (sweep-output.txt, one after another): each finished command's wall time as printed on its last
     line and their sum (seconds; a command stopped before that line is counted as stopped, not
-    timed), the sum of the runs' own wall_s, or that the last command had not finished. [] without
-    that file."""
+    timed), the sum of the runs' own wall_s (and how many of those count their last process only),
+    or that the last command had not finished. [] without that file."""
     path = os.path.join(root, "sweep-output.txt")
     if not os.path.exists(path):
         return []
@@ -315,6 +315,10 @@ def wall_time(root, rows):
     starts = list(re.finditer(r"^\[1/\d+\] ", text, re.M))  # one per command (its first run, started or skipped)
     runs = [r for v in rows.values() for r in v]
     own = f"the {len(runs)} runs' own `wall_s` add up to {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
+    partial = sum(bool(r.get("wall_s_this_process_only")) for r in runs)
+    if partial:
+        own += (f" ({partial} of them resumed without the time before the resume recorded: "
+                "their `wall_s` counts the last process only)")
     if not done or (starts and starts[-1].start() > done[-1].start()):
         return ["", f"**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its "
                     f"wall time when these summaries were collected; {own}."]
