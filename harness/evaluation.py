@@ -135,7 +135,10 @@ def print_report(s, data, args):
             f"K={k}: {v:.4f}" for k, v in zip(s["depth_sweep"]["depths"], s["depth_sweep"]["dev_nll"])))
     if s["first_update_s"] is not None:
         row("first update", f"{s['first_update_s']:.1f} s after start" + (" (compile included)" if args.compile else ""))
-    row("wall time", f"{s['wall_s']:.0f} s")
+    resumed = s.get("resumed_at")
+    row("wall time", f"{s['wall_s']:.0f} s" + ("" if resumed is None else
+        f" (resumed at update {resumed}; " + ("this process only: the checkpoint did not record the time "
+                                              "before)" if s.get("wall_s_this_process_only") else "all processes)")))
 
 
 def print_sample(model, data, args, device, ctx):

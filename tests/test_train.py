@@ -305,7 +305,7 @@ def test_checkpoint_from_before_chunk_and_gau_s_flags_resumes(runs, mdm, data_ro
     assert load(out / "ckpt_latest.pt")["config"]["chunk"] == 256
 
 
-def test_resumed_run_wall_time_counts_the_time_before_the_resume(runs, mdm, data_root, tmp_path, capsys):
+def test_resumed_run_wall_time_counts_the_time_before_the_resume(runs, mdm, data_root, tmp_path):
     """summary.json's wall_s of a resumed run is the checkpoint's stored training time plus this
     process's; a checkpoint without it (written before it was stored) gives this process's only,
     marked as such. A fresh run's summary has resumed_at None and its checkpoint its wall time."""
@@ -323,11 +323,13 @@ def test_resumed_run_wall_time_counts_the_time_before_the_resume(runs, mdm, data
             ck["wall_s"] = stored
         torch.save(ck, out / "ckpt_latest.pt")
         t0 = time.time()
-        code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
+        stdout = main_in_process(flags(mdm, data_root, out, "--resume", "--max_iters", "7"))
         took = time.time() - t0
-        assert code == 0, err
         summary = json.loads((out / "summary.json").read_text())
         assert summary["resumed_at"] == 6
+        printed = next(ln for ln in stdout.splitlines() if ln.startswith("wall time"))
+        assert printed == f"wall time                {summary['wall_s']:.0f} s (resumed at update 6; " + (
+            "this process only: the checkpoint did not record the time before)" if stored is None else "all processes)")
         if stored is None:
             assert summary["wall_s_this_process_only"] is True and 0 < summary["wall_s"] <= took
         else:
