@@ -111,6 +111,25 @@ def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
                              "GAU, FLASH") == "- (fewer than 2 seeds)"
 
 
+def test_depth_claims_use_each_models_own_depths(tmp_path):
+    """K = 16 run for TANGO and Loop Transformer++ only (as the cpu grid does): their rows span
+    4 -> 8 -> 16, Untied Transformer++'s row spans the 4 -> 8 it has and says the paper's span,
+    and "lowest at K = 16" needs all six there, so it is left out."""
+    keep = {key: v for key, v in DEV.items() if key[1] < 16 or key[0] in ("tango", "loop")}
+    fake_grid(str(tmp_path), TEST, keep)
+    text = sweep_report.grid_report(str(tmp_path))
+    c = lambda claim: claims_line(text, claim)
+    # TANGO 3.5 -> 3.4 -> 3.3 falls; Loop 3.6 -> 3.55 -> 3.6 rises at 8 -> 16; Untied 3.7 -> 3.8 rises
+    assert c("TANGO's dev NLL over K = 4 → 8 → 16: falls at each step / rises at some step") == "1 / 0 of 1"
+    assert c("Loop Transformer++'s dev NLL rises at some step over K = 4 → 8 → 16") == "1 of 1"
+    untied = next(ln for ln in text.splitlines() if ln.startswith("| Untied Transformer++'s dev NLL"))
+    assert untied == "| Untied Transformer++'s dev NLL rises at some step over K = 4 → 8 | 3 of 8 (over K = 4 → 8 → 16) | 1 of 1 |"
+    assert "lowest dev NLL at K = 16" not in text
+    only4 = {key: v for key, v in DEV.items() if key[1] == 4}
+    fake_grid(str(tmp_path / "k4"), TEST, only4)
+    assert "dev NLL over K" not in sweep_report.grid_report(str(tmp_path / "k4"))  # one depth: no step
+
+
 def claims_line(text, claim):
     return next(ln for ln in text.splitlines() if ln.startswith(f"| {claim} |")).split(" | ")[-1].rstrip(" |")
 
