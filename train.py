@@ -303,13 +303,14 @@ def make_optimizer(model, args):
 def lr_at(it, args):
     """Learning rate for update it (0-based): linear warmup to the peak (positive from update 0),
     then cosine down to min_lr_ratio * peak at update lr_decay_iters - 1 (default max_iters - 1)
-    and constant after. A function of it alone, so a resumed run continues the same schedule."""
+    and constant after. A schedule no longer than its warmup has no cosine: the floor follows the
+    warmup. A function of it alone, so a resumed run continues the same schedule."""
     peak, warm = args.learning_rate, args.warmup_iters
     total = getattr(args, "lr_decay_iters", None) or args.max_iters
     if it < warm:
         return peak * (it + 1) / (warm + 1)
-    if total <= warm:
-        return peak
+    if total <= warm:  # the decay ended inside the warmup: past it, the floor (as after any decay)
+        return peak * args.min_lr_ratio
     progress = min(1.0, (it - warm) / max(1, total - 1 - warm))
     return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -334,6 +335,10 @@ def open_outputs(r, resumed, changed):
     if resumed:
         log.say(f"resumed from {r.latest_path} at update {r.it} (best dev {r.best_dev:.4f})"
                 + "".join(f"; --{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        if args.lr_decay_iters < args.max_iters:  # e.g. --max_iters raised, the schedule's length kept
+            log.say(f"note: the learning-rate schedule ends at update {args.lr_decay_iters} (--lr_decay_iters); "
+                    f"the updates after it, to --max_iters {args.max_iters}, run at its floor "
+                    f"({args.min_lr_ratio} x --learning_rate); give --lr_decay_iters to lengthen it")
     log.emit(event="start", args=vars(args), config=r.cfg.to_dict(), non_embedding_params=n_params,
              unigram_dev=data_mod.unigram_entropy(r.data, "dev"), resumed_at=r.it, world_size=r.dist.world,
              resume_overrides=changed)

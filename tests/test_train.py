@@ -112,6 +112,11 @@ def test_lr_schedule_edges():
     assert [train.lr_at(i, s) for i in range(6)] == [train.lr_at(i, Sched(warm=2, total=12)) for i in range(6)]
     assert train.lr_at(11, Sched(warm=2, total=12)) == pytest.approx(1e-4)
     assert train.lr_at(50, Sched(warm=2, total=12)) == pytest.approx(1e-4)  # constant after the decay
+    # a schedule no longer than its warmup (a short run resumed with a larger --max_iters): the
+    # floor after the warmup, as after any decay, whether it ends at the warmup or just after it
+    for decay in (5, 10):
+        assert train.lr_at(10, Sched(warm=10, total=20, decay=decay)) == pytest.approx(1e-4)
+    assert [train.lr_at(i, Sched(warm=10, total=20, decay=11)) for i in (10, 11, 15)] == pytest.approx([1e-3, 1e-4, 1e-4])
 
 
 def test_sample_starts_is_data_train_batch(data_root):
@@ -195,6 +200,7 @@ def runs(mdm, data_root, tmp_path_factory):
 def test_resume_equals_uninterrupted_run(runs):
     A, B = runs["out"]["A"], runs["out"]["B"]
     assert "resumed from" in runs["resumed"].stdout and "--max_iters 3 -> 6" in runs["resumed"].stdout
+    assert "note: the learning-rate schedule ends" not in runs["resumed"].stdout  # --lr_decay_iters 6 covers it
     ta, tb = records(A, "train"), records(B, "train")
     assert [r["iter"] for r in tb] == list(range(1, 7))
     for key in ("loss", "lr", "grad_norm"):  # bit-identical (CPU fp32, no compile)
@@ -327,6 +333,8 @@ def test_resumed_run_wall_time_counts_the_time_before_the_resume(runs, mdm, data
         took = time.time() - t0
         summary = json.loads((out / "summary.json").read_text())
         assert summary["resumed_at"] == 6
+        assert ("note: the learning-rate schedule ends at update 6 (--lr_decay_iters); the updates after it, to "
+                "--max_iters 7, run at its floor (0.1 x --learning_rate); give --lr_decay_iters to lengthen it") in stdout
         printed = next(ln for ln in stdout.splitlines() if ln.startswith("wall time"))
         assert printed == f"wall time                {summary['wall_s']:.0f} s (resumed at update 6; " + (
             "this process only: the checkpoint did not record the time before)" if stored is None else "all processes)")
