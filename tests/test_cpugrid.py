@@ -4,6 +4,7 @@
 its plot is the committed PNG; its printed commands are the settings the runs were trained with."""
 import json
 import os
+import re
 import shlex
 import shutil
 
@@ -136,8 +137,30 @@ def test_throughput_report_columns(tmp_path):
         "|---|---:|---:|---:|---:|---:|---:|",
         "| tango | 2,530 | 1,134 | 1,487 | 917 | 0.91 | 0.91 |",
         "| loop | 4,365 | – | 406 | – | 1.00 | – |"]
-    (tmp_path / "bench_K8.json").write_text(json.dumps({"rows": [row("tango", 8, 1, 1, 1), row("loop", 4, 1, 1, 1)]}))
-    with pytest.raises(UsageError, match="bench_K8.json: the rows must be one depth K and one row per model"):
+    # what tools.bench itself can write: a timed-out row (no figures), a run without Loop (no ratio)
+    (tmp_path / "bench_K8.json").write_text(json.dumps({"rows": [
+        {"model": "tango", "depth": 8, "status": "timeout"},
+        {"model": "loop", "depth": 8, "status": "ok", "tokens_per_s": 10.0, "peak_mem_mb": 5.0}]}))
+    (tmp_path / "bench_K8.old.json").write_text("not read: not a bench_K<k>.json name")
+    assert sweep_report.throughput_report(str(tmp_path)).splitlines()[2:] == [
+        "| tango | 2,530 | timeout | 1,487 | timeout | 0.91 | timeout |",
+        "| loop | 4,365 | 10 | 406 | 5 | 1.00 | – |"]
+    for content, message in [
+        ({"rows": [row("tango", 8, 1, 1, 1), row("loop", 4, 1, 1, 1)]},
+         "bench_K8.json: the rows must all be at depth K = 8 (its name) and one per model"),
+        ({"rows": [row("tango", 4, 1, 1, 1)]}, "bench_K8.json: the rows must all be at depth K = 8"),
+        ({"rows": [row("tango", 8, 1, 1, 1), row("tango", 8, 1, 1, 1)]}, "and one per model"),
+        ({"rows": []}, "bench_K8.json: 'rows' must be a non-empty list of tools.bench rows"),
+        ({"rows": [{"depth": 8}]}, "'rows' must be a non-empty list"),
+        ({}, "bench_K8.json: expected a JSON object with the keys rows"),
+        ([1], "expected a JSON object"),
+        ("{", "bench_K8.json: not a readable JSON file"),
+    ]:
+        (tmp_path / "bench_K8.json").write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(UsageError, match=re.escape(message)):
+            sweep_report.throughput_report(str(tmp_path))
+    (tmp_path / "bench_K8.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(UsageError, match="not a readable JSON file"):
         sweep_report.throughput_report(str(tmp_path))
     with pytest.raises(UsageError, match="no bench_K<k>.json"):
         sweep_report.throughput_report(str(tmp_path / "nothing"))

@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -128,6 +129,50 @@ def test_depth_claims_use_each_models_own_depths(tmp_path):
     only4 = {key: v for key, v in DEV.items() if key[1] == 4}
     fake_grid(str(tmp_path / "k4"), TEST, only4)
     assert "dev NLL over K" not in sweep_report.grid_report(str(tmp_path / "k4"))  # one depth: no step
+
+
+def test_report_refuses_what_it_cannot_read_and_writes_nothing(tmp_path, monkeypatch):
+    """Bad inputs of `sweep.py report` are one-line UsageErrors before anything is written: an
+    unreadable or incomplete summary.json, --lr without sweep runs, --out beside --into on the
+    same file or in a missing folder; a run without curves is a row that says so, not a dropped one."""
+    monkeypatch.chdir(tmp_path)
+    fake_grid("g", {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1,), curves=False)
+    budget = sweep_report.budget_report("g")
+    assert "| stdlib | tango | 4 | 1 | - | - (no curves) | - | - | - |" in budget.splitlines()
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- sweep report --root g -->\nold\n<!-- end of sweep report -->\n")
+    before = doc.read_text()
+    for argv, message in [
+        (["report", "--root", "g", "--into", "doc.md", "--out", "doc.md"],
+         "--out doc.md: the same file as --into; --into writes the report into it already"),
+        (["report", "--root", "g", "--into", "doc.md", "--out", "missing/x.md"],
+         "--out missing/x.md: give a file path in an existing folder"),
+        (["report", "--root", "g", "--out", "g"], "--out g: give a file path in an existing folder"),
+        (["report", "--lr", "--root", "g"], "--root g: no learning-rate sweep runs"),
+    ]:
+        with pytest.raises(UsageError) as e:
+            sweep.main(argv)
+        assert str(e.value).startswith(message), str(e.value)
+    assert doc.read_text() == before and not os.path.exists("missing")
+    bad = tmp_path / "g" / "stdlib" / "tango-K4-s1" / "summary.json"
+    for text, message in [("{", "not a readable JSON file (JSONDecodeError"),
+                          ("{}", "expected a JSON object with the keys model, depth, seed"),
+                          ("[1]", "expected a JSON object")]:
+        bad.write_text(text)
+        for argv in (["report", "--root", "g"], ["report", "--grid", "--root", "g"], ["report", "--budget", "--root", "g"]):
+            with pytest.raises(UsageError, match=re.escape(f"{os.path.join('g', 'stdlib', 'tango-K4-s1', 'summary.json')}: {message}")):
+                sweep.main(argv)
+    # a log whose last line was cut short by a kill loses that line only; a bad line before it is an error
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "log.jsonl").write_text('{"event": "train", "iter": 1, "loss": 5.0}\n{"event": "tra')
+    assert sweep_report.log_records(str(run)) == [{"event": "train", "iter": 1, "loss": 5.0}]
+    (run / "log.jsonl").write_text('{"event": "tra\n{"event": "train", "iter": 1, "loss": 5.0}\n')
+    with pytest.raises(UsageError, match=re.escape(f"{run / 'log.jsonl'}: line 1 is not a JSON record")):
+        sweep_report.log_records(str(run))
+    # the markers name the root the same way however it is spelled
+    assert sweep_report.report_markers("g/", True) == sweep_report.report_markers(str(tmp_path / "g"), True) == \
+        sweep_report.report_markers("./g", True) == ("<!-- sweep report --grid --root g -->\n", "<!-- end of grid report -->")
 
 
 def claims_line(text, claim):

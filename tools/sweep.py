@@ -40,7 +40,7 @@ import threading
 import time
 
 from common import UsageError, UsageParser
-from tools.sweep_report import curves_of, log_records
+from tools.sweep_report import curves_of, log_records, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
 _print_lock = threading.Lock()
@@ -188,8 +188,7 @@ def cmd_collect(root, to):
         dest = os.path.join(to, os.path.relpath(run, root))
         os.makedirs(dest, exist_ok=True)
         start = [r for r in log_records(run) if r.get("event") == "start"]
-        with open(path) as f:
-            summary = json.load(f)
+        summary = read_json(path, ("model", "depth", "seed"))
         if "resumed_at" not in summary and start and start[-1].get("resumed_at"):
             # trained by a train.py that did not record a resume: its wall_s is the last process's only
             summary.update(resumed_at=start[-1]["resumed_at"], wall_s_this_process_only=True)
@@ -205,6 +204,17 @@ def cmd_collect(root, to):
         n += 1
     print(f"collected {n} runs from {root} into {to}")
     return 0
+
+
+def check_outputs(out, into):
+    """UsageError before a report writes anything: --out in a folder that does not exist, a folder
+    itself, or the same file as --into (the report alone would replace that document)."""
+    if out is None:
+        return
+    if os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise UsageError(f"--out {out}: give a file path in an existing folder")
+    if into is not None and os.path.exists(into) and os.path.exists(out) and os.path.samefile(out, into):
+        raise UsageError(f"--out {out}: the same file as --into; --into writes the report into it already")
 
 
 def check_run_flags(args, extra):
@@ -292,6 +302,7 @@ def main(argv=None):
         plot(args.root, args.out)
         return 0
     else:
+        check_outputs(args.out, args.into)
         text = (lr_report(args.root) if args.lr else budget_report(args.root) if args.budget
                 else throughput_report(args.root) if throughput
                 else grid_report(args.root) if args.grid else report(args.root))

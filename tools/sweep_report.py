@@ -17,11 +17,22 @@ from common import UsageError, not_a_command
 
 
 def log_records(run):
-    """The JSON records of <run>/log.jsonl (train.py's log), [] when there is none."""
-    if not os.path.exists(os.path.join(run, "log.jsonl")):
+    """The JSON records of <run>/log.jsonl (train.py's log), [] when there is none. A last line cut
+    short (a process killed while writing it) is left out; any other bad line is a UsageError."""
+    path = os.path.join(run, "log.jsonl")
+    if not os.path.exists(path):
         return []
-    with open(os.path.join(run, "log.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    recs = []
+    for i, line in enumerate(lines):
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise UsageError(f"{path}: line {i + 1} is not a JSON record") from None
+    return recs
 
 
 def curves_of(run):
@@ -29,8 +40,7 @@ def curves_of(run):
     [[update, loss], ...]}, from its curves.json (collected) or else from its log.jsonl (a resumed
     run logs redone updates twice; the last record of an update wins)."""
     if os.path.exists(os.path.join(run, "curves.json")):
-        with open(os.path.join(run, "curves.json")) as f:
-            return json.load(f)
+        return read_json(os.path.join(run, "curves.json"), ("tokens_per_update", "eval", "train"))
     recs = log_records(run)
     start = [r for r in recs if r.get("event") == "start"]
     a = start[-1]["args"] if start else {}
@@ -85,8 +95,7 @@ def report(root):
     runs of a cell differ in a setting other than the seed (check_cell)."""
     rows = {}
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
-        with open(path) as f:
-            s = json.load(f)
+        s = read_json(path, ("model", "depth", "seed"))
         s["_dir"] = os.path.dirname(path)
         key = (os.path.basename(os.path.dirname(os.path.dirname(path))), s["model"], s["depth"])
         rows.setdefault(key, []).append(s)
@@ -131,6 +140,8 @@ def lr_report(root):
     out = ["| model | K | peak lr | final train loss | best dev NLL | max state norm | max Abar | "
            "spectral norm (Parcae: diag(Delta) B, RDM: W_1) | status |", "|---|---|---|---|---|---|---|---|---|"]
     runs = sorted(glob.glob(os.path.join(root, "*", "*-lr*")), key=lambda p: (p.split("-K")[0], float(p.split("-lr")[1])))
+    if not any(os.path.isdir(d) for d in runs):
+        raise UsageError(f"--root {root}: no learning-rate sweep runs (<root>/<dataset>/<run>-lr<LR>/, sweep.py run --lrs)")
     for d in runs:
         if not os.path.isdir(d):
             continue
@@ -158,6 +169,19 @@ PAPER_MODELS = ("tango", "tango-windowed", "loop", "untied", "gau", "flash")  # 
 HELD_OUT = (4, 8)  # depths with test NLL; every other depth is compared on dev NLL only (paper)
 
 
+def read_json(path, keys=()):
+    """The JSON object in the file at path; UsageError naming the file when it cannot be read, is
+    not a JSON object, or lacks one of keys."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise UsageError(f"{path}: not a readable JSON file ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict) or any(k not in obj for k in keys):
+        raise UsageError(f"{path}: expected a JSON object with the keys {', '.join(keys)}")
+    return obj
+
+
 def load_runs(root):
     """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
     (learning-rate sweep runs, named ...-lr<LR>, are left out). ValueError for a repeated seed;
@@ -166,8 +190,7 @@ def load_runs(root):
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         if "-lr" in os.path.basename(os.path.dirname(path)):
             continue
-        with open(path) as f:
-            s = json.load(f)
+        s = read_json(path, ("model", "depth", "seed"))
         s["_dir"] = os.path.dirname(path)
         rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
     for key, v in rows.items():
@@ -258,7 +281,8 @@ def budget_report(root):
     for ds, m, k in sorted(rows, key=lambda key: (key[0], key[2], models.index(key[1]))):
         for s in rows[ds, m, k]:
             evals = curves_of(s["_dir"])["eval"]
-            if not evals:
+            if not evals:  # no curves.json and no log.jsonl: say so rather than drop the run
+                out.append(f"| {ds} | {m} | {k} | {s['seed']} | - | - (no curves) | - | - | - |")
                 continue
             last_it, last = evals[-1]
             q_it, q = next((it, v) for it, v in evals if it >= 0.75 * last_it)
@@ -474,34 +498,52 @@ def plot(root, out):
 
 def throughput_report(root):
     """Markdown: the training throughput that tools.bench measured at the grid's shapes, one column
-    pair per depth: tokens/s, the step's peak memory (MB) and MFU over Loop Transformer++'s, from
-    <root>/bench_K<k>.json (tools.bench --json). UsageError when there is none, or when a file's rows
-    are not one depth or not one row per model."""
-    paths = glob.glob(os.path.join(root, "bench_K*.json"))
+    per depth of each: tokens/s, the step's peak memory (MB) and MFU over Loop Transformer++'s,
+    from <root>/bench_K<k>.json (tools.bench --json). A row whose status is not ok shows its status
+    (timeout, error), a missing figure (no Loop Transformer++ row: no MFU ratio) a dash. UsageError
+    when there is no such file, or one is unreadable or its rows are not K = k, one per model."""
+    paths = sorted(p for p in glob.glob(os.path.join(root, "bench_K*.json"))
+                   if re.fullmatch(r"bench_K[1-9][0-9]*\.json", os.path.basename(p)))
     if not paths:
         raise UsageError(f"--root {root}: no bench_K<k>.json (python -m tools.bench --json ...)")
     by_depth = {}
     for path in paths:
-        with open(path) as f:
-            rows = json.load(f)["rows"]
-        depths, models = {r["depth"] for r in rows}, [r["model"] for r in rows]
-        if len(depths) != 1 or len(set(models)) != len(models):
-            raise UsageError(f"{path}: the rows must be one depth K and one row per model")
-        by_depth[depths.pop()] = {r["model"]: r for r in rows}
+        k = int(os.path.basename(path)[len("bench_K"):-len(".json")])
+        rows = read_json(path, ("rows",))["rows"]
+        if not isinstance(rows, list) or not rows or not all(
+                isinstance(r, dict) and isinstance(r.get("model"), str) and "depth" in r for r in rows):
+            raise UsageError(f"{path}: 'rows' must be a non-empty list of tools.bench rows (model, depth, ...)")
+        models = [r["model"] for r in rows]
+        if {r["depth"] for r in rows} != {k} or len(set(models)) != len(models):
+            raise UsageError(f"{path}: the rows must all be at depth K = {k} (its name) and one per model")
+        by_depth[k] = {r["model"]: r for r in rows}
     ks = sorted(by_depth)
     models = _order(set().union(*by_depth.values()))
     cols = [("tokens/s", "tokens_per_s", ",.0f"), ("peak MB", "peak_mem_mb", ",.0f"),
             ("MFU / Loop T++", "mfu_vs_ref", ".2f")]
+
+    def cell(row, key, fmt):
+        if row is None:
+            return "–"  # not benchmarked at this depth
+        if row.get("status", "ok") != "ok":
+            return str(row["status"]).split(":")[0]  # timeout, error: no figure
+        value = row.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else "–"
     out = ["| model | " + " | ".join(f"{name} K={k}" for name, _, _ in cols for k in ks) + " |",
            "|---|" + "---:|" * (len(cols) * len(ks))]
     for m in models:
-        cells = [format(by_depth[k][m][key], fmt) if m in by_depth[k] else "–" for _, key, fmt in cols for k in ks]
-        out.append(f"| {m} | " + " | ".join(cells) + " |")
+        out.append(f"| {m} | " + " | ".join(cell(by_depth[k].get(m), key, fmt) for _, key, fmt in cols for k in ks)
+                   + " |")
     return "\n".join(out) + "\n"
 
 
 def report_markers(root, grid, budget=False, throughput=False):
-    """(begin, end): the lines around a report block of --root root in a markdown file."""
+    """(begin, end): the lines around a report block of --root root in a markdown file (root as a
+    path relative to the working folder when it lies inside it: results/x/, ./results/x and its
+    absolute path all name results/x)."""
+    root = os.path.normpath(root)
+    rel = os.path.relpath(os.path.abspath(root))
+    root = rel if not rel.startswith("..") else root
     if throughput:
         return f"<!-- sweep report --throughput --root {root} -->\n", "<!-- end of throughput report -->"
     if budget:
