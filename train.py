@@ -557,7 +557,7 @@ def eval_only(args, given):
         raise UsageError("--eval_only: runs in one process; start it with python, not torchrun")
     best, changed = eval_only_args(args, given)
     check_model_flags(args.model, given)
-    args = resolve_args(args, dist)
+    args = resolve_args(args, dist, reads_out_dir=True)  # a read-only --out_dir is fine
     data = load_data(args, dist)
     cfg, _ = model_config(args, data.vocab_size)
     path = os.path.join(args.out_dir, BEST)

@@ -62,9 +62,10 @@ def tier_default(flag):
     return "default: " + " / ".join(f"{tier} {d[flag]:g}" for tier, d in TIER_DEFAULTS.items())
 
 
-def resolve_args(args, dist=None):
+def resolve_args(args, dist=None, reads_out_dir=False):
     """Fill the defaults that depend on the tier, the device or other flags, and validate every
-    flag. Returns args; UsageError on bad input."""
+    flag. reads_out_dir: the command only reads --out_dir (train.py --eval_only), so it need not be
+    writable. Returns args; UsageError on bad input."""
     dist = dist or Dist()
     if args.model not in REGISTRY:
         raise UsageError(f"--model: unknown model '{args.model}'; choose one of {', '.join(REGISTRY)}")
@@ -88,7 +89,7 @@ def resolve_args(args, dist=None):
         bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
         args.dtype = "bfloat16" if bf16 else "float32"
     check_values(args, dist)
-    check_paths(args)
+    check_paths(args, ("data_root",) if reads_out_dir else ("out_dir", "data_root"))
     check_model(args)
     return args
 
@@ -149,9 +150,10 @@ def resolve_device(args, dist):
             raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
 
 
-def check_paths(args):
-    """out_dir and data_root must be folders, or creatable ones: UsageError otherwise."""
-    for flag in ("out_dir", "data_root"):
+def check_paths(args, flags=("out_dir", "data_root")):
+    """The folders of flags (out_dir, data_root) must be folders, or creatable ones: UsageError
+    otherwise."""
+    for flag in flags:
         path = os.path.abspath(getattr(args, flag))
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"--{flag} {path}: exists and is not a folder")

@@ -267,14 +267,14 @@ def test_eval_only_prints_the_training_runs_numbers_and_writes_nothing(mdm_flags
     expected = report_numbers(trained)
     assert len(expected) == 6 + bool(extra)  # params, unigram, dev, test, exact match of 2 splits (+ sweep)
     best_line = [line for line in trained.splitlines() if line.endswith("(best)")][-1]  # "update N: dev NLL x (best)"
-    before = files(out)
+    before, folder = files(out), os.stat(out).st_mtime_ns  # the folder's time: nothing made in it, even briefly
     evaluated = train_main(["--eval_only", "--out_dir", out, "--data_root", mdm_flags[-1], *override])
     assert report_numbers(evaluated) == expected  # (the NLL does not depend on the evaluation batch size)
     upd, dev = re.fullmatch(r"update (\d+): dev NLL (\S+) \(best\)", best_line).groups()
     assert f"{f'dev NLL (best, upd {upd})':<25}{dev} nats/token" in evaluated.splitlines()
     assert f"evaluating {out / 'ckpt_best.pt'} (update {upd};" in evaluated
     assert ("; --eval_batch_size 2 -> 3\n" in evaluated) == bool(override)
-    assert "throughput" not in evaluated and files(out) == before
+    assert "throughput" not in evaluated and files(out) == before and os.stat(out).st_mtime_ns == folder
 
 
 def test_eval_only_bad_input(ckpts, mdm_flags, tmp_path, capsys, monkeypatch):
