@@ -337,7 +337,9 @@ def test_lr_schedule():
     assert all(train.lr_at(i, A) >= train.lr_at(i + 1, A) for i in range(10, 99))
     A.warmup_iters = 100  # warmup as long as the run: no division by zero, still positive
     assert 0 < train.lr_at(99, A) <= 1e-3
-    A.max_iters = A.warmup_iters = 0
+    A.max_iters = A.warmup_iters = 0  # no warmup and a schedule of no length: past it, the floor
+    assert train.lr_at(0, A) == pytest.approx(1e-4)
+    A.max_iters, A.warmup_iters = 1, 0  # one update, no warmup: the peak
     assert train.lr_at(0, A) == 1e-3
 
 
