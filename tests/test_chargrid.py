@@ -55,7 +55,7 @@ def sweep_options(argv):
 def test_chargrid_tables_claims_and_wall_time_are_the_committed_summaries_byte_for_byte(monkeypatch):
     monkeypatch.chdir(HERE)
     doc = readme()
-    begin, end = sweep_report.report_markers(ROOT, grid=True)
+    begin, end = sweep_report.report_markers(ROOT, "grid")
     i = doc.index(begin) + len(begin)
     block = doc[i:doc.index(end, i)]
     assert block == sweep_report.grid_report(ROOT)

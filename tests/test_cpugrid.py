@@ -47,8 +47,8 @@ def sweep_commands():
 def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     monkeypatch.chdir(HERE)
     doc = readme()
-    assert block(doc, sweep_report.report_markers(ROOT, False, budget=True)) == sweep_report.budget_report(ROOT)
-    assert block(doc, sweep_report.report_markers(ROOT, True)) == sweep_report.grid_report(ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "budget")) == sweep_report.budget_report(ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "grid")) == sweep_report.grid_report(ROOT)
     rows = sweep_report.load_runs(ROOT)
     assert rows and {k[0] for k in rows} == {"stdlib"}
     assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
@@ -171,7 +171,7 @@ def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
     at the width the grid's runs trained (same non-embedding parameters)."""
     monkeypatch.chdir(HERE)
     bench = {k: bench_rows(ROOT, k) for k in (4, 8)}
-    assert block(readme(), sweep_report.report_markers(ROOT, False, throughput=True)) == \
+    assert block(readme(), sweep_report.report_markers(ROOT, "throughput")) == \
         sweep_report.throughput_report(ROOT)
     runs = sweep_report.load_runs(ROOT)
     for k, rows in bench.items():

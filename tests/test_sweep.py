@@ -3,6 +3,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -162,6 +163,19 @@ def test_report_refuses_what_it_cannot_read_and_writes_nothing(tmp_path, monkeyp
         for argv in (["report", "--root", "g"], ["report", "--grid", "--root", "g"], ["report", "--budget", "--root", "g"]):
             with pytest.raises(UsageError, match=re.escape(f"{os.path.join('g', 'stdlib', 'tango-K4-s1', 'summary.json')}: {message}")):
                 sweep.main(argv)
+    bad.write_text(json.dumps(dict(model="tango", depth=4, seed=1, test_nll=3.0, dev_nll=3.1, non_embedding_params=1004,
+                                   unigram_dev=5.0, test_split="test")))
+    copy = tmp_path / "g" / "stdlib" / "tango-K4-s1-copy"
+    shutil.copytree(bad.parent, copy)  # the same seed twice in one cell: the mean would count it twice
+    for argv in (["report", "--root", "g"], ["report", "--grid", "--root", "g"], ["report", "--budget", "--root", "g"]):
+        with pytest.raises(UsageError, match=re.escape(f"{bad.parent.relative_to(tmp_path)} and "
+                                                       f"{copy.relative_to(tmp_path)} are both tango at K = 4, seed 1")):
+            sweep.main(argv)
+    shutil.rmtree(copy)
+    lr_only = tmp_path / "lr" / "stdlib" / "tango-K4-lr0.001"
+    shutil.copytree(bad.parent, lr_only)
+    with pytest.raises(UsageError, match="--root lr: only learning-rate sweep runs"):
+        sweep.main(["report", "--root", "lr"])
     # a log whose last line was cut short by a kill loses that line only; a bad line before it is an error
     run = tmp_path / "r"
     run.mkdir()
@@ -171,8 +185,14 @@ def test_report_refuses_what_it_cannot_read_and_writes_nothing(tmp_path, monkeyp
     with pytest.raises(UsageError, match=re.escape(f"{run / 'log.jsonl'}: line 1 is not a JSON record")):
         sweep_report.log_records(str(run))
     # the markers name the root the same way however it is spelled
-    assert sweep_report.report_markers("g/", True) == sweep_report.report_markers(str(tmp_path / "g"), True) == \
-        sweep_report.report_markers("./g", True) == ("<!-- sweep report --grid --root g -->\n", "<!-- end of grid report -->")
+    assert sweep_report.report_markers("g/", "grid") == sweep_report.report_markers(str(tmp_path / "g"), "grid") == \
+        sweep_report.report_markers("./g", "grid") == ("<!-- sweep report --grid --root g -->\n", "<!-- end of grid report -->")
+    assert [sweep_report.report_markers("g", m) for m in ("runs", "budget", "throughput")] == [
+        ("<!-- sweep report --root g -->\n", "<!-- end of sweep report -->"),
+        ("<!-- sweep report --budget --root g -->\n", "<!-- end of budget report -->"),
+        ("<!-- sweep report --throughput --root g -->\n", "<!-- end of throughput report -->")]
+    with pytest.raises(ValueError, match="mode 'lr' has no markers"):
+        sweep_report.report_markers("g", "lr")
 
 
 def claims_line(text, claim):
@@ -367,7 +387,7 @@ def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
                                                         "put the two marker lines where the report goes"),
         (["report", "--grid", "--root", "g", "--into", "nope.md"], "--into nope.md: no such file"),
         (["report", "--lr", "--root", "g", "--into", "doc.md"], "--into: not with --lr"),
-        (["report", "--grid", "--budget", "--root", "g"], "report: one of --lr, --grid, --budget, --throughput at a time"),
+        (["report", "--grid", "--budget", "--root", "g"], "argument --budget: not allowed with argument --grid"),
         (["report", "--throughput", "--root", "g"], "--root g: no bench_K<k>.json"),
     ]:
         with pytest.raises(UsageError) as e:

@@ -276,22 +276,25 @@ def main(argv=None):
     q = sub.add_parser("report", help="markdown tables of the runs (--grid: the paper's tables and claims)")
     q.add_argument("--root", required=True, help="the runs' folder (run or collected)")
     q.add_argument("--out", default=None, help="also write the report to this file")
-    q.add_argument("--lr", action="store_true", help="the learning-rate sweep table instead")
-    q.add_argument("--grid", action="store_true", help="the paper-style tables and claims instead")
-    q.add_argument("--budget", action="store_true", help="each run's last-quarter improvement of dev NLL instead")
-    q.add_argument("--throughput", action="store_true",
-                   help="the tools.bench throughput of <root>/bench_K<k>.json, one column per K, instead")
+    mode = q.add_mutually_exclusive_group()  # one report at a time; none: the per-run summary table
+    mode.add_argument("--lr", dest="mode", action="store_const", const="lr",
+                      help="the learning-rate sweep table instead")
+    mode.add_argument("--grid", dest="mode", action="store_const", const="grid",
+                      help="the paper-style tables and claims instead")
+    mode.add_argument("--budget", dest="mode", action="store_const", const="budget",
+                      help="each run's last-quarter improvement of dev NLL instead")
+    mode.add_argument("--throughput", dest="mode", action="store_const", const="throughput",
+                      help="the tools.bench throughput of <root>/bench_K<k>.json, one column per K, instead")
+    q.set_defaults(mode="runs")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
                    "its markers, see sweep_report.report_markers) is replaced by the report")
     args = p.parse_args(argv)
     if args.cmd == "run":
         check_run_flags(args, extra)
         return cmd_run(args, extra)
-    if args.cmd == "report" and args.into and args.lr:
+    if args.cmd == "report" and args.into and args.mode == "lr":
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
-    if args.cmd == "report" and sum((args.lr, args.grid, args.budget, args.throughput)) > 1:
-        raise UsageError("report: one of --lr, --grid, --budget, --throughput at a time")
-    throughput = args.cmd == "report" and args.throughput  # reads the bench JSONs, not the runs
+    throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
     if not throughput and not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
@@ -303,11 +306,11 @@ def main(argv=None):
         return 0
     else:
         check_outputs(args.out, args.into)
-        text = (lr_report(args.root) if args.lr else budget_report(args.root) if args.budget
-                else throughput_report(args.root) if throughput
-                else grid_report(args.root) if args.grid else report(args.root))
+        reports = {"runs": report, "lr": lr_report, "grid": grid_report, "budget": budget_report,
+                   "throughput": throughput_report}
+        text = reports[args.mode](args.root)
         if args.into:
-            replace_between_markers(args.into, report_markers(args.root, args.grid, args.budget, throughput), text)
+            replace_between_markers(args.into, report_markers(args.root, args.mode), text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)

@@ -91,16 +91,12 @@ def check_cell(key, runs):
 
 
 def report(root):
-    """Markdown tables (one per dataset) from every summary.json under root. UsageError when the
-    runs of a cell differ in a setting other than the seed (check_cell)."""
-    rows = {}
-    for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
-        s = read_json(path, ("model", "depth", "seed"))
-        s["_dir"] = os.path.dirname(path)
-        key = (os.path.basename(os.path.dirname(os.path.dirname(path))), s["model"], s["depth"])
-        rows.setdefault(key, []).append(s)
-    for key, runs in rows.items():
-        check_cell(key, runs)
+    """Markdown tables (one per dataset) of the runs of load_runs(root): mean ± spread over seeds per
+    (model, K), the lowest NLL at each K in bold. UsageError when root holds only learning-rate
+    sweep runs (their table is lr_report), and as load_runs."""
+    rows = load_runs(root)
+    if not rows:
+        raise UsageError(f"--root {root}: only learning-rate sweep runs (<run>-lr<LR>/); their table is report --lr")
     out = []
     for ds in sorted({k[0] for k in rows}):
         keys = sorted((k for k in rows if k[0] == ds), key=lambda k: (k[2], k[1]))
@@ -184,8 +180,9 @@ def read_json(path, keys=()):
 
 def load_runs(root):
     """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
-    (learning-rate sweep runs, named ...-lr<LR>, are left out). ValueError for a repeated seed;
-    UsageError when the runs of a cell differ in a setting other than the seed (check_cell)."""
+    (learning-rate sweep runs, named ...-lr<LR>, are left out; each summary gets "_dir", its run's
+    folder). UsageError naming the folders for two runs of a cell with the same seed, and when the
+    runs of a cell differ in a setting other than the seed (check_cell)."""
     rows = {}
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         if "-lr" in os.path.basename(os.path.dirname(path)):
@@ -195,8 +192,11 @@ def load_runs(root):
         rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
     for key, v in rows.items():
         v.sort(key=lambda s: s["seed"])
-        if len({s["seed"] for s in v}) != len(v):
-            raise ValueError(f"{root}: {key} has two runs with the same seed")
+        for a, b in zip(v, v[1:]):
+            if a["seed"] == b["seed"]:
+                first, second = sorted((a["_dir"], b["_dir"]))
+                raise UsageError(f"--root {root}: {first} and {second} are both {key[1]} at K = {key[2]}, "
+                                 f"seed {a['seed']}; keep one")
         check_cell(key, v)
     return rows
 
@@ -537,20 +537,19 @@ def throughput_report(root):
     return "\n".join(out) + "\n"
 
 
-def report_markers(root, grid, budget=False, throughput=False):
-    """(begin, end): the lines around a report block of --root root in a markdown file (root as a
-    path relative to the working folder when it lies inside it: results/x/, ./results/x and its
-    absolute path all name results/x)."""
+def report_markers(root, mode):
+    """(begin, end): the lines around a report block of --root root in a markdown file; mode is one of
+    "runs" (the per-run table), "grid", "budget", "throughput" (the --lr table has no markers; ValueError
+    for it and for any other mode). root is written as a path relative to the working folder when it
+    lies inside it: results/x/, ./results/x and its absolute path all name results/x."""
+    ends = {"runs": "sweep", "grid": "grid", "budget": "budget", "throughput": "throughput"}
+    if mode not in ends:
+        raise ValueError(f"report_markers: mode {mode!r} has no markers; one of {', '.join(ends)}")
     root = os.path.normpath(root)
     rel = os.path.relpath(os.path.abspath(root))
     root = rel if not rel.startswith("..") else root
-    if throughput:
-        return f"<!-- sweep report --throughput --root {root} -->\n", "<!-- end of throughput report -->"
-    if budget:
-        return f"<!-- sweep report --budget --root {root} -->\n", "<!-- end of budget report -->"
-    if grid:
-        return f"<!-- sweep report --grid --root {root} -->\n", "<!-- end of grid report -->"
-    return f"<!-- sweep report --root {root} -->\n", "<!-- end of sweep report -->"
+    flag = "" if mode == "runs" else f"--{mode} "
+    return f"<!-- sweep report {flag}--root {root} -->\n", f"<!-- end of {ends[mode]} report -->"
 
 
 def replace_between_markers(path, markers, text):
