@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, UsageParser
 from harness.datacheck import check_data, data_signature
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -132,11 +132,6 @@ def train_router(base, router, data, T, max_iters=200, batch_size=8, lr=1e-3, la
 
 # =============================================================================== command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (no usage block)
-        raise UsageError(message)
-
-
 def _common(p):
     p.add_argument("--base", required=True, help="a train.py checkpoint of an untied or loop Transformer++")
     p.add_argument("--data_root", default=None, help="where its dataset is prepared (default: the checkpoint's)")
@@ -158,7 +153,7 @@ def _common(p):
 
 def parse(argv):
     sweep = argv[:1] == ["sweep"]
-    p = _Parser(prog="-m studies.reflux_cli" + (" sweep" if sweep else ""),
+    p = UsageParser(prog="-m studies.reflux_cli" + (" sweep" if sweep else ""),
                 description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.")
     _common(p)
     if sweep:
