@@ -43,6 +43,21 @@ class ExitParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def run_command(main):
+    """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
+    the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
+    BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE")."""
+    import os
+    import sys
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail too
+        code = 1
+    sys.exit(code)
+
+
 def not_a_command(module, use):
     """What a companion module run directly does (python text_data.py, ...): one line on stderr
     naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""

@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 import torch
 
-from common import UsageError, UsageParser
+from common import UsageError, UsageParser, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, _download_gpt2, _fingerprint, _try, _walk, bin_dtype,
@@ -334,4 +334,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -45,7 +45,7 @@ import math
 import sys
 
 import models
-from common import VOCAB_MULTIPLE, ExitParser, ModelConfig, UsageError
+from common import VOCAB_MULTIPLE, ExitParser, ModelConfig, UsageError, run_command
 from tango_kernels import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -409,4 +409,4 @@ def parcae_train_flops(cfg: ModelConfig, tokens: float, T=None) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

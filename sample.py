@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from common import ModelConfig, UsageError, UsageParser, check_sampling
+from common import ModelConfig, UsageError, UsageParser, check_sampling, run_command
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
@@ -183,4 +183,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -51,7 +51,7 @@ import data as data_mod
 from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, check_unfinished, eval_only_args,
                         load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
                         strip_prefixes)
-from common import ModelConfig, UsageError, UsageParser, compile_regions
+from common import ModelConfig, UsageError, UsageParser, compile_regions, run_command
 from harness.config import Dist, DebugDump, Log, autocast_ctx, check_model_flags, resolve_args, tier_default
 from harness.datacheck import load_data
 from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
@@ -603,4 +603,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import ModelConfig, UsageError, UsageParser
+from common import ModelConfig, UsageError, UsageParser, run_command
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -446,4 +446,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

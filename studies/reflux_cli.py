@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint
-from common import ModelConfig, UsageError, UsageParser
+from common import ModelConfig, UsageError, UsageParser, run_command
 from harness.datacheck import check_data, data_signature
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -369,4 +369,4 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
-    cli()
+    run_command(cli)

@@ -211,6 +211,26 @@ def test_the_nanogpt_command_line_in_a_real_process(ckpts):
     assert len(parts) == 4 and parts[3] == "" and all(s.startswith("What ") and len(s) == 205 for s in parts[:3])
 
 
+def closed_pipe(argv):
+    """Run a command whose stdout pipe is closed before it writes (python CMD | head, once head has
+    quit): (exit code, stderr)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=REPO)
+    p.stdout.close()
+    err = p.stderr.read()
+    return p.wait(timeout=120), err
+
+
+def test_a_closed_pipe_ends_every_command_quietly(ckpts):
+    """(sample.py | head printed a BrokenPipeError traceback.)"""
+    for argv in (["sample.py", "--out_dir", str(ckpts["loop"]), "--num_samples", "2", "--max_new_tokens", "8"],
+                 ["flops.py", "--size", "cpu", "--depth", "4"],
+                 ["-m", "tools.sweep", "report", "--root", "results/cpugrid"]):
+        code, err = closed_pipe(argv)
+        assert (code, "Traceback" in err) == (1, False), (argv, err)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 BAD = [  # (flags, the one-line error's start)

@@ -95,7 +95,7 @@ import torch
 
 import flops
 import models
-from common import ExitParser, ModelConfig, UsageError, compile_regions
+from common import ExitParser, ModelConfig, UsageError, compile_regions, run_command
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
 
@@ -566,7 +566,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        run_command(main)
     except UsageError as e:  # one line, exit code 2 like every other bad input (sys.exit(str) exits 1)
         print(f"bench.py: error: {e}", file=sys.stderr)
         sys.exit(2)

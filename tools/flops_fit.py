@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from common import ExitParser, ModelConfig, UsageError
+from common import ExitParser, ModelConfig, UsageError, run_command
 from flops import RECURRENT_MODELS, unrolled_params
 
 
@@ -274,4 +274,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 
-from common import UsageError, UsageParser
+from common import UsageError, UsageParser, run_command
 from tools.sweep_report import curves_of, log_records, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
@@ -319,7 +319,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        run_command(main)
     except UsageError as e:  # bad flags, an empty root, no GPT-2 vocabulary while preparing data
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
