@@ -274,19 +274,24 @@ def check_compatible(ck, path, cfg, data):
 
 
 def load_weights(ck, path, model):
-    """Load a checkpoint's weights into model; UsageError if its tensors do not fit."""
+    """Load a checkpoint's weights into model; UsageError if its tensors do not fit or are not all
+    finite (a damaged file: train.py stops at a non-finite dev NLL before saving)."""
     try:
         model.load_state_dict(strip_prefixes(ck["model"]))
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise UsageError(f"{path}: does not fit this model ({why})") from None
+    bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise UsageError(f"{path}: non-finite weights ({bad[0]}{more}); the file is damaged")
 
 
 def restore(ck, path, model, optimizer, rng, device):
     """Load the training state of a checkpoint (weights, optimizer, RNG states); UsageError if its
-    tensors do not fit."""
+    tensors do not fit or its weights are not finite."""
+    load_weights(ck, path, model)
     try:
-        model.load_state_dict(strip_prefixes(ck["model"]))
         optimizer.load_state_dict(ck["optimizer"])  # moves the state to the parameters' device
         random.setstate(_tuplify(ck["rng"]["python"]))
         rng.bit_generator.state = ck["rng"]["numpy"]

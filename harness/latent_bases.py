@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-from harness.checkpoint import load_checkpoint
+from harness.checkpoint import load_checkpoint, load_weights
 from common import LM, ModelConfig, UsageError
 from harness.tasks import CharTokenizer, Tokenizer
 
@@ -147,7 +147,7 @@ def load_base(path):
         raise UsageError(f"--base {path}: not a readable checkpoint ({type(e).__name__})") from None
     from models import build_model
     model = build_model(cfg)
-    model.load_state_dict(ck["model"])
+    load_weights(ck, f"--base {path}", model)
     info = ck.get("data", {})
     if info.get("tokenizer") in ("char", "task"):
         if "itos" not in info:

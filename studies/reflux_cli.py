@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import data as data_mod
-from harness.checkpoint import load_checkpoint
+from harness.checkpoint import load_checkpoint, load_weights
 from common import ModelConfig, UsageError, UsageParser, run_command
 from harness.datacheck import check_data, data_signature
 from harness.evaluation import eval_mode, evaluate
@@ -43,10 +43,7 @@ def load(path, data_root=None):
                          "trained on is unknown); ReFlux evaluates a train.py run's ckpt_best.pt")
     from models import build_model
     base = build_model(cfg)
-    try:
-        base.load_state_dict(ck["model"])
-    except RuntimeError as e:
-        raise UsageError(f"--base {path}: weights do not fit its config ({str(e).splitlines()[0][:200]})") from None
+    load_weights(ck, f"--base {path}", base)
     base.eval()
     p = argparse.ArgumentParser()
     data_mod.add_arguments(p.add_argument)

@@ -413,25 +413,47 @@ def test_latent_table_and_adam_state_stay_float32(dtype):
     assert (llm.Z.detach() != z1).float().mean().item() > 0.99
 
 
-def test_latent_tokens_nonfinite_loss_exits_1(tmp_path, capsys):
-    """A base whose forward gives NaN: the run stops with one line and exit code 1 (it went on and
-    exited 0 with 0 % accuracy)."""
+def task_base(tmp_path, name, fill):
+    """A tiny loop Transformer++ checkpoint on the task vocabulary whose body matrices are `fill`."""
     cfg = ModelConfig(model="loop", vocab_size=len(tasks.TASK_VOCAB), block_size=64, n_embd=32, n_head=1, depth=1,
                       width=64)
-    model = build_model(cfg)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    state["norm_f.weight"].fill_(float("nan"))
+    state = {k: v.clone() for k, v in build_model(cfg).state_dict().items()}
+    for k, v in state.items():
+        if k.startswith("body.") and v.dim() == 2:
+            v.fill_(fill)
     torch.save({"model": state, "config": cfg.to_dict(),
                 "data": {"tokenizer": "task", "vocab_size": len(tasks.TASK_VOCAB), "itos": tasks.TASK_VOCAB}},
-               tmp_path / "nan.pt")
+               tmp_path / name)
+    return str(tmp_path / name)
+
+
+def latent_run(base, capsys):
+    """A tiny latent-token run on the base checkpoint at path base; returns (exit code, stderr)."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        latent_experiments.main(["--base", str(tmp_path / "nan.pt"), "--task", "summation", "--policy", "Comma_2",
-                 "--n_train", "8", "--epochs", "1", "--n_test", "2"])
-    err = capsys.readouterr().err
-    assert e.value.code == 1
+        latent_experiments.main(["--base", base, "--task", "summation", "--policy", "Comma_2",
+                                 "--n_train", "8", "--epochs", "1", "--n_test", "2"])
+    return e.value.code, capsys.readouterr().err
+
+
+def test_latent_tokens_nonfinite_loss_exits_1(tmp_path, capsys):
+    """A base whose forward overflows (finite weights of 1e30, so the residual stream reaches inf
+    and the loss NaN): the run stops with one line and exit code 1 (it went on and exited 0 with
+    0 % accuracy)."""
+    code, err = latent_run(task_base(tmp_path, "huge.pt", 1e30), capsys)
+    assert code == 1
     assert re.fullmatch(r"error: non-finite loss \(nan\) or gradient norm \(nan\) at step 1 \(epoch 1\); stopped\n",
                         err), err
+
+
+def test_a_base_with_nan_weights_is_a_damaged_file(tmp_path, capsys):
+    """NaN in a checkpoint's weights is refused at load (one line naming the file and a tensor,
+    exit 2): train.py stops at a non-finite dev NLL before it saves, so such a file is damaged."""
+    base = task_base(tmp_path, "nan.pt", float("nan"))
+    code, err = latent_run(base, capsys)
+    assert code == 2
+    assert err == (f"error: --base {base}: non-finite weights (body.blocks.0.attn.qkv.weight and 3 more); "
+                   "the file is damaged\n"), err
 
 
 # ============================================================================ 5. scaling-law fits

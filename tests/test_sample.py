@@ -338,3 +338,28 @@ def test_eval_only_and_resume_read_the_runs_prepared_data_without_data_root(ckpt
     args = train.parse_args(["--out_dir", "x"])
     merge_resume_args(args, set(), {"data_root": str(tmp_path / "gone"), "depth": 3})
     assert args.data_root == "data" and args.depth == 3  # a root that is not here: the default stays
+
+
+# ----------------------------------------------------------------------------- flags against the checkpoint
+
+def eval_only_call(argv, capsys):
+    """train.main(--eval_only ...) in this process; returns (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        train.main(["--eval_only", *[str(a) for a in argv]])
+    except SystemExit as e:
+        got = capsys.readouterr()
+        return e.code, got.out, got.err
+    got = capsys.readouterr()
+    return 0, got.out, got.err
+
+
+def test_nan_weights_are_a_damaged_file_for_sample_and_eval_only(ckpts, tmp_path, capsys):
+    """(sample.py ended in a traceback; --eval_only printed dev NLL nan and exited 0.)"""
+    ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
+    ck["model"]["norm_f.weight"][0] = float("nan")
+    torch.save(ck, tmp_path / "ckpt_best.pt")
+    message = f"error: {tmp_path / 'ckpt_best.pt'}: non-finite weights (norm_f.weight); the file is damaged\n"
+    assert call_main(["--out_dir", tmp_path], capsys) == (2, "", message)
+    code, out, err = eval_only_call(["--out_dir", tmp_path], capsys)
+    assert (code, err) == (2, message)
