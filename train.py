@@ -315,6 +315,14 @@ def lr_at(it, args):
     return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+EVAL_FLAGS = ("eval_batch_size", "em_samples", "eval_depths")  # the flags --eval_only reads beyond the run's own
+
+
+def overrides(changed):
+    """'; --flag old -> new' for each explicit override of a checkpoint's flag (changed: {flag: [old, new]})."""
+    return "".join(f"; --{k} {a if a not in (None, '') else '(none)'} -> {b}" for k, (a, b) in changed.items())
+
+
 def open_outputs(r, resumed, changed):
     """Create out_dir and the log (rank 0), print the run's header and log its start event."""
     args = r.args
@@ -333,8 +341,7 @@ def open_outputs(r, resumed, changed):
             + ", ".join(f"{k} {v:,}" for k, v in r.data.meta["splits"].items()) + " tokens"
             + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))
     if resumed:
-        log.say(f"resumed from {r.latest_path} at update {r.it} (best dev {r.best_dev:.4f})"
-                + "".join(f"; --{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        log.say(f"resumed from {r.latest_path} at update {r.it} (best dev {r.best_dev:.4f})" + overrides(changed))
         if args.lr_decay_iters < args.max_iters:  # e.g. --max_iters raised, the schedule's length kept
             log.say(f"note: the learning-rate schedule ends at update {args.lr_decay_iters} (--lr_decay_iters); "
                     f"the updates after it, to --max_iters {args.max_iters}, run at its floor "
@@ -571,8 +578,10 @@ def eval_only(args, given):
                                  args.block_size, args.eval_batch_size, args.device, ctx, dist)
     dev, test = nll("dev"), nll(data.test_split)
     curve = depth_sweep(model, args.depth_list, lambda: nll("dev")) if args.depth_list else None
+    unused = sorted(k for k in changed if k not in EVAL_FLAGS)
     print(f"evaluating {path} (update {best['iter']}; --eval_only: no training, nothing written)"
-          + "".join(f"; --{k} {a} -> {b}" for k, (a, b) in changed.items()))
+          + overrides({k: v for k, v in changed.items() if k in EVAL_FLAGS})
+          + (f"; not used without training: {', '.join('--' + k for k in unused)}" if unused else ""))
     summary = {"non_embedding_params": model.num_params(), "unigram_dev": data_mod.unigram_entropy(data, "dev"),
                "best_iter": best["iter"], "dev_nll": dev, "test_nll": test, "tok_per_s_median_last100": None,
                "first_update_s": None}

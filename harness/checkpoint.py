@@ -37,6 +37,9 @@ IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_s
                   "da_stride", "da_recent", "n_thoughts", "jacobi", "width",
                   "plt_window", "plt_shift", "fold", "fold_rank", "fold_layout")
 IDENTITY_FLAGS += ("lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_init")  # LRT (latent_recurrence.py)
+# the data flags (data.add_arguments) that choose the tokens: checked here, before any preparation
+DATA_FLAGS = ("dataset", "tokenizer", "max_tokens", "hf_split", "hf_text_field", "hf_split_key", "hf_data_files")
+IDENTITY_FLAGS += DATA_FLAGS
 MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "eval_only", "quiet", "device", "dtype",
                  "compile")
 
@@ -180,7 +183,7 @@ def resume_args(args, given):
     UsageError for a bad file or a conflicting identity flag."""
     path = os.path.join(args.out_dir, LATEST)
     ckpt = load_checkpoint(path, keys=TRAINING_KEYS)
-    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path))
+    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path), path=path, config=ckpt["config"])
 
 
 def eval_only_args(args, given):
@@ -190,7 +193,8 @@ def eval_only_args(args, given):
     path = os.path.join(args.out_dir, BEST)
     ckpt = load_checkpoint(path, keys=("format", "model", "config", "data", "iter", "dev_nll", "args"),
                            flag="--eval_only")
-    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path), path=path, action="evaluate it")
+    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path), path=path, action="evaluate it",
+                                   config=ckpt["config"])
 
 
 def saved_args(ckpt, path):
@@ -204,28 +208,62 @@ def saved_args(ckpt, path):
     return saved
 
 
-def merge_resume_args(args, given, saved, path=None, action="resume it, or use a fresh --out_dir"):
+def merge_resume_args(args, given, saved, path=None, action="resume it, or use a fresh --out_dir", config=None):
     """Fill args from a checkpoint's args (at path, default <out_dir>/ckpt_latest.pt) for --resume
     or --eval_only (see IDENTITY_FLAGS; --data_root, when not given, is the run's if that folder
-    exists here). Returns the explicit overrides as {flag: [checkpoint value,
-    new value]}; UsageError for a conflicting identity flag ("drop the flag to <action>")."""
+    exists here). A given "auto" (--tokenizer auto, ...) is the checkpoint's choice; a model flag
+    the checkpoint's model ignores is left to check_model_flags; --width equal to the solved width
+    (config: the checkpoint's model config) and another path of the same --dataset are the same
+    setting. Returns the explicit overrides as {flag: [checkpoint value, new value]}; UsageError
+    for a conflicting identity flag ("drop the flag to <action>") or a --dataset path of the
+    checkpoint that is not found here (unless --dataset gives another)."""
+    from models import model_flags  # (models imports no harness module)
     changed = {}
     root = saved.get("data_root")
     if "data_root" not in given and isinstance(root, str) and os.path.isdir(root):
         args.data_root = root  # the run's prepared bins, where they are on this machine: not prepared again
+    unread = {f for f, users in model_flags().items() if saved.get("model") not in users}
+    solved = config.get("width") if isinstance(config, dict) else None
+    gone = _dataset_not_here(saved.get("dataset"))
     for k, v in saved.items():
         if k in MACHINE_FLAGS or not hasattr(args, k):  # (flags since removed are skipped)
             continue
         if not isinstance(v, (type(None), bool, int, float, str)):
             raise UsageError(f"{path or os.path.join(args.out_dir, LATEST)}: malformed args entry {k}={v!r}")
-        if k not in given:
+        new = getattr(args, k)
+        if k not in given or new == "auto" or new == v or _same_value(k, v, new, solved):
             setattr(args, k, v)
-        elif getattr(args, k) != v:
-            if k in IDENTITY_FLAGS:
-                raise UsageError(f"--{k} {getattr(args, k)}: the checkpoint in {args.out_dir} was trained with "
-                                 f"--{k} {v}; drop the flag to {action}")
-            changed[k] = [v, getattr(args, k)]
+        elif k == "dataset" and gone:
+            continue  # a copy of the data elsewhere: the data signature decides, once prepared
+        elif k in unread:
+            continue  # check_model_flags says "only used with --model ..."
+        elif k in IDENTITY_FLAGS:
+            was = f"--{k} {v}" + (f" (solved: {solved})" if k == "width" and v == 0 and solved else "")
+            raise UsageError(f"--{k} {new}: the checkpoint in {args.out_dir} was trained with {was}; "
+                             f"drop the flag to {action}")
+        else:
+            changed[k] = [v, new]
+    if gone and "dataset" not in given:
+        raise UsageError(f"{path or os.path.join(args.out_dir, LATEST)}: trained on --dataset {saved['dataset']}, "
+                         f"which is not found from {os.getcwd()}; run from the folder it was trained in, "
+                         "or give --dataset with the data's path")
     return changed
+
+
+def _same_value(flag, saved, new, solved):
+    """Two spellings of one setting: --width equal to the width solved for --width 0, or two paths
+    of one --dataset file or folder."""
+    if flag == "width":
+        return saved == 0 and new == solved
+    if flag == "dataset":
+        return os.path.exists(saved) and os.path.exists(new) and os.path.samefile(saved, new)
+    return False
+
+
+def _dataset_not_here(dataset):
+    """True when a checkpoint's --dataset is a file or folder path that does not exist here."""
+    return (isinstance(dataset, str) and dataset not in ("stdlib", "dmmath") and not dataset.startswith("hf:")
+            and not os.path.exists(dataset))
 
 
 def check_resume(ckpt, cfg, data, args):

@@ -81,6 +81,8 @@ def resolve_args(args, dist=None, reads_out_dir=False):
         args.tokenizer = "char"  # at 1M parameters a 50k-token embedding and head would take most of the time
     if args.data_seed is None:
         args.data_seed = args.seed
+    if args.dataset not in ("stdlib", "dmmath") and not args.dataset.startswith("hf:") and os.path.exists(args.dataset):
+        args.dataset = os.path.abspath(args.dataset)  # so --resume and --eval_only find it from any folder
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
     if args.compile is None:

@@ -354,6 +354,63 @@ def eval_only_call(argv, capsys):
     return 0, got.out, got.err
 
 
+def test_eval_only_data_flags_against_the_checkpoint_before_any_preparation(ckpts, mdm_flags, tmp_path, capsys):
+    """A data flag that contradicts the checkpoint is refused before a dataset is prepared (it used
+    to prepare the other dataset, then say "another model ... use a fresh --out_dir"); --tokenizer
+    auto is the checkpoint's tokenizer; a model flag the checkpoint's model ignores says so."""
+    run, root = ckpts["tango"], tmp_path / "root"
+    base = ["--out_dir", run, "--data_root", root]
+    for flag, value, saved in (("--tokenizer", "gpt2", "auto"), ("--dataset", "stdlib", "dmmath")):
+        code, out, err = eval_only_call([*base, flag, value], capsys)
+        assert (code, out) == (2, "")
+        assert err == (f"error: {flag} {value}: the checkpoint in {run} was trained with {flag} {saved}; "
+                       "drop the flag to evaluate it\n")
+    assert not root.exists()  # nothing prepared
+    code, out, err = eval_only_call(["--out_dir", run, "--tokenizer", "auto", "--data_root", mdm_flags[-1]], capsys)
+    assert code == 0 and report_numbers(out) == report_numbers(eval_only_call(["--out_dir", run], capsys)[1])
+    code, out, err = eval_only_call(["--out_dir", run, "--window", "16"], capsys)
+    assert (code, err) == (2, "error: --window: only used with --model tango-windowed; --model tango ignores it "
+                              "(drop the flag)\n")
+
+
+def test_eval_only_width_is_the_solved_width(ckpts, mdm_flags, capsys):
+    run = ckpts["loop"]
+    solved = load_checkpoint(run / "ckpt_best.pt")["config"]["width"]
+    code, out, _ = eval_only_call(["--out_dir", run, "--width", solved, "--data_root", mdm_flags[-1]], capsys)
+    assert code == 0 and "dev NLL (best" in out
+    code, _, err = eval_only_call(["--out_dir", run, "--width", solved + 8], capsys)
+    assert (code, err) == (2, f"error: --width {solved + 8}: the checkpoint in {run} was trained with --width 0 "
+                              f"(solved: {solved}); drop the flag to evaluate it\n")
+
+
+def test_eval_only_names_the_flags_it_does_not_use(ckpts, mdm_flags, capsys):
+    code, out, _ = eval_only_call(["--out_dir", ckpts["loop"], "--max_iters", "20", "--learning_rate", "0.1",
+                                   "--eval_depths", "1,2", "--data_root", mdm_flags[-1]], capsys)
+    head = next(line for line in out.splitlines() if line.startswith("evaluating "))
+    assert code == 0 and head.endswith("; --eval_depths (none) -> 1,2; not used without training: --learning_rate, "
+                                       "--max_iters")
+
+
+def test_a_path_dataset_is_found_from_another_folder(text_folder, tmp_path, monkeypatch, capsys):
+    """A --dataset path given relative to the training folder is recorded absolute, so --eval_only
+    and --resume work from any folder; a recorded path that is not here is one line naming it."""
+    monkeypatch.chdir(text_folder.parent)
+    run = tmp_path / "run"
+    trained = tiny_run("loop", ["--dataset", text_folder.name, "--tokenizer", "char",
+                                "--data_root", tmp_path / "data"], run)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = eval_only_call(["--out_dir", run], capsys)
+    assert (code, err) == (0, "") and report_numbers(out) == report_numbers(trained)
+    ck = load_checkpoint(run / "ckpt_best.pt")
+    assert ck["args"]["dataset"] == str(text_folder)
+    ck["args"]["dataset"] = "moved-away"
+    torch.save(ck, tmp_path / "ckpt_best.pt")
+    code, _, err = eval_only_call(["--out_dir", tmp_path], capsys)
+    assert (code, err) == (2, f"error: {tmp_path / 'ckpt_best.pt'}: trained on --dataset moved-away, which is not "
+                              f"found from {tmp_path}; run from the folder it was trained in, or give --dataset "
+                              "with the data's path\n")
+
+
 def test_nan_weights_are_a_damaged_file_for_sample_and_eval_only(ckpts, tmp_path, capsys):
     """(sample.py ended in a traceback; --eval_only printed dev NLL nan and exited 0.)"""
     ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
@@ -363,3 +420,11 @@ def test_nan_weights_are_a_damaged_file_for_sample_and_eval_only(ckpts, tmp_path
     assert call_main(["--out_dir", tmp_path], capsys) == (2, "", message)
     code, out, err = eval_only_call(["--out_dir", tmp_path], capsys)
     assert (code, err) == (2, message)
+
+
+def test_a_given_auto_is_the_checkpoints_choice(tmp_path):
+    """--tokenizer auto against a checkpoint trained with --tokenizer char (at the tiny tier auto
+    would mean gpt2): the checkpoint's char, not a conflict."""
+    args = train.parse_args(["--out_dir", "x", "--tokenizer", "auto"])
+    assert merge_resume_args(args, {"tokenizer"}, {"tokenizer": "char", "model": "loop"}) == {}
+    assert args.tokenizer == "char"
