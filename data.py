@@ -111,6 +111,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     try:
         meta = build(tmp)
         meta["fingerprint"] = fp
+        meta["sha256"] = {s: _sha256(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if os.path.exists(folder):
@@ -299,6 +300,15 @@ def add_arguments(add):
         "(e.g. dump: FineWeb-Edu by crawl date); text: the text; auto: id if present, else the text")
     add("--hf_data_files", default=None, help="hf: data files or globs, comma-separated; several are read "
         "interleaved, one document each in turn")
+
+
+def _sha256(path):
+    """The SHA-256 of a file, read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 24), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def _count(s):

@@ -22,7 +22,7 @@ import random
 import torch
 
 from common import UsageError
-from harness.datacheck import data_signature
+from harness.datacheck import data_signature, same_data
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
 LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
@@ -304,11 +304,12 @@ def check_compatible(ck, path, cfg, data):
     if not isinstance(ck["config"], dict) or saved != cfg.to_dict():
         diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
         raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; use a fresh --out_dir")
-    if ck["data"] != data_signature(data):
+    if not same_data(ck["data"], data):
         saved = ck["data"] if isinstance(ck["data"], dict) else {}
         raise UsageError(f"{path}: trained on other data ({saved.get('tokenizer')} tokenizer, vocab "
                          f"{saved.get('vocab_size')}, splits {saved.get('splits')}); this dataset has "
-                         f"{data.tokenizer}, vocab {data.vocab_size}, splits {data.meta['splits']}")
+                         f"{data.tokenizer}, vocab {data.vocab_size}, splits {data.meta['splits']}"
+                         + ("; the same sizes, other tokens" if saved.get("splits") == data.meta["splits"] else ""))
 
 
 def load_weights(ck, path, model):

@@ -79,9 +79,22 @@ def check_problems(data, split, n, again):
 
 def data_signature(data):
     """What a checkpoint must agree with the data on: tokenizer, vocabulary (the symbols of a
-    character vocabulary) and the token count of each split."""
+    character vocabulary), the token count of each split and, for data prepared since meta.json
+    records it, each split's SHA-256 (data.prepare), so equal sizes of other text do not pass."""
     sig = {"tokenizer": data.tokenizer, "vocab_size": data.vocab_size,
            "splits": {k: int(v) for k, v in data.meta["splits"].items()}}
     if data.tokenizer == "char":
         sig["itos"] = list(data.meta["itos"])
+    if "sha256" in data.meta:
+        sig["sha256"] = dict(data.meta["sha256"])
     return sig
+
+
+def same_data(saved, data):
+    """True when a checkpoint's data signature (saved) is that of data; the SHA-256s count when both
+    have them (a checkpoint or a prepared folder older than that record has none)."""
+    now = data_signature(data)
+    if not (isinstance(saved, dict) and "sha256" in saved and "sha256" in now):
+        saved = {k: v for k, v in saved.items() if k != "sha256"} if isinstance(saved, dict) else saved
+        now.pop("sha256", None)
+    return saved == now

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
 from common import ModelConfig, UsageError, UsageParser, run_command
-from harness.datacheck import check_data, data_signature
+from harness.datacheck import check_data, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
 
@@ -56,9 +56,9 @@ def load(path, data_root=None):
         dargs.data_root = data_root
     data = data_mod.Data(data_mod.prepare(dargs.dataset, dargs.data_dir, dargs.data_root, **data_mod.flag_options(dargs)))
     check_data(data)
-    if data_signature(data) != ck["data"]:
-        raise UsageError(f"--base {path}: trained on other data than {data.folder} (tokenizer, vocabulary or "
-                         f"split sizes differ); give --data_root where its dataset was prepared")
+    if not same_data(ck["data"], data):
+        raise UsageError(f"--base {path}: trained on other data than {data.folder} (tokenizer, vocabulary, "
+                         f"split sizes or tokens differ); give --data_root where its dataset was prepared")
     data.check_block_size(cfg.block_size)
     return base, data, saved
 

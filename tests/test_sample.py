@@ -18,6 +18,7 @@ import data as data_mod
 import sample
 import train
 from harness.checkpoint import load_checkpoint, merge_resume_args
+from harness.datacheck import same_data
 from harness.token_files import EOT_SYMBOL
 from models import REGISTRY
 
@@ -428,3 +429,24 @@ def test_a_given_auto_is_the_checkpoints_choice(tmp_path):
     args = train.parse_args(["--out_dir", "x", "--tokenizer", "auto"])
     assert merge_resume_args(args, {"tokenizer"}, {"tokenizer": "char", "model": "loop"}) == {}
     assert args.tokenizer == "char"
+
+
+def test_the_same_sizes_of_other_tokens_are_other_data(tmp_path, capsys):
+    """A dataset folder edited after training (a and e swapped: the same characters, the same split
+    sizes) is prepared again and refused by the splits' SHA-256; a signature without them (an older
+    checkpoint) still compares tokenizer, vocabulary and sizes."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"m{i}.py").write_text("".join(f"def area{i}_{j}(x):\n    return x * {j}\n\n" for j in range(40)))
+    run = tmp_path / "run"
+    tiny_run("loop", ["--dataset", folder, "--tokenizer", "char", "--data_root", tmp_path / "data"], run)
+    ck = load_checkpoint(run / "ckpt_best.pt")
+    data = data_mod.Data(data_mod.prepare(str(folder), None, str(tmp_path / "data"), tokenizer="char"))
+    assert ck["data"]["sha256"] == data.meta["sha256"] and set(data.meta["sha256"]) == {"train", "dev", "test"}
+    assert same_data({k: v for k, v in ck["data"].items() if k != "sha256"}, data)
+    text = (folder / "m1.py").read_text()
+    (folder / "m1.py").write_text(text.replace("a", "\0").replace("e", "a").replace("\0", "e"))
+    code, out, err = eval_only_call(["--out_dir", run], capsys)
+    assert code == 2 and err.startswith(f"error: {run / 'ckpt_best.pt'}: trained on other data (char tokenizer")
+    assert err.endswith("; the same sizes, other tokens\n") and err.count("\n") == 1
