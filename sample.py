@@ -119,11 +119,11 @@ def check_args(args):
 
 def load_model(ck, path, device):
     """The checkpoint's model (models.build_model from its config, its weights) on device, in eval mode."""
-    try:
+    try:  # a damaged config is the file's fault, not a flag's: say so (the builders name train.py's flags)
         cfg = ModelConfig.from_dict(ck["config"])
-    except (TypeError, AttributeError, UsageError) as e:
+        model = build_model(cfg, device=device)
+    except (TypeError, AttributeError, KeyError, ValueError, UsageError) as e:
         raise UsageError(f"{path}: not a readable model config ({e})") from None
-    model = build_model(cfg, device=device)
     load_weights(ck, path, model)
     return model.eval()
 

@@ -265,6 +265,12 @@ def test_damaged_checkpoint_is_one_line_exit_2(ckpts, tmp_path, capsys):
     assert (code, out) == (2, "")
     assert err == (f"error: {tmp_path / 'ckpt_best.pt'}: not a readable checkpoint (RuntimeError); "
                    "it may be truncated or corrupted\n")
+    ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
+    for key, value in (("model", "nope"), ("depth", 0)):  # a damaged config names the file, not a flag
+        torch.save({**ck, "config": {**ck["config"], key: value}}, tmp_path / "ckpt_best.pt")
+        code, out, err = call_main(["--out_dir", tmp_path], capsys)
+        assert (code, out, err.count("\n")) == (2, "", 1)
+        assert err.startswith(f"error: {tmp_path / 'ckpt_best.pt'}: not a readable model config ("), err
 
 
 # ----------------------------------------------------------------------------- train.py --eval_only

@@ -6,7 +6,6 @@ read_run (N, D and dev NLL of one run's log.jsonl), fit_runs, and the command li
 fits take N and D from (unrolled_params). Bad input raises UsageError (the CLI: one line, exit 2).
 """
 import math
-import sys
 
 import torch
 
