@@ -41,7 +41,7 @@ def build_parser():
     p.add_argument("--ckpt", default="best", choices=list(CKPT_FILES),
                    help="ckpt_best.pt (lowest dev NLL) or ckpt_latest.pt (the last evaluation)")
     p.add_argument("--start", default="", help='the prompt text, or FILE:path to read it from a file; '
-                   '"": a new document (the end-of-text token)')
+                   '"": a new document (the end-of-text token); <|endoftext|> in it is that token')
     p.add_argument("--num_samples", type=int, default=10, help="samples to draw (one batch)")
     p.add_argument("--max_new_tokens", type=int, default=500, help="tokens sampled after the prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy")
@@ -75,9 +75,17 @@ class CheckpointTokenizer:
             raise UsageError(f"{path}: no usable tokenizer in its data signature (needs gpt2, or char with itos)")
 
     def encode(self, text, flag="--start"):
-        """str -> list of ids; UsageError naming flag for characters outside a character vocabulary."""
+        """str -> list of ids, the text ``<|endoftext|>`` as the end-of-text token where the vocabulary
+        has that symbol (GPT-2, text datasets' characters; nanoGPT's sample.py does the same);
+        UsageError naming flag for characters outside a character vocabulary."""
         if self.kind == "gpt2":
-            return self.enc.encode_ordinary(text)
+            return self.enc.encode(text, allowed_special={EOT_SYMBOL})
+        if EOT_SYMBOL in self.itos[:-1] and EOT_SYMBOL in text:
+            first, *rest = text.split(EOT_SYMBOL)
+            ids = self.encode(first, flag)
+            for piece in rest:
+                ids += [self.eot] + self.encode(piece, flag)
+            return ids
         unknown = sorted({c for c in text if c not in self.stoi})
         if unknown:
             shown = " ".join(repr(c) for c in unknown[:10]) + (" ..." if len(unknown) > 10 else "")

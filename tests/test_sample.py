@@ -456,3 +456,21 @@ def test_the_same_sizes_of_other_tokens_are_other_data(tmp_path, capsys):
     code, out, err = eval_only_call(["--out_dir", run], capsys)
     assert code == 2 and err.startswith(f"error: {run / 'ckpt_best.pt'}: trained on other data (char tokenizer")
     assert err.endswith("; the same sizes, other tokens\n") and err.count("\n") == 1
+
+
+def test_endoftext_in_a_prompt_is_the_end_of_text_token():
+    """As in nanoGPT's sample.py: the text <|endoftext|> in --start is the token, for a text
+    dataset's characters (whose vocabulary has the symbol); dmmath's has none (its end of text is
+    the newline), so there the characters are refused as unknown."""
+    itos = ["\n", "a", "b", EOT_SYMBOL, "\ufffd"]
+    tok = sample.CheckpointTokenizer({"tokenizer": "char", "itos": itos}, "x")
+    assert tok.encode(f"a{EOT_SYMBOL}b{EOT_SYMBOL}") == [1, 3, 2, 3] and tok.encode(EOT_SYMBOL) == [3]
+    assert tok.decode(tok.encode(f"ab{EOT_SYMBOL}a")) == f"ab{EOT_SYMBOL}a"
+    math = sample.CheckpointTokenizer({"tokenizer": "char", "itos": ["\n", "1", "<", "\ufffd"]}, "x")
+    with pytest.raises(sample.UsageError, match="not in the checkpoint's vocabulary"):
+        math.encode(EOT_SYMBOL)
+
+
+def test_endoftext_in_a_gpt2_prompt_is_the_token(gpt2_bpe):
+    bpe = sample.CheckpointTokenizer({"tokenizer": "gpt2"}, "x")
+    assert bpe.encode(f"a{EOT_SYMBOL}b") == [64, 50256, 65]
