@@ -40,6 +40,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------- prepare
 
+def is_path(dataset):
+    """True when --dataset names a text file or folder (anything but stdlib, dmmath and hf:NAME),
+    whether or not it exists here: the rule prepare() dispatches by."""
+    return dataset not in ("stdlib", "dmmath") and not dataset.startswith("hf:")
+
+
 def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", max_tokens=0, num_proc=1,
             hf_split="train", hf_text_field="text", hf_split_key="auto", hf_data_files=None):
     """Tokenize ``dataset`` once into ``<out_root>/<name>/`` and return that folder.

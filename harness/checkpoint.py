@@ -21,6 +21,7 @@ import random
 
 import torch
 
+import data as data_mod
 from common import UsageError
 from harness.datacheck import data_signature, same_data
 
@@ -218,7 +219,7 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
     for a conflicting identity flag ("drop the flag to <action>") or a --dataset path of the
     checkpoint that is not found here (unless --dataset gives another)."""
     from models import model_flags  # (models imports no harness module)
-    changed = {}
+    changed, where = {}, path or os.path.join(args.out_dir, LATEST)
     root = saved.get("data_root")
     if "data_root" not in given and isinstance(root, str) and os.path.isdir(root):
         args.data_root = root  # the run's prepared bins, where they are on this machine: not prepared again
@@ -229,7 +230,7 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
         if k in MACHINE_FLAGS or not hasattr(args, k):  # (flags since removed are skipped)
             continue
         if not isinstance(v, (type(None), bool, int, float, str)):
-            raise UsageError(f"{path or os.path.join(args.out_dir, LATEST)}: malformed args entry {k}={v!r}")
+            raise UsageError(f"{where}: malformed args entry {k}={v!r}")
         new = getattr(args, k)
         if k not in given or new == "auto" or new == v or _same_value(k, v, new, solved):
             setattr(args, k, v)
@@ -244,7 +245,7 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
         else:
             changed[k] = [v, new]
     if gone and "dataset" not in given:
-        raise UsageError(f"{path or os.path.join(args.out_dir, LATEST)}: trained on --dataset {saved['dataset']}, "
+        raise UsageError(f"{where}: trained on --dataset {saved['dataset']}, "
                          f"which is not found from {os.getcwd()}; run from the folder it was trained in, "
                          "or give --dataset with the data's path")
     return changed
@@ -262,8 +263,7 @@ def _same_value(flag, saved, new, solved):
 
 def _dataset_not_here(dataset):
     """True when a checkpoint's --dataset is a file or folder path that does not exist here."""
-    return (isinstance(dataset, str) and dataset not in ("stdlib", "dmmath") and not dataset.startswith("hf:")
-            and not os.path.exists(dataset))
+    return isinstance(dataset, str) and data_mod.is_path(dataset) and not os.path.exists(dataset)
 
 
 def check_resume(ckpt, cfg, data, args):

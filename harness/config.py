@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 
-from harness.checkpoint import trim_log
+import data as data_mod
 from common import UsageError
+from harness.checkpoint import trim_log
 from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
@@ -81,7 +82,7 @@ def resolve_args(args, dist=None, reads_out_dir=False):
         args.tokenizer = "char"  # at 1M parameters a 50k-token embedding and head would take most of the time
     if args.data_seed is None:
         args.data_seed = args.seed
-    if args.dataset not in ("stdlib", "dmmath") and not args.dataset.startswith("hf:") and os.path.exists(args.dataset):
+    if data_mod.is_path(args.dataset) and os.path.exists(args.dataset):
         args.dataset = os.path.abspath(args.dataset)  # so --resume and --eval_only find it from any folder
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters

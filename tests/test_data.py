@@ -150,6 +150,12 @@ def test_reuse_and_reprepare(gpt2_bpe, tmp_path, monkeypatch):
     assert d.decode(np.concatenate([d.tokens(s) for s in ("train", "dev", "test")])).startswith("changed changed")
 
 
+def test_is_path_names_the_file_and_folder_datasets():
+    # config.resolve_args records these absolute; checkpoint merging asks whether they are here
+    assert [data.is_path(d) for d in ("stdlib", "dmmath", "hf:wikitext:wikitext-2-raw-v1", "nope", "a/b.txt",
+                                      "stdlib/")] == [False, False, False, True, True, True]
+
+
 def test_bad_meta(tmp_path):
     with pytest.raises(UsageError, match="meta.json"):
         data.Data(str(tmp_path))
