@@ -66,6 +66,54 @@ def not_a_command(module, use):
     sys.exit(2)
 
 
+# ----------------------------------------------------------------------------- output paths
+# Every command checks the paths it will write before any work, with these two functions, and
+# creates the missing folders itself when it writes (os.makedirs; make_parent for a file's), as
+# train.py --out_dir and data.py --data_root always have: a path in a missing folder is no error.
+
+def check_output_folder(flag, path):
+    """UsageError "FLAG PATH: ..." unless path (an output folder, e.g. --out_dir) is a folder this
+    process can write into, or can be created: not a file, no file among its parents, a writable
+    nearest existing folder. flag: as typed, e.g. "--out_dir". Creates nothing."""
+    import os
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: exists and is not a folder")
+    _check_creatable(flag, path, os.path.abspath(path))
+
+
+def check_output_file(flag, path):
+    """UsageError "FLAG PATH: ..." unless path (an output file, e.g. --json) can be written: not a
+    folder, and its folder exists or can be created (make_parent creates it when the file is
+    written). Creates nothing."""
+    import os
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a folder; give a file path")
+    _check_creatable(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def _check_creatable(flag, path, folder):
+    """UsageError unless folder exists and is writable, or can be created."""
+    import os
+    import tempfile
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
+    try:  # a folder made and removed at once (os.access says yes to root even where nothing can be made)
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".write-check-"))
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create folders in {parent} ({e.strerror})") from None
+
+
+def make_parent(path):
+    """Create the missing folders above the output file path (checked by check_output_file);
+    returns path."""
+    import os
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
 HEAD_DIM = 32  # d_h = 32 everywhere (MATH.md glossary)
 VOCAB_MULTIPLE = 64  # the embedding/head has ceil(V / 64) * 64 rows (aligned matmul); rows >= V are padding
 

@@ -8,14 +8,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from common import UsageError
+from common import UsageError, check_output_folder
 from harness.checkpoint import trim_log
 from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
@@ -155,18 +154,9 @@ def resolve_device(args, dist):
 
 def check_paths(args, flags=("out_dir", "data_root")):
     """The folders of flags (out_dir, data_root) must be folders, or creatable ones: UsageError
-    otherwise."""
+    otherwise (common.check_output_folder, the check of every command's output folders)."""
     for flag in flags:
-        path = os.path.abspath(getattr(args, flag))
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise UsageError(f"--{flag} {path}: exists and is not a folder")
-        parent = path
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        try:  # a folder made and removed at once (os.access says yes to root even where nothing can be made)
-            os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".write-check-"))
-        except OSError as e:
-            raise UsageError(f"--{flag} {path}: cannot create folders in {parent} ({e.strerror})") from None
+        check_output_folder(f"--{flag}", getattr(args, flag))
 
 
 def autocast_ctx(args):
