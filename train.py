@@ -52,7 +52,8 @@ from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, ch
                         load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
                         strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions, run_command
-from harness.config import Dist, DebugDump, Log, autocast_ctx, check_model_flags, resolve_args, tier_default
+from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
+                            tier_default)
 from harness.datacheck import load_data
 from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model, model_config, shared_block_models
@@ -173,6 +174,17 @@ def given_flags(argv=None):
     return set(vars(build_parser(suppress_defaults=True).parse_args(argv)))
 
 
+def check_flags(args, given, dist=None, reads_out_dir=False):
+    """Every check of the flags that train.py makes before it reads data or writes anything (after
+    --resume or --eval_only filled in the run's own flags): a model flag or dataset flag given
+    (given: the names on the command line) that the run ignores, then the tier defaults and value
+    checks of config.resolve_args. Returns the resolved args; UsageError on bad input. tools.sweep
+    checks every grid run's flags with it before any run starts."""
+    check_model_flags(args.model, given)  # a flag this model ignores
+    check_dataset_flags(args, given)  # a flag this dataset ignores (--em_samples without dmmath)
+    return resolve_args(args, dist, reads_out_dir)  # tier defaults, device, validation (config.py)
+
+
 # ----------------------------------------------------------------------------- set-up
 
 @dataclass
@@ -240,8 +252,7 @@ def setup(args, given):
     state. Returns (Run, checkpoint or None, resume overrides); UsageError on bad input; writes nothing."""
     dist = Dist.from_env()
     ckpt, changed = resume_args(args, given) if args.resume else (None, {})
-    check_model_flags(args.model, given)  # a flag this model ignores
-    args = resolve_args(args, dist)  # tier defaults, device, validation (config.py)
+    args = check_flags(args, given, dist)
     dist.start(args.device)
     data = load_data(args, dist)
     check_scored_windows(data, args.block_size, args.eval_windows)  # an evaluation over nothing is no number
@@ -563,8 +574,7 @@ def eval_only(args, given):
     if Dist.from_env().ddp:  # the NLL does not depend on the world size (evaluate): one process gives it
         raise UsageError("--eval_only: runs in one process; start it with python, not torchrun")
     best, changed = eval_only_args(args, given)
-    check_model_flags(args.model, given)
-    args = resolve_args(args, dist, reads_out_dir=True)  # a read-only --out_dir is fine
+    args = check_flags(args, given, dist, reads_out_dir=True)  # a read-only --out_dir is fine
     data = load_data(args, dist)
     cfg, _ = model_config(args, data.vocab_size)
     path = os.path.join(args.out_dir, BEST)

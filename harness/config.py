@@ -57,8 +57,22 @@ def check_model_flags(model, given):
         raise UsageError(f"--{flag}: only used with --model {users}; --model {model} ignores it (drop the flag)")
 
 
+# Evaluation flags that only one dataset reads (flag -> that --dataset), refused for the others as
+# model flags are (data.prepare refuses --data_dir without dmmath and --hf_* without hf: the same way).
+DATASET_FLAGS = {"em_samples": "dmmath"}  # exact match scores dmmath's problems, the only dataset with them
+
+
+def check_dataset_flags(args, given):
+    """UsageError for a flag of DATASET_FLAGS given explicitly (given: the flag names on the
+    command line) that --dataset does not read: it would be silently ignored."""
+    for flag in sorted(set(given) & set(DATASET_FLAGS)):
+        if args.dataset != DATASET_FLAGS[flag]:
+            raise UsageError(f"--{flag}: only used with --dataset {DATASET_FLAGS[flag]}; --dataset {args.dataset} "
+                             "ignores it (drop the flag)")
+
+
 def tier_default(flag):
-    """The help text's default of a tier-dependent flag: 'default: tiny 128 / cpu 256 / ...'."""
+    """The help text's default of a tier-dependent flag, from TIER_DEFAULTS: 'default: tiny 128 / cpu 128 / ...'."""
     return "default: " + " / ".join(f"{tier} {d[flag]:g}" for tier, d in TIER_DEFAULTS.items())
 
 

@@ -634,6 +634,9 @@ def test_bad_input_one_line_exit_2_nothing_written(case, runs, mdm, data_root, t
         argv.remove(str(mdm))
         argv.remove("--data_dir")
         extra = extra[:i - 1] + extra[i + 1:]
+    if "--dataset" in extra:  # another dataset than dmmath: without the dmmath-only --em_samples
+        i = argv.index("--em_samples")
+        del argv[i:i + 2]
     argv += [f.replace("TMP", str(tmp_path)) for f in extra]
     before = snapshot(out)
     code, err = call_main(argv, capsys)
@@ -658,3 +661,38 @@ def test_report_names_how_many_updates_its_throughput_median_covers(capsys):
     args = SimpleNamespace(model="tango", depth=2, dataset="stdlib", size="tiny", em_samples=1, compile=False)
     evaluation.print_report(s, data, args)
     assert "throughput               1234 tokens/s (median of the last 3 updates)\n" in capsys.readouterr().out
+
+
+def test_em_samples_is_refused_without_dmmath(tmp_path, capsys):
+    """train.py --em_samples 5 on a text dataset trained and ignored it (only dmmath has problems to
+    score by exact match); now one line, exit 2, before any data is prepared or out_dir made."""
+    (tmp_path / "t.txt").write_text("some text\n" * 200)
+    code, err = call_main(["--dataset", str(tmp_path / "t.txt"), "--tokenizer", "char", "--em_samples", "5",
+                           "--data_root", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"), "--quiet"], capsys)
+    assert (code, err) == (2, f"error: --em_samples: only used with --dataset dmmath; --dataset {tmp_path / 't.txt'} "
+                              "ignores it (drop the flag)\n")
+    assert os.listdir(tmp_path) == ["t.txt"]
+    args = train.parse_args(["--dataset", "dmmath", "--em_samples", "5"])
+    assert train.check_flags(args, {"dataset", "em_samples"}).em_samples == 5  # dmmath reads it
+
+
+def test_docs_tier_defaults_are_the_code_s():
+    """docs/training.md said --block_size cpu 256 where the tier's default (and --help) is 128: the
+    per-tier line and the CPU and tiny tiers' numbers are checked against config.TIER_DEFAULTS."""
+    from harness.config import TIER_DEFAULTS, tier_default
+    with open(os.path.join(REPO, "docs", "training.md")) as f:
+        doc = " ".join(f.read().split())
+    assert "`--block_size`: " + tier_default("block_size").removeprefix("default: ") in doc
+    cpu, tiny = TIER_DEFAULTS["cpu"], TIER_DEFAULTS["tiny"]
+    assert (f"block_size {cpu['block_size']}, micro-batch {cpu['batch_size']}, no accumulation" in doc
+            and cpu["gradient_accumulation_steps"] == 1)
+    lr = lambda v: f"{v:.0e}".replace("e-0", "e-")  # 4e-3, as the page writes it
+    assert (f"{cpu['max_iters']} updates, peak learning rate {lr(cpu['learning_rate'])}" in doc
+            and f"{cpu['warmup_iters']} warmup updates, dev evaluation every {cpu['eval_interval']} updates on "
+                f"{cpu['eval_windows']} fixed windows" in doc)
+    assert (f"`tiny` (the reproduction grid): block_size {tiny['block_size']}, micro-batch {tiny['batch_size']}, "
+            f"{tiny['max_iters']} updates" in doc and f"peak {lr(tiny['learning_rate'])}, dev evaluation every "
+            f"{tiny['eval_interval']} updates on {tiny['eval_windows']} windows, W = {tiny['window']}, FLASH chunk "
+            f"{tiny['chunk']}, GAU/FLASH s = {tiny['gau_s']}" in doc)
+    assert f"(`cpu`: {cpu['window']} and {cpu['chunk']}; paper tiers: {TIER_DEFAULTS['70M']['window']} and " \
+           f"{TIER_DEFAULTS['70M']['chunk']})" in doc
