@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 import torch
 
-from common import UsageError, UsageParser, run_command
+from common import UsageError, UsageParser, check_output_folder, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, _download_gpt2, _fingerprint, _try, _walk, bin_dtype,
@@ -46,8 +46,31 @@ def is_path(dataset):
     return dataset not in ("stdlib", "dmmath") and not dataset.startswith("hf:")
 
 
+def check_dataset(dataset):
+    """UsageError for a --dataset that is none of stdlib, dmmath, hf:NAME[:CONFIG] or a path that
+    exists here; cheap (reads nothing), so a command can check its datasets before any work."""
+    if is_path(dataset) and not os.path.exists(dataset):
+        raise UsageError(f"--dataset: unknown dataset '{dataset}'; "
+                         "use stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG]")
+
+
+def check_splits(meta, dataset, max_tokens=0):
+    """UsageError naming the first split of meta["splits"] without tokens (train.py needs at least
+    block_size + 1 in train, dev and the test split): with max_tokens, the cut that left it empty."""
+    empty = [s for s, n in meta["splits"].items() if n == 0]
+    if not empty:
+        return
+    counts = ", ".join(f"{k} {v:,}" for k, v in meta["splits"].items())
+    if max_tokens:
+        raise UsageError(f"--max_tokens {max_tokens}: split '{empty[0]}' got no tokens ({counts}); the source's "
+                         f"first {max_tokens:,} tokens are too few for every split (raise --max_tokens)")
+    raise UsageError(f"--dataset {dataset}: split '{empty[0]}' got no tokens ({counts}); every split needs text "
+                     "(train.py trains on train, selects on dev and reports test)")
+
+
 def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", max_tokens=0, num_proc=1,
-            hf_split="train", hf_text_field="text", hf_split_key="auto", hf_data_files=None):
+            hf_split="train", hf_text_field="text", hf_split_key="auto", hf_data_files=None,
+            allow_empty_splits=True):
     """Tokenize ``dataset`` once into ``<out_root>/<name>/`` and return that folder.
 
     dataset: "stdlib", "dmmath", a path to a text file / folder of text files, or
@@ -58,7 +81,10 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     A complete folder whose meta matches the sources (path, sizes, mtimes; for the hub: the
     arguments) is reused as is; otherwise everything is written into a temporary sibling folder
     and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
-    removes out_root again if it created it). Raises UsageError for bad input.
+    removes out_root again if it created it). Raises UsageError for bad input. A split that got no
+    tokens is kept with allow_empty_splits (train.py then names it and --max_tokens:
+    Data.check_block_size); without, it is a UsageError and nothing is written (check_splits; the
+    command lines of data.py and tools.sweep).
     """
     if tokenizer not in TOKENIZERS or (dataset == "dmmath" and tokenizer == "gpt2"):
         raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)} (dmmath: auto or char)")
@@ -104,11 +130,12 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         fp = _fingerprint(root, rels, "path", tokenizer, max_tokens)
         build = lambda tmp: text_data._build_text(tmp, text_data._file_docs(root, rels), path, BY_FILE, by_key_only=False, **text)
     else:
-        raise UsageError(f"--dataset: unknown dataset '{dataset}'; "
-                         "use stdlib, dmmath, a path to a text file or folder, or hf:NAME[:CONFIG]")
+        check_dataset(dataset)
 
     folder = os.path.join(out_root, name)
     if _matches(folder, fp):
+        if not allow_empty_splits:
+            check_splits(Data(folder).meta, dataset, max_tokens)
         return folder
     created = _first_missing(out_root)
     os.makedirs(out_root, exist_ok=True)
@@ -116,6 +143,8 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
     try:
         meta = build(tmp)
+        if not allow_empty_splits:  # before the rename: a refused folder is never in place
+            check_splits(meta, dataset, max_tokens)
         meta["fingerprint"] = fp
         meta["sha256"] = {s: _sha256(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -340,7 +369,8 @@ def main(argv=None):
     add_arguments(p.add_argument)
     try:
         args = p.parse_args(argv)
-        d = Data(prepare(args.dataset, args.data_dir, args.data_root, **flag_options(args)))
+        check_output_folder("--data_root", args.data_root)  # before any tokenizing
+        d = Data(prepare(args.dataset, args.data_dir, args.data_root, **flag_options(args), allow_empty_splits=False))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

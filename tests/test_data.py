@@ -454,3 +454,43 @@ def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
     assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary or empty)" in capsys.readouterr().out
     assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2}
+
+
+def test_a_split_left_empty_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """`data.py --dataset stdlib --tokenizer char --max_tokens 200000` prepared train 98,881 / dev
+    101,119 / test 0 without a word, and train.py then failed on the empty test split. Now prepare
+    refuses a split without tokens, naming --max_tokens and the split, and leaves no folder (here a
+    file cut 90/5/5 by position: 10 tokens leave dev empty); so does tools.sweep run."""
+    (tmp_path / "book.txt").write_text("The quick brown fox jumps.\n" * 20)
+    out = tmp_path / "new" / "data"
+    argv = ["--dataset", str(tmp_path / "book.txt"), "--tokenizer", "char", "--max_tokens", "10", "--data_root", str(out)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        data.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: --max_tokens 10: split 'dev' got no tokens (train 9, dev 0, test 1); the source's first "
+        "10 tokens are too few for every split (raise --max_tokens)\n")
+    assert sorted(os.listdir(tmp_path)) == ["book.txt"]  # not even --data_root's new parent
+    # train.py's data (allow_empty_splits): kept, and train.py names the split and the cut (check_block_size)
+    d = data.Data(data.prepare(str(tmp_path / "book.txt"), out_root=str(out), tokenizer="char", max_tokens=10))
+    with pytest.raises(UsageError, match=r"split 'dev' .* has only 0 tokens .*; --max_tokens 10 kept the source's"):
+        d.check_block_size(4)
+    with pytest.raises(SystemExit) as e:  # data.py refuses that folder too when it finds it prepared
+        data.main(argv)
+    assert e.value.code == 2 and "split 'dev' got no tokens" in capsys.readouterr().err
+    with pytest.raises(UsageError, match=r"^--dataset stdlib: split 'test' got no tokens \(train 5, dev 3, test 0\); "
+                                         r"every split needs text"):
+        data.check_splits({"splits": {"train": 5, "dev": 3, "test": 0}}, "stdlib")
+    data.check_splits({"splits": {"train": 5, "dev": 3, "test": 1}}, "stdlib", max_tokens=9)  # none empty: fine
+
+
+def test_cli_refuses_a_data_root_that_is_a_file(tmp_path, monkeypatch, capsys):
+    """data.py --data_root FILE raised FileExistsError (a traceback) where train.py gave one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    for root, message in [("afile", "--data_root afile: exists and is not a folder"),
+                          ("afile/sub", f"--data_root afile/sub: {tmp_path / 'afile'} is a file, not a folder")]:
+        with pytest.raises(SystemExit) as e:
+            data.main(["--dataset", "stdlib", "--data_root", root])
+        assert e.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+    assert os.listdir(tmp_path) == ["afile"]
