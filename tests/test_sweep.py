@@ -135,7 +135,8 @@ def test_depth_claims_use_each_models_own_depths(tmp_path):
 def test_report_refuses_what_it_cannot_read_and_writes_nothing(tmp_path, monkeypatch):
     """Bad inputs of `sweep.py report` are one-line UsageErrors before anything is written: an
     unreadable or incomplete summary.json, --lr without sweep runs, --out beside --into on the
-    same file or in a missing folder; a run without curves is a row that says so, not a dropped one."""
+    same file, a folder or under a file; a run without curves is a row that says so, not a dropped
+    one. --out in a missing folder creates it, as every command's output paths do (common.py)."""
     monkeypatch.chdir(tmp_path)
     fake_grid("g", {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1,), curves=False)
     budget = sweep_report.budget_report("g")
@@ -146,15 +147,17 @@ def test_report_refuses_what_it_cannot_read_and_writes_nothing(tmp_path, monkeyp
     for argv, message in [
         (["report", "--root", "g", "--into", "doc.md", "--out", "doc.md"],
          "--out doc.md: the same file as --into; --into writes the report into it already"),
-        (["report", "--root", "g", "--into", "doc.md", "--out", "missing/x.md"],
-         "--out missing/x.md: give a file path in an existing folder"),
-        (["report", "--root", "g", "--out", "g"], "--out g: give a file path in an existing folder"),
+        (["report", "--root", "g", "--into", "doc.md", "--out", "doc.md/x.md"],
+         f"--out doc.md/x.md: {tmp_path / 'doc.md'} is a file, not a folder"),
+        (["report", "--root", "g", "--out", "g"], "--out g: is a folder; give a file path"),
         (["report", "--lr", "--root", "g"], "--root g: no learning-rate sweep runs"),
     ]:
         with pytest.raises(UsageError) as e:
             sweep.main(argv)
         assert str(e.value).startswith(message), str(e.value)
-    assert doc.read_text() == before and not os.path.exists("missing")
+    assert doc.read_text() == before and sorted(os.listdir(tmp_path)) == ["doc.md", "g"]
+    sweep.main(["report", "--root", "g", "--out", "missing/x.md"])
+    assert open("missing/x.md").read() == sweep_report.report("g")
     bad = tmp_path / "g" / "stdlib" / "tango-K4-s1" / "summary.json"
     for text, message in [("{", "not a readable JSON file (JSONDecodeError"),
                           ("{}", "expected a JSON object with the keys model, depth, seed"),
@@ -268,12 +271,12 @@ def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
     half.mkdir(parents=True)
     (half / "ckpt_latest.pt").write_text("")
     rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop,tango", "--depths", "4,8",
-                     "--seeds", "2", "--jobs", "2", "--", "--size", "tiny", "--data_dir", "x"])
+                     "--seeds", "2", "--jobs", "2", "--", "--size", "tiny"])
     assert rc == 1  # the loop runs failed
-    assert prepared == [(["stdlib"], ["--size", "tiny", "--data_dir", "x"])]
+    assert prepared == [(["stdlib"], ["--size", "tiny"])]
     assert len(calls) == 7 and all(env == "2" for _, env in calls)  # the repeated "tango" is run once
     first = calls[0][0]
-    assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]  # no --data_dir for stdlib
+    assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]
     key = lambda c: (c[c.index("--model") + 1], c[c.index("--depth") + 1], c[c.index("--seed") + 1], c[-1])
     assert sorted(key(c) for c, _ in calls) == [
         ("loop", "4", "1", "tiny"), ("loop", "4", "2", "tiny"), ("loop", "8", "1", "tiny"), ("loop", "8", "2", "tiny"),
@@ -409,3 +412,91 @@ def test_paired_differences_subtract_tango_seed_by_seed():
     assert lines[-2] == "| tango | - | 200 |"
     assert lines[-1] == "| loop | +0.300 ± 0.283 (n=2) | 1,000 |"  # diffs 0.5 and 0.1; tokens/s mean of three
     assert sweep_report.paired_differences({("ds", "loop", 4): rows["ds", "loop", 4]}, ["ds"]) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plot", "--root", "g", "--out", "afile"], "--out afile: exists and is not a folder"),
+    (["collect", "--root", "g", "--to", "afile"], "--to afile: exists and is not a folder"),
+    (["collect", "--root", "g", "--to", "afile/sub"], "--to afile/sub: TMP/afile is a file, not a folder"),
+    (["collect", "--root", "g", "--to", "g"], "--to g: the same folder as --root; collect copies the runs into "
+                                              "another folder"),
+    (["collect", "--root", "g", "--to", "./g/"], "--to ./g/: the same folder as --root; collect copies the runs "
+                                                 "into another folder"),
+])
+def test_output_paths_are_refused_before_any_work(tmp_path, monkeypatch, argv, message):
+    """plot --out FILE and collect --to FILE raised FileExistsError, collect --to ROOT shutil.SameFileError;
+    now one line naming the flag, and nothing written (common.check_output_folder)."""
+    monkeypatch.chdir(tmp_path)
+    fake_grid("g", {("tango", 4): 3.0}, seeds=(1,))
+    (tmp_path / "afile").write_text("x")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(UsageError) as e:
+        sweep.main(argv)
+    assert str(e.value) == message.replace("TMP", str(tmp_path))
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_collect_creates_a_missing_output_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fake_grid("g", {("tango", 4): 3.0}, seeds=(1,))
+    assert sweep.main(["collect", "--root", "g", "--to", "new/c"]) == 0
+    assert os.path.isfile("new/c/stdlib/tango-K4-s1/summary.json")
+
+
+def no_runs(monkeypatch):
+    """Make preparing data or starting a run fail the test: a refused sweep must do neither."""
+    def fail(*a, **kw):
+        raise AssertionError("the sweep started work")
+    monkeypatch.setattr(sweep, "prepare_data", fail)
+    monkeypatch.setattr(sweep.subprocess, "call", fail)
+
+
+@pytest.mark.parametrize("datasets, extra, message", [
+    # train.py's own checks of each grid run, before any run starts (each run failed with exit 2)
+    ("stdlib", ["--size", "tiny", "--max_iters", "0"], "R/stdlib/tango-K2-s1: --max_iters 0: must be >= 1"),
+    ("stdlib", ["--size", "tiny", "--width", "100"],
+     "R/stdlib/loop-K2-s1: --width 100: must be a positive multiple of 8 for --model loop (0: solve it to the "
+     "tier's parameter target)"),
+    ("dmmath", ["--size", "tiny", "--em_samples", "0"], "R/dmmath/tango-K2-s1: --em_samples 0: must be >= 1"),
+    # flags a sweep cannot use, or that no run would read
+    ("stdlib", ["--eval_only"], "-- --eval_only: a sweep trains every run; evaluate a finished one with "
+                                "python train.py --eval_only --out_dir RUN"),
+    ("stdlib", ["--em_samples", "5"], "-- --em_samples: no dataset of --datasets stdlib reads it (used by dmmath)"),
+    ("stdlib", ["--data_dir", "x"], "-- --data_dir: no dataset of --datasets stdlib reads it (used by dmmath)"),
+    # a dataset that is not there: refused before the first one is prepared, and no --root left behind
+    ("stdlib,../nope", [], "--dataset: unknown dataset '../nope'; use stdlib, dmmath, a path to a text file or "
+                           "folder, or hf:NAME[:CONFIG]"),
+    ("stdlib", ["--size", "tiny", "--device", "cuda:7"], None),
+])
+def test_run_checks_every_train_run_before_anything_starts(tmp_path, monkeypatch, datasets, extra, message):
+    """`sweep run -- --max_iters 0` (or --eval_only) started every run, each failed with exit 2, the sweep
+    exited 1 and left the run folders behind; `--datasets ../nope` left an empty --root. Now a one-line
+    UsageError naming the run (or the flag) before any preparation, and no folder."""
+    import torch
+    if message is None:  # the device check of train.py, where this machine has no such GPU
+        if torch.cuda.device_count() > 7:
+            pytest.skip("this machine has a cuda:7")
+        message = "R/stdlib/tango-K2-s1: --device cuda:7: " + (
+            "CUDA is not available on this machine; use --device cpu" if not torch.cuda.is_available()
+            else f"this machine has {torch.cuda.device_count()} GPU(s)")
+    monkeypatch.chdir(tmp_path)
+    no_runs(monkeypatch)
+    with pytest.raises(UsageError) as e:
+        sweep.main(["run", "--root", "R", "--models", "tango,loop", "--depths", "2", "--datasets", datasets,
+                    "--", *extra])
+    assert str(e.value) == message
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_sends_em_samples_to_dmmath_only():
+    extra = ["--size", "tiny", "--em_samples", "5", "--max_iters", "3"]
+    assert sweep.flags_for("dmmath", extra) == extra
+    assert sweep.flags_for("stdlib", extra) == ["--size", "tiny", "--max_iters", "3"]
+
+
+def test_a_refused_run_in_a_real_process_exits_2_and_leaves_nothing(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "tools.sweep", "run", "--root", "R", "--models", "tango", "--depths",
+                        "2", "--", "--size", "tiny", "--max_iters", "0"],
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE}, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr, p.stdout) == (2, "error: R/stdlib/tango-K2-s1: --max_iters 0: must be >= 1\n", "")
+    assert os.listdir(tmp_path) == []

@@ -10,8 +10,9 @@
 `run` trains every (dataset, model, depth, seed) as its own train.py process in
 `<root>/<dataset>/<model>-K<depth>-s<seed>/` with the paper's protocol (matched non-embedding
 parameters, data order = seed, dev-selected checkpoint, test on it). A run with `summary.json` is
-skipped, one with only `ckpt_latest.pt` resumed; an existing run trained with other flags stops
-the sweep before anything starts. Flags after `--` go to every run (`--data_dir` to dmmath only,
+skipped, one with only `ckpt_latest.pt` resumed; a run whose flags train.py would refuse
+(train.check_flags) or an existing run trained with other flags stops the sweep before anything
+starts (nothing prepared, no --root made). Flags after `--` go to every run (`--data_dir` to dmmath only,
 a model's own flags such as `--window` or `--n_core` only to the models that read them).
 `--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first. What
 `run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`.
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 
-from common import UsageError, UsageParser, run_command
+from common import UsageError, UsageParser, check_output_file, check_output_folder, make_parent, run_command
 from tools.sweep_report import curves_of, log_records, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
@@ -70,10 +71,17 @@ def cmd_run(args, extra):
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
     t0 = time.time()
 
-    for g in grid:  # before anything starts: an existing run must have been trained as requested
+    import data
+    import train
+    check_output_folder("--root", args.root)
+    datasets = args.datasets.split(",")
+    for ds in datasets:  # before any preparation: a later dataset's typo would stop the sweep
+        data.check_dataset(ds)
+    for flag, reader in dataset_flags().items():  # flags_for drops it for the other datasets: one must read it
+        if flag in train.given_flags(extra) and reader not in datasets:
+            raise UsageError(f"-- --{flag}: no dataset of --datasets {args.datasets} reads it (used by {reader})")
+    for g in grid:  # before anything starts: train.py's own checks, and an existing run trained as requested
         check_existing_run(run_dir(args.root, *g), train_argv(args.root, *g, extra))
-    os.makedirs(args.root, exist_ok=True)
-    log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
 
     def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
@@ -92,6 +100,8 @@ def cmd_run(args, extra):
         return rc
 
     prepare_data(args.datasets.split(","), extra)  # once, here: parallel runs never prepare the same folder
+    os.makedirs(args.root, exist_ok=True)  # only now: a sweep refused above leaves no folder
+    log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
     if args.jobs > 1:
         pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
         try:
@@ -111,6 +121,9 @@ def cmd_run(args, extra):
 # train.py flags every grid run sets itself (train_argv); given after `--` they would win and, for
 # --out_dir, make every run write into one folder
 SWEEP_SET_FLAGS = ("--model", "--depth", "--dataset", "--seed", "--data_seed", "--out_dir", "--resume")
+# train.py flags a sweep cannot use: every grid run trains (the flag -> what to do instead)
+SWEEP_REFUSED_FLAGS = {"--eval_only": "a sweep trains every run; evaluate a finished one with "
+                                      "python train.py --eval_only --out_dir RUN"}
 
 
 def train_argv(root, ds, m, k, s, lr, extra):
@@ -121,18 +134,22 @@ def train_argv(root, ds, m, k, s, lr, extra):
 
 
 def check_existing_run(out, argv):
-    """UsageError naming the flag and both values when the run folder out already holds a run
-    (its log's last start event) whose train.py settings differ from those argv asks for, after
-    train.py's own defaults are filled in (machine flags such as --out_dir or --device aside):
-    skipping or resuming it would mix settings in one grid cell."""
+    """train.py's own checks of one grid run's flags argv (train.check_flags: a bad value such as
+    --max_iters 0, a flag the run ignores), then a UsageError naming the flag and both values when
+    the run folder out already holds a run (its log's last start event) whose train.py settings
+    differ from those argv asks for, after train.py's own defaults are filled in (machine flags
+    such as --out_dir or --device aside): skipping or resuming it would mix settings in one grid cell."""
     import train
     from harness.checkpoint import MACHINE_FLAGS
     from harness.config import unread_model_flags
+    try:
+        requested = vars(train.check_flags(train.parse_args(argv), train.given_flags(argv)))
+    except UsageError as e:  # the run it would fail (a model may refuse a value the others take)
+        raise UsageError(f"{out}: {e}") from None
     start = [r for r in log_records(out) if r.get("event") == "start"]
     if not start:
         return
     saved = start[-1].get("args", {})
-    requested = vars(train.resolve_args(train.parse_args(argv)))
     unread = unread_model_flags(requested["model"])  # (older sweeps passed them)
     for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
@@ -141,23 +158,32 @@ def check_existing_run(out, argv):
 
 
 def flags_for(dataset, extra, model=None):
-    """extra without the flags train.py refuses for this run: --data_dir X unless dataset is dmmath,
-    and a model's own flag (models.model_flags(): --window, --n_core, --plt_window, ...) unless model
-    reads it, so one sweep can compare models with a setting only some of them have."""
+    """extra without the flags train.py refuses for this run: a dataset's own flag (dataset_flags():
+    --data_dir X, --em_samples N) unless dataset is the one that reads it, and a model's own flag
+    (models.model_flags(): --window, --n_core, --plt_window, ...) unless model reads it, so one
+    sweep can compare models and datasets with a setting only some of them have."""
     import train
     from harness.config import unread_model_flags
     actions = train.build_parser()._option_string_actions
     unread = unread_model_flags(model) if model is not None else set()
+    unread |= {flag for flag, reader in dataset_flags().items() if dataset != reader}
     out, i = [], 0
     while i < len(extra):
         f = extra[i]
         action = actions.get(f.split("=", 1)[0])
         n = 1 if action is None or "=" in f or action.nargs == 0 else 2  # the flag and its value
         dest = action.dest if action is not None else None
-        if not (dest == "data_dir" and dataset != "dmmath" or dest in unread):
+        if dest not in unread:
             out += extra[i:i + n]
         i += n
     return out
+
+
+def dataset_flags():
+    """train.py's flags that one dataset alone reads: {flag: that --dataset} (--data_dir and
+    config.DATASET_FLAGS)."""
+    from harness.config import DATASET_FLAGS
+    return {"data_dir": "dmmath", **DATASET_FLAGS}
 
 
 def prepare_data(datasets, extra):
@@ -165,7 +191,8 @@ def prepare_data(datasets, extra):
     import data
     a = train_flags(extra)
     for ds in datasets:
-        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root, **data.flag_options(a))
+        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root, **data.flag_options(a),
+                     allow_empty_splits=False)  # an empty split would fail every run of the dataset
 
 
 def train_flags(extra):
@@ -180,6 +207,9 @@ def cmd_collect(root, to):
     to commit, and <root>/sweep-output.txt (the run commands' output). A summary of a resumed run
     written before train.py recorded resumes gets the log's resumed_at and wall_s_this_process_only."""
     n = 0
+    check_output_folder("--to", to)
+    if os.path.isdir(to) and os.path.samefile(root, to):  # every copy would be its own source
+        raise UsageError(f"--to {to}: the same folder as --root; collect copies the runs into another folder")
     if os.path.exists(os.path.join(root, "sweep-output.txt")):
         os.makedirs(to, exist_ok=True)
         shutil.copyfile(os.path.join(root, "sweep-output.txt"), os.path.join(to, "sweep-output.txt"))
@@ -207,12 +237,12 @@ def cmd_collect(root, to):
 
 
 def check_outputs(out, into):
-    """UsageError before a report writes anything: --out in a folder that does not exist, a folder
-    itself, or the same file as --into (the report alone would replace that document)."""
+    """UsageError before a report writes anything: --out a folder, under a file or where nothing
+    can be written (common.check_output_file; a missing folder is created), or the same file as
+    --into (the report alone would replace that document)."""
     if out is None:
         return
-    if os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise UsageError(f"--out {out}: give a file path in an existing folder")
+    check_output_file("--out", out)
     if into is not None and os.path.exists(into) and os.path.exists(out) and os.path.samefile(out, into):
         raise UsageError(f"--out {out}: the same file as --into; --into writes the report into it already")
 
@@ -232,6 +262,9 @@ def check_run_flags(args, extra):
     known, unknown = train.build_parser().parse_known_args(extra)
     if unknown:
         raise UsageError(f"-- {' '.join(unknown)}: not a train.py flag (python train.py --help lists them)")
+    for flag, instead in SWEEP_REFUSED_FLAGS.items():
+        if flag.lstrip("-") in train.given_flags(extra):
+            raise UsageError(f"-- {flag}: {instead}")
     own = [f for f in SWEEP_SET_FLAGS if f in extra or any(e.startswith(f + "=") for e in extra)]
     if own:
         raise UsageError(f"-- {', '.join(own)}: the sweep sets this itself per run; use --models/--depths/"
@@ -302,6 +335,7 @@ def main(argv=None):
     from tools.sweep_report import (budget_report, grid_report, lr_report, plot, replace_between_markers, report,
                                     report_markers, throughput_report)
     if args.cmd == "plot":
+        check_output_folder("--out", args.out)
         plot(args.root, args.out)
         return 0
     else:
@@ -312,7 +346,7 @@ def main(argv=None):
         if args.into:
             replace_between_markers(args.into, report_markers(args.root, args.mode), text)
         if args.out:
-            with open(args.out, "w") as f:
+            with open(make_parent(args.out), "w") as f:
                 f.write(text)
         print(text, end="")
 
