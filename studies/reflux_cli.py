@@ -6,6 +6,7 @@ reads as the method alone. Bad input raises UsageError (cli: one line "error: ..
 """
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
-from common import ModelConfig, UsageError, UsageParser, run_command
+from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
+                    run_command)
 from harness.datacheck import check_data, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -129,54 +131,94 @@ def train_router(base, router, data, T, max_iters=200, batch_size=8, lr=1e-3, la
 
 # =============================================================================== command line
 
-def _common(p):
-    p.add_argument("--base", required=True, help="a train.py checkpoint of an untied or loop Transformer++")
-    p.add_argument("--data_root", default=None, help="where its dataset is prepared (default: the checkpoint's)")
-    p.add_argument("--split", default="dev", help="dev, or test (the dataset's test split)")
-    p.add_argument("--eval_windows", type=int, default=0, help="fixed windows evaluated (default: the checkpoint's)")
-    p.add_argument("--batch_size", type=int, default=16, help="windows per evaluation batch")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--block", type=int, default=0, help="router block length w (default: block_size / 8)")
-    p.add_argument("--xi", type=float, default=0.6, help="router threshold ξ (open iff gate >= ξ)")
-    p.add_argument("--router_rank", type=int, default=64, help="router hidden width r")
-    p.add_argument("--alpha_max", type=float, default=0.5, help="router α_e = alpha_max sigmoid(a_e)")
-    p.add_argument("--max_iters", type=int, default=200, help="router training updates")
-    p.add_argument("--router_batch", type=int, default=8, help="router training windows per update")
-    p.add_argument("--lr", type=float, default=1e-3, help="router learning rate (AdamW)")
-    p.add_argument("--lam", type=float, default=1e-3, help="λ of the gate penalty λ mean(g)")
-    p.add_argument("--seed", type=int, default=0, help="router init and training windows")
-    p.add_argument("--json", default=None, help="write the results here as JSON")
+# the router's flags: ignored without --router (sweep: with --no_router), so refused there
+ROUTER_FLAGS = ("block", "xi", "router_rank", "alpha_max", "max_iters", "router_batch", "lr", "lam", "seed")
+ALPHA_INIT = inspect.signature(Router).parameters["alpha_init"].default  # the router's initial α_e (0.2)
+
+
+def _common(add):
+    add("--base", required=True, help="a train.py checkpoint of an untied or loop Transformer++")
+    add("--data_root", default=None, help="where its dataset is prepared (default: the checkpoint's)")
+    add("--split", default="dev", help="dev, or test (the dataset's test split)")
+    add("--eval_windows", type=int, default=None, help="fixed windows evaluated, >= 1 (default: the checkpoint's)")
+    add("--batch_size", type=int, default=16, help="windows per evaluation batch")
+    add("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add("--block", type=int, default=None, help="router block length w, 1 <= w < block_size (default: block_size / 8)")
+    add("--xi", type=float, default=0.6, help="router threshold ξ (open iff gate >= ξ)")
+    add("--router_rank", type=int, default=64, help="router hidden width r")
+    add("--alpha_max", type=float, default=0.5, help=f"router α_e = alpha_max sigmoid(a_e), in ({ALPHA_INIT}, 1]")
+    add("--max_iters", type=int, default=200, help="router training updates")
+    add("--router_batch", type=int, default=8, help="router training windows per update")
+    add("--lr", type=float, default=1e-3, help="router learning rate (AdamW)")
+    add("--lam", type=float, default=1e-3, help="λ of the gate penalty λ mean(g)")
+    add("--seed", type=int, default=0, help="router init and training windows")
+    add("--json", default=None, help="write the results here as JSON")
+
+
+def build_parser(sweep, suppress_defaults=False):
+    """The parser of one run (sweep=False) or of the sweep subcommand; suppress_defaults leaves
+    unset flags out (to see which were given)."""
+    p = UsageParser(prog="-m studies.reflux_cli" + (" sweep" if sweep else ""),
+                    description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.")
+    if not sweep:
+        p.epilog = ("subcommand: 'sweep' (edges x α x β per schedule, then the router; "
+                    "python -m studies.reflux_cli sweep --help)")
+
+    def add(*names, **kw):
+        if suppress_defaults:
+            kw["default"] = argparse.SUPPRESS
+        p.add_argument(*names, **kw)
+
+    _common(add)
+    if sweep:
+        add("--schedules", default=",".join(SCHEDULES), help="comma-separated schedules")
+        add("--edges", default="all", help="all, or comma-separated S:D")
+        add("--alphas", default="0.05,0.1,0.2,0.3", help="comma-separated α, each in (0, 1]")
+        add("--betas", default="0.9,1.0", help="comma-separated β, each in [0, 1]")
+        add("--no_router", action="store_true", help="skip the router (edges only)")
+    else:
+        add("--schedule", default="stream", help="sync, stream2 or stream")
+        add("--edge", action="append", default=None, help="S:D (repeatable; default floor(0.6K):floor(0.3K))")
+        add("--alpha", type=float, default=None, help="write strength α in (0, 1] (default 0.2; --recirc 0.15)")
+        add("--beta", type=float, default=0.9, help="write β in [0, 1] (--recirc: 1 - α)")
+        add("--no_preserve_norm", action="store_true", help="no norm restore after the write")
+        add("--payload", default="delta", help="delta (z_s - z_d) or state (z_s)")
+        add("--recirc", action="store_true", help="recirculation baseline: payload state, β = 1 - α, no restore")
+        add("--router", action="store_true", help="train the router (backbone frozen) and evaluate it")
+        add("--prefill", default="parallel", help="stream's prompt in --sample: parallel or strict")
+        add("--sample", type=int, default=0, help="also generate this many tokens greedily")
+        add("--prompt", default="def ", help="the --sample prompt")
+    return p
+
+
+def check_alpha(flag, v):
+    """UsageError unless α is in (0, 1]: α <= 0 writes nothing (the base itself, reflux.write), and
+    above 1 the written payload (at the stream's norm) outweighs the stream (recirculation's
+    β = 1 - α would be negative)."""
+    if not 0 < v <= 1:
+        why = "α <= 0 writes nothing: the base itself" if v <= 0 else "above 1 the payload outweighs the stream"
+        raise UsageError(f"{flag} {v:g}: must lie in (0, 1] ({why})")
+
+
+def check_beta(flag, v):
+    """UsageError unless β is in [0, 1]: the share of the stream h the write keeps (β h)."""
+    if not 0 <= v <= 1:
+        raise UsageError(f"{flag} {v:g}: must lie in [0, 1] (the share β of the stream the write keeps)")
 
 
 def parse(argv):
     sweep = argv[:1] == ["sweep"]
-    p = UsageParser(prog="-m studies.reflux_cli" + (" sweep" if sweep else ""),
-                description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.")
-    _common(p)
-    if sweep:
-        p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated schedules")
-        p.add_argument("--edges", default="all", help="all, or comma-separated S:D")
-        p.add_argument("--alphas", default="0.05,0.1,0.2,0.3", help="comma-separated α")
-        p.add_argument("--betas", default="0.9,1.0", help="comma-separated β")
-        p.add_argument("--no_router", action="store_true", help="skip the router (edges only)")
-    else:
-        p.add_argument("--schedule", default="stream", help="sync, stream2 or stream")
-        p.add_argument("--edge", action="append", default=None, help="S:D (repeatable; default floor(0.6K):floor(0.3K))")
-        p.add_argument("--alpha", type=float, default=None, help="write strength α (default 0.2; --recirc 0.15)")
-        p.add_argument("--beta", type=float, default=0.9, help="write β (--recirc: 1 - α)")
-        p.add_argument("--no_preserve_norm", action="store_true", help="no norm restore after the write")
-        p.add_argument("--payload", default="delta", help="delta (z_s - z_d) or state (z_s)")
-        p.add_argument("--recirc", action="store_true", help="recirculation baseline: payload state, β = 1 - α, no restore")
-        p.add_argument("--router", action="store_true", help="train the router (backbone frozen) and evaluate it")
-        p.add_argument("--prefill", default="parallel", help="stream's prompt in --sample: parallel or strict")
-        p.add_argument("--sample", type=int, default=0, help="also generate this many tokens greedily")
-        p.add_argument("--prompt", default="def ", help="the --sample prompt")
-    a = p.parse_args(argv[1:] if sweep else argv)
+    argv = argv[1:] if sweep else argv
+    a = build_parser(sweep).parse_args(argv)
+    given = set(vars(build_parser(sweep, suppress_defaults=True).parse_args(argv)))
     a.sweep = sweep
     for flag in ("batch_size", "router_rank", "max_iters", "router_batch"):
         if getattr(a, flag) < 1:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 1")
-    for flag in ("eval_windows", "block", "threads") + (() if sweep else ("sample",)):
+    for flag in ("eval_windows", "block"):  # None: the checkpoint's count, block_size / 8
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 1 (leave it out for the default)")
+    for flag in ("threads",) + (() if sweep else ("sample",)):
         if getattr(a, flag) < 0:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 0")
     if not 0 < a.xi < 1:
@@ -184,23 +226,50 @@ def parse(argv):
     for flag in ("lr", "alpha_max"):
         if not 0 < getattr(a, flag) < math.inf:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be a finite number > 0")
+    if not ALPHA_INIT < a.alpha_max <= 1:  # the router's α_e start at 0.2 and stay below alpha_max
+        raise UsageError(f"--alpha_max {a.alpha_max:g}: must lie in ({ALPHA_INIT}, 1] (the router's α_e start at "
+                         f"{ALPHA_INIT} and stay below it)")
     if not 0 <= a.lam < math.inf:  # 0: no gate penalty
         raise UsageError(f"--lam {a.lam}: must be a finite number >= 0")
-    if not os.path.isfile(a.base):
-        raise UsageError(f"--base: no checkpoint at {a.base}")
     if sweep:
         a.schedules = [s for s in a.schedules.split(",") if s]
         for s in a.schedules:
             if s not in SCHEDULES:
                 raise UsageError(f"--schedules {s}: choose from {', '.join(SCHEDULES)}")
         a.alphas, a.betas = _floats(a.alphas, "--alphas"), _floats(a.betas, "--betas")
+        for v in a.alphas:
+            check_alpha("--alphas", v)
+        for v in a.betas:
+            check_beta("--betas", v)
+        router = not a.no_router
     else:
+        if a.alpha is not None:
+            check_alpha("--alpha", a.alpha)
+        check_beta("--beta", a.beta)
         if a.recirc and a.payload != "delta":
             raise UsageError("--recirc: sets --payload state itself; drop --payload")
         if a.router and (a.edge or a.recirc):
             flag = "--edge" if a.edge else "--recirc"
             raise UsageError(f"{flag}: not used with --router, which gates every pair (s, d) itself; drop {flag}")
         Settings(schedule=a.schedule, payload=a.payload, prefill=a.prefill).check(1)
+        router = a.router
+        ignored = {"alpha": "without --router (the router learns each edge's α)" if a.router else None,
+                   "beta": "without --recirc (which sets β = 1 - α)" if a.recirc else None,
+                   "no_preserve_norm": "without --recirc (which never restores the norm)" if a.recirc else None,
+                   "prompt": "with --sample" if not a.sample else None,
+                   "prefill": "with --schedule stream and --sample" if not (a.sample and a.schedule == "stream")
+                   else None}
+        for flag in sorted(f for f, rule in ignored.items() if rule and f in given):
+            raise UsageError(f"--{flag}: only used {ignored[flag]}; drop --{flag}")
+    for flag in (f for f in ROUTER_FLAGS if f in given and not router):
+        need = "without --no_router" if sweep else "with --router"
+        raise UsageError(f"--{flag}: only used {need} (a router flag); drop --{flag}")
+    if not os.path.isfile(a.base):
+        raise UsageError(f"--base: no checkpoint at {a.base}")
+    if a.data_root is not None:  # load prepares the dataset there when it is not
+        check_output_folder("--data_root", a.data_root)
+    if a.json:
+        check_output_file("--json", a.json)
     return a
 
 
@@ -227,6 +296,9 @@ def _setup(a):
     n = a.eval_windows or int(saved.get("eval_windows") or 32)
     T = base.cfg.block_size
     w = a.block or max(1, T // 8)
+    if a.block is not None and w >= T:  # the router decides block b+1 from block b: a window must hold at least two blocks
+        raise UsageError(f"--block {w}: must be < the base's block_size {T} (with one block per window every gate "
+                         "comes from the constant part alone)")
     return base, data, split, n, T, w
 
 
@@ -346,9 +418,7 @@ def main(argv=None):
     res = run_sweep(a) if a.sweep else run_one(a)
     res["command"] = "python -m studies.reflux_cli " + " ".join(argv)
     if a.json:
-        if os.path.dirname(a.json):
-            os.makedirs(os.path.dirname(a.json), exist_ok=True)
-        tmp = a.json + ".tmp"
+        tmp = make_parent(a.json) + ".tmp"
         with open(tmp, "w") as f:
             json.dump(res, f, indent=1)
         os.replace(tmp, a.json)

@@ -487,3 +487,55 @@ def test_cli_exit_code_and_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         reflux_cli.cli(["--bse", "x"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().startswith("error: the following arguments are required: --base")
+
+
+@pytest.mark.parametrize("argv, message", [
+    # the ranges of reflux.py / MATH.md: α in (0, 1] (α <= 0 writes nothing), β in [0, 1], w >= 1
+    (["--alpha", "-1"], "--alpha -1: must lie in (0, 1] (α <= 0 writes nothing: the base itself)"),
+    (["--alpha", "0"], "--alpha 0: must lie in (0, 1] (α <= 0 writes nothing: the base itself)"),
+    (["--alpha", "5"], "--alpha 5: must lie in (0, 1] (above 1 the payload outweighs the stream)"),
+    (["--beta", "1.5"], "--beta 1.5: must lie in [0, 1] (the share β of the stream the write keeps)"),
+    (["sweep", "--alphas", "0.1,2"], "--alphas 2: must lie in (0, 1] (above 1 the payload outweighs the stream)"),
+    (["sweep", "--betas", "-0.1"], "--betas -0.1: must lie in [0, 1] (the share β of the stream the write keeps)"),
+    (["--router", "--block", "0"], "--block 0: must be >= 1 (leave it out for the default)"),
+    (["--eval_windows", "0"], "--eval_windows 0: must be >= 1 (leave it out for the default)"),
+    (["--router", "--alpha_max", "0.1"], "--alpha_max 0.1: must lie in (0.2, 1] (the router's α_e start at 0.2 "
+                                         "and stay below it)"),
+    # a flag the run would ignore
+    (["--block", "8"], "--block: only used with --router (a router flag); drop --block"),
+    (["--max_iters", "5"], "--max_iters: only used with --router (a router flag); drop --max_iters"),
+    (["sweep", "--no_router", "--xi", "0.5"], "--xi: only used without --no_router (a router flag); drop --xi"),
+    (["--router", "--alpha", "0.3"], "--alpha: only used without --router (the router learns each edge's α); "
+                                     "drop --alpha"),
+    (["--recirc", "--beta", "0.5"], "--beta: only used without --recirc (which sets β = 1 - α); drop --beta"),
+    (["--prompt", "x"], "--prompt: only used with --sample; drop --prompt"),
+    (["--schedule", "sync", "--sample", "3", "--prefill", "strict"],
+     "--prefill: only used with --schedule stream and --sample; drop --prefill"),
+])
+def test_cli_refuses_values_out_of_range_and_ignored_flags(argv, message, tmp_path, monkeypatch, capsys):
+    """--alpha -1 ran and reported "change +0.0000", --alpha 5 and --block 0 ran, --eval_windows 0 quietly
+    took the checkpoint's count: each is one line, exit 2, before the checkpoint is read."""
+    monkeypatch.chdir(tmp_path)
+    sweep = argv[:1] == ["sweep"]
+    with pytest.raises(SystemExit) as e:
+        reflux_cli.cli(argv[:1] * sweep + ["--base", "x.pt"] + argv[sweep:])
+    assert (e.value.code, capsys.readouterr().err) == (2, f"error: {message}\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_block_must_leave_two_blocks_per_window_and_json_must_be_a_file(ckpt, tmp_path):
+    with pytest.raises(UsageError, match=r"^--block 32: must be < the base's block_size 32 \(with one block per "
+                                         r"window every gate comes from the constant part alone\)$"):
+        reflux_cli.main(["--base", ckpt[0], "--router", "--block", "32"])
+    with pytest.raises(UsageError, match=f"^--json {tmp_path}: is a folder; give a file path$"):
+        reflux_cli.main(["--base", ckpt[0], "--json", str(tmp_path)])
+
+
+def test_cli_help_lists_the_sweep_subcommand(capsys):
+    """results/reflux/README.md runs `reflux_cli sweep`, which --help did not mention."""
+    with pytest.raises(SystemExit) as e:
+        reflux_cli.cli(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    assert "subcommand: 'sweep' (edges x α x β per schedule, then the router; python -m studies.reflux_cli sweep " \
+           "--help)" in out
