@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import ModelConfig, UsageError, UsageParser, run_command
+from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
+                    run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -79,9 +80,9 @@ def run(args):
         print(f"  {'ID ' if lv in task.id_levels else 'OOD'} {lv:6s} {task.metric}: {v:.4f}")
     print(f"  ({time.time() - t0:.0f} s)")
     if args.save:
-        torch.save(latent_params(llm), args.save)
+        torch.save(latent_params(llm), make_parent(args.save))
     if args.json:
-        with open(args.json, "a") as f:
+        with open(make_parent(args.json), "a") as f:
             f.write(json.dumps(rec) + "\n")
 
 
@@ -403,6 +404,8 @@ def run_parser():
 
 
 def check_args(args):
+    """UsageError for a value out of its range, an unknown task, policy or mode, or an output path
+    that cannot be written (a missing folder is created when written), before any work."""
     for flag in ("n_train", "epochs", "batch_size", "n_test", "threads", "steps", "n_samples", "n_dev",
                  "eval_interval", "depth"):
         if getattr(args, flag, 1) < 1:
@@ -427,6 +430,11 @@ def check_args(args):
             get_task(t)
     for p in getattr(args, "extra", []):
         parse_policy(p)
+    for flag in ("save", "json"):  # run's output files: checked here, not after the training
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
+    if getattr(args, "out_dir", None):  # pretrain's and sweep's output folder
+        check_output_folder("--out_dir", args.out_dir)
 
 
 def main(argv=None):

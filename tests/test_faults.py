@@ -473,6 +473,61 @@ def test_fit_skips_a_law_whose_variables_do_not_vary():
         flops_fit.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
 
 
+def fit_log(folder, dev_nll, sweep=None):
+    """A finished train.py run for flops_fit.read_run: log.jsonl with a start, a summary and, with
+    sweep = (depths, dev NLLs), a depth_sweep event."""
+    os.makedirs(folder, exist_ok=True)
+    cfg = ModelConfig(model="tango", vocab_size=64, block_size=16, n_embd=32, n_head=1, depth=2, width=32)
+    events = [{"event": "start", "config": cfg.to_dict(), "args": {"batch_size": 2, "gradient_accumulation_steps": 1},
+               "non_embedding_params": 1000},
+              {"event": "summary", "best_iter": 10, "dev_nll": dev_nll, "tokens": 320}]
+    if sweep:
+        events.append({"event": "depth_sweep", "depths": sweep[0], "dev_nll": sweep[1]})
+    with open(os.path.join(folder, "log.jsonl"), "w") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in events))
+    return str(folder)
+
+
+@pytest.mark.parametrize("law, message", [
+    ("depth", "depth law: no run has a depth_sweep event (train.py --eval_depths, e.g. 1,2,4,8,16)"),
+    ("all", "depth law: no run has a depth_sweep event (train.py --eval_depths, e.g. 1,2,4,8,16); training law: "
+            "1 points cannot determine 5 parameters; unified law: no run has a depth_sweep event (train.py "
+            "--eval_depths, e.g. 1,2,4,8,16)"),
+])
+def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tmp_path, capsys):
+    """--law depth without any depth_sweep printed nothing, exited 0 and wrote [] to --out; now
+    nothing fittable is one line naming what is missing, exit 2, no file."""
+    run = fit_log(tmp_path / "run", 2.0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        flops_fit.main([run, "--law", law, "--restarts", "1", "--out", str(tmp_path / "fits.json")])
+    assert e.value.code == 2
+    assert capsys.readouterr() == ("", f"tools.flops_fit: error: nothing could be fit: {message}\n")
+    assert os.listdir(tmp_path) == ["run"]
+
+
+def test_fit_says_skipped_for_every_law_it_cannot_fit(tmp_path, capsys):
+    """--law all said "skipped: ..." for the training and unified laws but nothing for the depth law
+    when no run had a sweep; every law asked for has a line now. --out in a missing folder is
+    created (as every command's output paths); --out under a file is refused before the fits."""
+    swept = fit_log(tmp_path / "a", 2.0, ([1, 2, 4, 8], [3.0, 2.5, 2.2, 2.1]))
+    rows = flops_fit.fit_runs([flops_fit.read_run(fit_log(tmp_path / "b", 2.1))], "all", restarts=1)
+    assert [(r["law"], r["label"], r["error"]) for r in rows if r["law"] == "depth"] == [
+        ("depth", "every run", flops_fit.NO_SWEEP.format("depth"))]
+    capsys.readouterr()
+    assert flops_fit.main([swept, str(tmp_path / "b"), "--law", "all", "--restarts", "1",
+                           "--out", str(tmp_path / "new" / "fits.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["depth", "training", "unified"]
+    assert "L_inf=" in out[0] and "skipped: training law: 2 points" in out[1] and "skipped: unified law" in out[2]
+    assert [r["law"] for r in json.load(open(tmp_path / "new" / "fits.json"))] == ["depth", "training", "unified"]
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        flops_fit.main(["no-such-run", "--out", str(tmp_path / "afile" / "f.json")])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"tools.flops_fit: error: --out {tmp_path / 'afile' / 'f.json'}: {tmp_path / 'afile'} is a file, not a folder\n")
+
+
 # ============================================================================ 6. sweep settings
 
 def fake_run(folder, argv, summary):
@@ -703,6 +758,35 @@ def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv,
     assert code == 2 and out == "", (code, out)
     assert err.count("\n") == 1 and re.match(r"(\S+ )*error: ", err) and needle in err, err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("data.py", ["--dataset", "stdlib", "--data_root", "afile"], "error: --data_root afile: exists and is not a folder"),
+    ("train.py", ["--out_dir", "afile/run"], "error: --out_dir afile/run: TMP/afile is a file, not a folder"),
+    ("tools.flops_fit", ["run", "--out", "afile/f.json"],
+     "tools.flops_fit: error: --out afile/f.json: TMP/afile is a file, not a folder"),
+    ("tools.flops_fit", ["run", "--out", "."], "tools.flops_fit: error: --out .: is a folder; give a file path"),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--save", "afile/z.pt"],
+     "error: --save afile/z.pt: TMP/afile is a file, not a folder"),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--json", "."],
+     "error: --json .: is a folder; give a file path"),
+    ("studies.latent_experiments", ["pretrain", "--out_dir", "afile"], "error: --out_dir afile: exists and is not a folder"),
+    ("studies.latent_experiments", ["sweep", "--base", "x.pt", "--out_dir", "afile"],
+     "error: --out_dir afile: exists and is not a folder"),
+    ("studies.reflux_cli", ["--base", "afile", "--json", "."], "error: --json .: is a folder; give a file path"),
+    ("studies.reflux_cli", ["sweep", "--base", "afile", "--data_root", "afile"],
+     "error: --data_root afile: exists and is not a folder"),
+])
+def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
+    """An output folder that is a file, or an output file under a file or that is a folder, gave a
+    traceback (FileExistsError, FileNotFoundError, RuntimeError), some only after all the work was
+    done; now one line naming the flag, exit 2, before anything is read or written
+    (common.check_output_folder / check_output_file; a missing folder is created, not refused)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    code, out, err = run_cli(script, argv, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", message.replace("TMP", str(tmp_path)) + "\n")
+    assert os.listdir(tmp_path) == ["afile"]
 
 
 @pytest.mark.parametrize("script,argv,message", [

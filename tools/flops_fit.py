@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from common import ExitParser, ModelConfig, UsageError, run_command
+from common import ExitParser, ModelConfig, UsageError, check_output_file, make_parent, run_command
 from flops import RECURRENT_MODELS, unrolled_params
 
 
@@ -204,15 +204,22 @@ def read_run(path):
             "sweep_depths": sweep["depths"] if sweep else None, "sweep_nll": sweep["dev_nll"] if sweep else None}
 
 
+NO_SWEEP = "{} law: no run has a depth_sweep event (train.py --eval_depths, e.g. 1,2,4,8,16)"
+
+
 def fit_runs(runs, law="all", restarts=32):
     """Fit the laws to runs (read_run dicts): depth law per run with a sweep; training and
     unified laws per model over its runs. Returns a list of {"law", "model", "label", "points",
-    "params" | "error"}."""
+    "params" | "error"}: every law asked for that cannot be fit has a row with the reason (the
+    depth law without any sweep one row for all runs, labelled "every run")."""
     out = []
     by_model = {}
     for r in runs:
         by_model.setdefault(r["model"], []).append(r)
     if law in ("all", "depth"):
+        if not any(r["sweep_depths"] for r in runs):
+            out.append({"law": "depth", "model": "-", "label": "every run", "points": 0,
+                        "error": NO_SWEEP.format("depth")})
         for r in runs:
             if r["sweep_depths"]:
                 row = {"law": "depth", "model": r["model"], "label": str(r["path"]), "points": len(r["sweep_depths"])}
@@ -237,7 +244,7 @@ def fit_runs(runs, law="all", restarts=32):
             try:
                 row["params"] = fit_unified_law(*zip(*pts), restarts=restarts) if pts else None
                 if row["params"] is None:
-                    raise UsageError("unified law: no run has a depth_sweep event")
+                    raise UsageError(NO_SWEEP.format("unified"))
             except UsageError as e:
                 row.pop("params", None)
                 row["error"] = str(e)
@@ -246,7 +253,9 @@ def fit_runs(runs, law="all", restarts=32):
 
 
 def main(argv=None):
-    """python -m tools.flops_fit RUN [RUN ...] [--law all|depth|training|unified] [--restarts R] [--out F]"""
+    """python -m tools.flops_fit RUN [RUN ...] [--law all|depth|training|unified] [--restarts R] [--out F]:
+    one line per fit, or "skipped: REASON" per law that cannot be fit; exit 2 with one line and no
+    --out written when none can."""
     import json
     p = ExitParser(prog="tools.flops_fit", description="Fit Parcae's scaling laws to train.py run logs.")
     p.add_argument("runs", nargs="+", help="run directories (or their log.jsonl)")
@@ -257,7 +266,11 @@ def main(argv=None):
     if a.restarts < 1:
         p.error(f"--restarts {a.restarts}: must be >= 1")
     try:
+        if a.out:
+            check_output_file("--out", a.out)  # before the fits, not after them
         rows = fit_runs([read_run(r) for r in a.runs], a.law, a.restarts)
+        if not any("params" in row for row in rows):  # nothing to print or write but the reasons
+            raise UsageError("nothing could be fit: " + "; ".join(dict.fromkeys(row["error"] for row in rows)))
     except UsageError as e:
         p.exit(2, f"tools.flops_fit: error: {e}\n")
     for row in rows:
@@ -267,7 +280,7 @@ def main(argv=None):
         else:
             print(f"{row['law']:<9}{row['model']:<8}{row['points']:>4} pts  skipped: {row['error']}  [{row['label']}]")
     if a.out:
-        with open(a.out, "w") as f:
+        with open(make_parent(a.out), "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 
