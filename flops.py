@@ -33,7 +33,8 @@ counter_expected_macs gives what torch.utils.flop_counter.FlopCounterMode / 2 re
 forward of the default ("fast") implementation; it differs from the convention only by padding,
 spelled out there. train_flops = 3 x forward x 2 FLOPs/MAC (backward ~ 2 x forward): 6 N D style.
 
-CLI: python flops.py --size 70M --depth 4 --block_size 8192 [--vocab_size 50257] [--window 256]
+CLI: python flops.py --size 70M --depth 4 --block_size 8192 [--vocab_size 50257] [--window W --chunk C ...]
+     (each model as train.py builds it: its model flags, --window/--chunk/--gau_s/--block_size the tier's by default)
      python -m tools.flops_fit RUN_DIR [RUN_DIR ...] [--law all|depth|training|unified]   (Parcae's fits)
 
 Parcae / RDM (MATH.md, "Parcae and RDM"): forward MACs at cfg.depth recurrences
@@ -41,6 +42,7 @@ Parcae / RDM (MATH.md, "Parcae and RDM"): forward MACs at cfg.depth recurrences
 the scaling-law fits of "Parcae: Scaling Laws For Stable Looped Language Models" (arXiv 2604.12946,
 §5.2 training law, §5.3 test-time and unified laws) in tools/flops_fit.py.
 """
+import argparse
 import math
 import sys
 
@@ -162,23 +164,120 @@ def parcae_effective_flops(N1: float, N2: float, D: float) -> float:
     return (2.0 * N1 + 6.0 * N2) * D
 
 
-PAPER_SETTING = {"size": "70M", "depth": 4, "block_size": 8192, "vocab_size": 50257, "window": 256}
+# ============================================================================= the model train.py builds
+# This CLI, tools.bench and tools.bench decode build their models from train.py's own flags and
+# resolution (its "model" flag group, harness.config.TIER_DEFAULTS, models.model_config), so a
+# model there is the one `train.py` builds for the same --model/--size/--depth/--block_size.
+
+def train_model_flags():
+    """The names of train.py's model flags a tool passes on: --width and every registry model flag
+    (models.model_flags(): --window, --chunk, --gau_s, --n_core, ...)."""
+    return ("width", *models.model_flags())
+
+
+def add_train_model_flags(p):
+    """Declare train.py's model flags (train_model_flags) on parser p, with train.py's types, help
+    and defaults (the tier's for --window, --chunk and --gau_s). An unset flag stays out of the
+    parsed namespace, so given_train_flags tells the flags given from the defaults."""
+    import train
+    wanted = train_model_flags()
+    g = p.add_argument_group("train.py's model flags")
+    for act in train.build_parser()._actions:  # argparse has no public list of a parser's arguments
+        if act.dest not in wanted:
+            continue
+        text = act.help if "default" in act.help else f"{act.help} (default: {act.default})"
+        if isinstance(act, argparse.BooleanOptionalAction):
+            g.add_argument(act.option_strings[0], action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=text)
+        else:
+            g.add_argument(*act.option_strings, type=act.type, choices=act.choices, default=argparse.SUPPRESS,
+                           help=text)
+
+
+def given_train_flags(a):
+    """{flag: value} of the train.py model flags given on a command line parsed with add_train_model_flags."""
+    return {f: getattr(a, f) for f in train_model_flags() if hasattr(a, f)}
+
+
+def train_flags(size, given=None):
+    """{flag: value} of every train.py model flag (train_model_flags) at tier `size`: the `given`
+    value, else train.py's default, resolved from the tier where that is unset (--window, --chunk,
+    --gau_s: harness.config.TIER_DEFAULTS, as harness.config.resolve_args does)."""
+    import train
+    from harness.config import TIER_DEFAULTS
+    args = train.parse_args([])
+    vars(args).update(given or {})
+    for k, v in TIER_DEFAULTS[size].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return {f: getattr(args, f) for f in train_model_flags()}
+
+
+def train_config(model, size, depth, block_size, vocab_size, flags):
+    """(ModelConfig, non-embedding parameter target) of the model `python train.py --model MODEL
+    --size SIZE --depth DEPTH --block_size T` builds with the model flags `flags` (train_flags's
+    dict) on a vocabulary of vocab_size (models.model_config: the width solved to the tier's
+    target unless flags["width"]). UsageError for a value train.py refuses."""
+    args = argparse.Namespace(model=model, size=size, depth=depth, block_size=block_size, **flags)
+    return models.model_config(args, vocab_size)
+
+
+def unread_flags_error(given, names):
+    """The one-line error for a model flag in `given` that none of the models `names` reads (it
+    would be silently ignored), else None."""
+    users = models.model_flags()
+    for flag in sorted(set(given) & set(users)):
+        if not set(users[flag]) & set(names):
+            return (f"--{flag}: only used with --model {', '.join(users[flag])}; none of the models run "
+                    f"({', '.join(names)}) reads it (drop the flag)")
+    return None
+
+
+def flags_text(flags, names):
+    """"train.py's model flags --window 64 --gau_s 128 --chunk 64" (for a header): the model flags
+    the models `names` read whose value comes from the tier or differs from train.py's default, and
+    --width when set."""
+    import train
+    defaults = vars(train.parse_args([]))
+    read = {"width"} | {f for n in names for f in models.spec_of(n).flags}
+    shown = [f for f in train_model_flags() if f in read and (defaults[f] is None or flags[f] != defaults[f])]
+    return ("train.py's model flags " + " ".join(f"--{f} {flags[f]}" for f in shown) if shown
+            else "train.py's default model flags")
+
+
+PAPER_SETTING = {"size": "70M", "depth": 4, "block_size": 8192, "vocab_size": 50257}  # and train.py's model flags
 
 
 def _parse(argv):
-    p = ExitParser(prog="flops.py", description="Analytical forward MACs per sequence (MATH.md, \"Cost\"). "
-                "Parcae's scaling-law fits to run logs: python -m tools.flops_fit RUN [RUN ...].")
+    import train
+    from harness.config import TIER_DEFAULTS, tier_default
+    p = ExitParser(prog="flops.py", description="Analytical forward MACs per sequence (MATH.md, \"Cost\") of the "
+                   "models train.py builds. Parcae's scaling-law fits to run logs: python -m tools.flops_fit RUN [RUN ...].",
+                   formatter_class=train._Help)  # train.py's help: each flag's default
     p.add_argument("--size", default="70M", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K (>= 1)")
-    p.add_argument("--block_size", type=int, default=8192, help="sequence length T (>= 1)")
-    p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (>= 1)")
-    p.add_argument("--window", type=int, default=256, help="Windowed TANGO window W (>= 1)")
+    p.add_argument("--block_size", type=int, help="sequence length T (>= 1); " + tier_default("block_size"))
+    p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (>= 1); GPT-2's, train.py's "
+                   "except at --size cpu, where it is the dataset's characters (416 for stdlib)")
+    add_train_model_flags(p)
     a = p.parse_args(argv)
     if a.size not in models.TIERS:
         p.error(f"--size {a.size}: choose one of {', '.join(models.TIERS)}")
-    for flag in ("depth", "block_size", "vocab_size", "window"):
+    if a.block_size is None:
+        a.block_size = TIER_DEFAULTS[a.size]["block_size"]
+    for flag in ("depth", "block_size", "vocab_size"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    given = given_train_flags(a)
+    a.flags = train_flags(a.size, given)
+    a.configs = {}  # model -> its ModelConfig, or the UsageError train.py would stop with
+    for name in models.REGISTRY:
+        try:
+            a.configs[name] = train_config(name, a.size, a.depth, a.block_size, a.vocab_size, a.flags)[0]
+        except UsageError as e:
+            if str(e).startswith(tuple(f"--{f} " for f in given)):  # a value given is wrong, not this model's choice
+                p.error(str(e))
+            a.configs[name] = e  # e.g. three sets need K >= 3: a skipped row
     return a
 
 
@@ -187,23 +286,21 @@ def _sci(x):
 
 
 def main(argv=None):
-    """Print one row per registered model: solved width, non-embedding params, forward MACs, and
-    at the paper's setting (70M, K=4, T=8192, V=50257, W=256) the TANGO paper's §4.1 figure and the
-    difference."""
+    """Print one row per registered model as train.py builds it (flops.train_config): width,
+    non-embedding params, forward MACs, and at the paper's setting (70M, K=4, T=8192, V=50257,
+    train.py's model flags, so W=256) the TANGO paper's §4.1 figure and the difference. A model
+    train.py would refuse at these flags is a "skipped" row saying why; a value given that a model
+    refuses (--gau_s 16, --width 100 for a width granularity of 8, ...) is a one-line error, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
     a = _parse(argv)
     d, H, target = models.TIERS[a.size]
-    paper = vars(a) == PAPER_SETTING
+    paper = {k: getattr(a, k) for k in PAPER_SETTING} == PAPER_SETTING and a.flags == train_flags(a.size)
     print(f"forward MACs per sequence (MATH.md, Cost): tier {a.size} (d={d}, N*={target:,}), K={a.depth}, "
-          f"T={a.block_size}, V={a.vocab_size}, W={a.window}")
+          f"T={a.block_size}, V={a.vocab_size}, {flags_text(a.flags, models.REGISTRY)}")
     print(f"{'model':<16}{'width':>7}{'non-emb params':>16}{'fwd MACs':>10}" + (f"{'paper':>10}{'diff':>9}" if paper else ""))
-    for name in models.REGISTRY:
-        cfg = ModelConfig(model=name, vocab_size=a.vocab_size, block_size=a.block_size, n_embd=d,
-                          n_head=H, depth=a.depth, window=a.window)
-        try:
-            cfg = models.solve_width(cfg, target, strict=False)  # the CPU tier cannot always hit 0.20 %
-        except UsageError as e:  # e.g. three sets need K >= 3
-            print(f"{name:<16}  skipped: {e}")
+    for name, cfg in a.configs.items():
+        if isinstance(cfg, UsageError):
+            print(f"{name:<16}  skipped: {cfg}")
             continue
         macs = forward_macs(cfg, a.block_size)["total"]
         row = f"{name:<16}{cfg.width:>7}{models.count_params(cfg):>16,}{_sci(macs):>10}"

@@ -1,6 +1,7 @@
 """Smoke test of bench.py (not a timed test): a tiny run writes a table and JSON with the expected
 fields; the target arithmetic on hand-made rows; the CPU allocator setting of the timed steps."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -144,6 +145,7 @@ def test_quick_cpu_runs_every_model_and_the_long_four(tmp_path, mdm, data_root):
     assert mj["status"] == "ok" and mj["first_update_s"] > 0, mj
     assert mj["command"].startswith("python train.py --model tango --depth 2") and mj["command"].endswith("--device cpu")
     md = (tmp_path / "q.md").read_text()
+    assert "train.py's model flags --window 32 --gau_s 32 --chunk 32, batch" in md
     assert "| first step s | compile s | recompiles |" in md and "the GPU figures" in md and "not measured" in md
     assert f"first update after {mj['first_update_s']:.1f} s" in md
 
@@ -170,9 +172,11 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
 def test_cuda_defaults_and_quick_plan(monkeypatch):
     """What a GPU user gets (parsed here with CUDA pretended available; nothing runs)."""
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
     a = bench.parse(["--device", "cuda"])
     assert (a.size, a.block_sizes, a.compile, a.dtype) == ("70M", [2048, 8192], "both", "bfloat16")
-    assert a.batch_tokens == 32768 and a.vocab_size == 50257
+    assert a.batch_tokens == 32768 and a.vocab_size == 50257 and (a.steps, a.warmup, a.peak_n, a.peak_reps) == (2, 1, 8192, 10)
+    assert (a.flags["window"], a.flags["chunk"], a.flags["gau_s"]) == (256, 256, 128)  # the 70M tier's, as train.py
     assert bench.plan(a) == [(m, c, T) for T in (2048, 8192) for c in (False, True) for m in bench.models.REGISTRY]
     q = bench.parse(["--quick", "--device", "cuda"])
     assert q.batch_tokens == 32768 and q.warmup == 2 and q.steps == 3
@@ -209,3 +213,111 @@ def test_mfu_ratio_is_the_model_over_loop_transformer_pp():
     assert [r["mfu_vs_ref"] for r in rows] == pytest.approx([1.0, 0.5, 1.5, 1.0, 2.0])
     tg = bench_report.targets(rows)["min_mfu_vs_transformer_pp"]
     assert tg["value"] == pytest.approx(0.5) and tg["status"] == "MISS" and "tango" in tg["detail"]
+
+
+# ----------------------------------------------------------------------------- the model train.py builds, flags
+
+from test_flops import flags_for, train_py_config  # noqa: E402  (train.py's own resolution, for comparison)
+
+
+@pytest.mark.parametrize("size, flags", [("tiny", []), ("cpu", []), ("cpu", ["--chunk", "16", "--window", "8"]),
+                                         ("tiny", ["--width", "256", "--gau_s", "64", "--n_core", "3"])])
+@pytest.mark.parametrize("model", ["tango-windowed", "gau", "flash", "loop", "plt"])
+def test_bench_times_the_model_train_py_builds(model, size, flags, tmp_path):
+    """tools.bench built ModelConfig's W = 256, C = 256, s = 128 at every tier (at --size cpu, T = 256
+    it timed FLASH as one quadratic chunk, though training uses C = 64). Now a configuration's model
+    is the one `train.py --model M --size S --depth 4 --block_size T` builds with the same flags."""
+    a = bench.parse(["--models", model, "--size", size, "--depth", "4", "--block_sizes", "128,256", "--vocab_size", "100",
+                     *flags_for(model, flags)])
+    for T in (128, 256):
+        cfg = bench.child_config(bench.config_spec(a, model, False, T, 1))
+        assert cfg.to_dict() == train_py_config(model, size, 4, T, 100, tmp_path, *flags_for(model, flags)).to_dict()
+
+
+@pytest.mark.parametrize("size, flags", [("tiny", []), ("cpu", ["--chunk", "16"])])
+def test_bench_decode_builds_the_model_train_py_builds(size, flags, tmp_path):
+    """tools.bench decode built ModelConfig's W = C = 256, s = 128 and block size prompt + tokens:
+    now train.py's model at the tier's --block_size (128 here) with the same flags."""
+    from tools import bench_decode
+    for model in ("gau", "flash", "loopstack"):
+        given = dict(zip((f[2:] for f in flags_for(model, flags)[::2]), map(int, flags_for(model, flags)[1::2])))
+        row = bench_decode.decode_row(model, size, 2, 0, 2, 1, 0, vocab_size=100, **given)
+        cfg = train_py_config(model, size, 2, 128, 100, tmp_path, *flags_for(model, flags))
+        assert row["config"] == cfg.to_dict() and row["width"] == cfg.width, model
+
+
+def test_cpugrid_bench_commands_build_flash_with_the_grids_chunk():
+    """The two tools.bench commands of results/cpugrid/README.md (--size cpu, T = 256) still parse,
+    and now build every model as the grid's train.py runs did: FLASH with chunk 64, not 256."""
+    import shlex
+    with open(os.path.join(bench.ROOT, "results", "cpugrid", "README.md")) as f:
+        lines = [ln for ln in f.read().splitlines() if ln.startswith("OMP_NUM_THREADS=2 python -m tools.bench ")]
+    assert len(lines) == 2
+    for line in lines:
+        a = bench.parse(shlex.split(line)[4:])
+        cfgs = {m: bench.child_config(bench.config_spec(a, m, False, 256, 2)) for m in a.models}
+        assert (cfgs["flash"].chunk, cfgs["flash"].gau_s, cfgs["tango-windowed"].window) == (64, 128, 64)
+        assert a.json.startswith("results/cpugrid/") and a.md.startswith("results/cpugrid/")
+
+
+BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py decode: error: ")
+    (["--vocab_size", "0"], "--vocab_size 0: must be >= 1"), (["--steps", "0"], "--steps 0: must be >= 1"),
+    (["--peak_n", "0"], "--peak_n 0: must be >= 1"), (["--batch_tokens", "0"], "--batch_tokens 0: must be >= 1"),
+    (["--warmup", "0"], "--warmup 0: must be >= 1"), (["--rounds", "0"], "--rounds 0: must be >= 1"),
+    (["--depth", "0"], "--depth 0: must be >= 1"), (["--peak_reps", "-1"], "--peak_reps -1: must be >= 1"),
+    (["--threads", "-1"], "--threads -1: must be >= 0"),
+    (["--timeout", "-1"], "--timeout -1.0: must be a finite number of seconds > 0"),
+    (["--step_budget", "inf"], "--step_budget inf: must be a finite number of seconds > 0"),
+    (["--block_sizes", "0,64"], "--block_sizes: need positive integers"),
+    (["--device", "foo"], "--device foo: use auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:0"], "--device cuda:0: CUDA is not available on this machine; use --device cpu"),
+    (["--models", "tango-windowed", "--window", "0"], "--window 0: must be >= 1"),
+    (["--models", "flash", "--chunk", "0"], "--chunk 0: must be >= 1"),
+    (["--models", "gau", "--gau_s", "16"], "--gau_s 16: must be a positive multiple of 32"),
+    (["--models", "loop", "--width", "-8"], "--width -8: must be a positive multiple of 8"),
+    (["--models", "loop", "--chunk", "8"], "--chunk: only used with --model flash; none of the models run (loop)"),
+    (["--models", "tango-3set", "--depth", "2"], "--depth 2: TANGO with three gated-projection sets needs depth >= 3"),
+    (["--quick", "--block_sizes", "64"], "--block_sizes: --quick runs its own plan"),
+    (["--quick", "--compile", "on"], "--compile: --quick runs its own plan"),
+    (["decode", "--prompt", "0"], "--prompt 0: must be >= 1"), (["decode", "--tokens", "0"], "--tokens 0: must be >= 1"),
+    (["decode", "--warmup", "-1"], "--warmup -1: must be >= 0"), (["decode", "--vocab_size", "0"], "--vocab_size 0: must be >= 1"),
+    (["decode", "--threads", "-1"], "--threads -1: must be >= 0"), (["decode", "--depth", "0"], "--depth 0: must be >= 1"),
+    (["decode", "--block_size", "0"], "--block_size 0: must be >= 1"), (["decode", "--n_core", "0"], "--n_core 0: must be >= 1"),
+    (["decode", "--fold", "0"], "--fold 0: must be >= 1"), (["decode", "--width", "-8"], "--width -8: must be a positive"),
+    (["decode", "--device", "foo"], "--device foo: use auto, cpu, cuda or cuda:N"),
+    (["decode", "--chunk", "8"], "--chunk: only used with --model flash"),
+    (["decode", "--models", "flash", "--chunk", "0"], "--chunk 0: must be >= 1"),
+    (["--json", "."], "--json .: is a folder; give a file path"),
+    (["decode", "--json", "."], "--json .: is a folder; give a file path"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_BENCH)
+def test_bad_values_are_one_line_errors_and_nothing_is_written(argv, message, tmp_path, monkeypatch, capsys):
+    """--vocab_size 0 ran with 50257, --steps/--peak_n/--batch_tokens 0 with their defaults, --device
+    foo ended in a RuntimeError traceback: every numeric flag of tools.bench and tools.bench decode
+    out of range is one line naming it and what is allowed, exit code 2, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    out, err = capsys.readouterr()
+    prog = "bench.py decode" if argv[0] == "decode" else "bench.py"
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1, (e.value.code, out, err)
+    assert err.startswith(f"{prog}: error: {message}"), err
+    assert os.listdir(tmp_path) == []
+
+
+def test_default_outputs_go_to_the_ignored_out_folder(tmp_path, monkeypatch):
+    """Without --json/--md the outputs are out/bench/{bench,decode}_<device>.{json,md} (out/ is
+    git-ignored), so following docs/benchmarks.md leaves results/ as it is."""
+    with open(os.path.join(bench.ROOT, ".gitignore")) as f:
+        assert "out/" in f.read().split()
+    a = bench.parse(["--models", "loop"])
+    assert (a.json, a.md) == (os.path.join("out", "bench", "bench_cpu.json"), os.path.join("out", "bench", "bench_cpu.md"))
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["decode", "--models", "loopstack", "--size", "tiny", "--depth", "2", "--prompt", "2",
+                       "--tokens", "1", "--warmup", "0", "--vocab_size", "64"]) == 0
+    assert os.listdir(tmp_path) == ["out"]
+    assert sorted(os.listdir(tmp_path / "out" / "bench")) == ["decode_cpu.json", "decode_cpu.md"]
+    md = (tmp_path / "out" / "bench" / "decode_cpu.md").read_text()
+    assert "tier tiny, T=128, V=64, train.py's default model flags, batch 1" in md

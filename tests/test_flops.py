@@ -142,13 +142,47 @@ def test_cli_paper_rows(capsys):
     assert set(rows) == set(models.REGISTRY)
 
 
-@pytest.mark.parametrize("argv", [["--size", "7M"], ["--depth", "0"], ["--block_size", "0"], ["--depth", "x"]])
-def test_cli_bad_flags(argv, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "7M"], "--size 7M: choose one of tiny, cpu, 70M, 160M"), (["--depth", "0"], "--depth 0: must be >= 1"),
+    (["--block_size", "0"], "--block_size 0: must be >= 1"), (["--depth", "x"], "argument --depth: invalid int value"),
+    (["--vocab_size", "0"], "--vocab_size 0: must be >= 1"), (["--window", "0"], "--window 0: must be >= 1"),
+    (["--chunk", "0"], "--chunk 0: must be >= 1"), (["--gau_s", "0"], "--gau_s 0: must be a positive multiple of 32"),
+    (["--gau_s", "16"], "--gau_s 16: must be a positive multiple of 32"),
+    (["--size", "tiny", "--gau_s", "96"], "--gau_s 96: must be <= 64 (the residual width d"),
+    (["--width", "-8"], "--width -8: must be a positive multiple of 16 for --model tango"),
+    (["--n_core", "0"], "--n_core 0: must be >= 1"), (["--plt_window", "0"], "--plt_window 0: must be >= 1"),
+    (["--size", "tiny", "--fold_rank", "65"], "--fold_rank 65: must be <= 64"),
+    (["--lrt_subsets", "0"], "--lrt_subsets 0: must be >= 1"), (["--mu_rec", "-1"], "--mu_rec -1 / --mu_bwd 0: must be >= 1 (0 = default)"),
+])
+def test_cli_bad_flags(argv, message, capsys):
+    """Every numeric flag out of range is one line naming it and what is allowed, exit code 2 (a
+    value a model refuses, e.g. --gau_s 16, was a "skipped" row for GAU and FLASH, exit 0)."""
     with pytest.raises(SystemExit) as e:
         flops.main(argv)
     assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("flops.py: error:")
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"flops.py: error: {message}"), err
+
+
+def test_cli_help_shows_the_defaults(capsys):
+    """flops.py --help showed no defaults (it used T = 8192, W = 256 at every tier): now each flag's
+    default, the tier-dependent ones per tier (train.py's help, harness.config.TIER_DEFAULTS)."""
+    with pytest.raises(SystemExit) as e:
+        flops.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--size SIZE parameter tier: tiny, cpu, 70M, 160M (default: 70M)", "(default: 4)",
+                 "default: tiny 128 / cpu 128 / 70M 2048 / 160M 2048", "(default: 50257)",
+                 "Windowed TANGO window W; default: tiny 32 / cpu 64 / 70M 256 / 160M 256",
+                 "FLASH chunk C; default: tiny 32 / cpu 64", "--n_core N_CORE", "(default: 2)"):
+        assert text in out, text
+
+
+def test_cli_defaults_are_the_tiers(capsys):
+    """`flops.py --size tiny` printed T=8192 ... W=256: now the tiny tier's T = 128, W = C = s = 32."""
+    assert flops.main(["--size", "tiny", "--depth", "2"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "tier tiny (d=64, N*=400,000), K=2, T=128, V=50257, train.py's model flags --window 32 --gau_s 32 --chunk 32" in header
 
 
 @pytest.mark.parametrize("kw", [dict(model="lrt"), dict(model="lrt", lrt_kv=True, lrt_subsets=3),
@@ -166,3 +200,49 @@ def test_every_registered_model_names_a_mac_formula():
         fn = spec.macs if callable(spec.macs) else getattr(flops, spec.macs)
         cfg = small(name)
         assert fn(cfg, 60) == flops.forward_macs(cfg, 60), name
+
+
+# ----------------------------------------------------------------------------- the model train.py builds
+
+def train_py_config(model, size, depth, block_size, vocab_size, tmp_path, *flags):
+    """The ModelConfig train.py builds for these flags, through its own parsing, flag checks, tier
+    defaults (harness.config.resolve_args) and models.model_config; independent of flops.train_config."""
+    import train
+    from harness.config import check_model_flags, resolve_args
+    argv = ["--model", model, "--size", size, "--depth", str(depth), "--block_size", str(block_size), "--device", "cpu",
+            "--out_dir", str(tmp_path / "out"), "--data_root", str(tmp_path / "data"), *flags]
+    args = train.parse_args(argv)
+    check_model_flags(model, train.given_flags(argv))
+    return models.model_config(resolve_args(args), vocab_size)[0]
+
+
+def flags_for(model, flags):
+    """The flag/value pairs of `flags` that train.py accepts for --model model (it refuses a model
+    flag the model does not read): --width and the model's own flags."""
+    read = {"--width"} | {f"--{f}" for f in models.spec_of(model).flags}
+    return [x for k, v in zip(flags[::2], flags[1::2]) if k in read for x in (k, v)]
+
+
+def cli_rows(out):
+    """flops.main's printed rows: model -> (width, non-embedding params), and the header line."""
+    lines = out.splitlines()
+    return {ln.split()[0]: (int(ln.split()[1]), int(ln.split()[2].replace(",", ""))) for ln in lines[2:]}, lines[0]
+
+
+@pytest.mark.parametrize("size, flags", [("tiny", []), ("cpu", []), ("tiny", ["--chunk", "16", "--gau_s", "64"]),
+                                         ("cpu", ["--window", "8", "--width", "512"])])
+def test_cli_builds_the_models_train_py_builds(size, flags, tmp_path, capsys):
+    """flops.py built GAU/FLASH with ModelConfig's s = 128, C = 256, W = 256 whatever the tier (tiny:
+    gau width 2040 / 400,512 parameters against train.py's 2072 / 400,128). Now every row is the
+    model `train.py --size SIZE --depth 4 --block_size 128` builds (same flags), and the header
+    states the tier's --window/--chunk/--gau_s."""
+    from harness.config import TIER_DEFAULTS
+    assert flops.main(["--size", size, "--depth", "4", "--block_size", "128", "--vocab_size", "100", *flags]) == 0
+    rows, header = cli_rows(capsys.readouterr().out)
+    for m in ("tango-windowed", "gau", "flash", "loop", "plt"):
+        cfg = train_py_config(m, size, 4, 128, 100, tmp_path, *flags_for(m, flags))
+        assert rows[m] == (cfg.width, models.count_params(cfg)), m
+    given = dict(zip(flags[::2], flags[1::2]))
+    for flag in ("window", "chunk", "gau_s"):
+        assert f"--{flag} {given.get('--' + flag, TIER_DEFAULTS[size][flag])}" in header
+    assert "T=128, V=100" in header

@@ -28,11 +28,13 @@ is interpreter and CUDA start-up (~10 s each) and the regional compile (~10-20 s
 and the head, forward and backward), about 5-7 minutes in all on one H100/H200-class GPU. On CPU, --quick runs the same plan at
 T = 32 / 128 and V = 256, eager (an inductor compile takes minutes per model on CPU), in this
 process (no per-configuration interpreter start, so its memory column is less isolated). The child builds the
-model at the tier's matched non-embedding parameter count (models.solve_width, as train.py does),
-AdamW as in train.py (its weight-decay groups), random tokens, and times full training steps:
-forward + loss, backward, gradient clipping 1.0, optimizer step. The batch is
-max(1, batch_tokens // T) sequences; batch_tokens defaults to the largest block size, so every
-row does the same number of tokens per step. On CPU the timed steps run with glibc's malloc
+model train.py builds for the same --model/--size/--depth/--block_size (flops.train_config: the
+width solved to the tier's non-embedding parameter count, train.py's model flags, --window, --chunk
+and --gau_s the tier's unless given; the report's header states them), AdamW as in train.py (its
+weight-decay groups), random tokens, and times full training steps: forward + loss, backward,
+gradient clipping 1.0, optimizer step. The batch is max(1, batch_tokens // T) sequences;
+batch_tokens defaults to the largest block size, so every row does the same number of tokens per
+step. On CPU the timed steps run with glibc's malloc
 keeping freed memory for the next step (cpu_memory.keep_freed_memory; --cpu_memory return for
 glibc's default, under which the page faults of each step's fresh large tensors took a fifth to
 a half of a step on this project's CPU: docs/training.md, "Training on CPU").
@@ -77,9 +79,9 @@ the full-sequence protocol and cached decoding, with flops.reflux_forward_macs's
 
 Without a GPU (--device cpu) the report says that the GPU figures are not measured.
 
-Outputs: a markdown table (printed, and --md, default results/bench/bench_<device>.md) and JSON
-(--json, default results/bench/bench_<device>.json) with the settings, definitions, load
-average, rows and targets.
+Outputs: a markdown table (printed, and --md, default out/bench/bench_<device>.md) and JSON
+(--json, default out/bench/bench_<device>.json; out/ is git-ignored, so results/ changes only
+where --json/--md name it) with the settings, definitions, load average, rows and targets.
 """
 import itertools
 import json
@@ -95,11 +97,13 @@ import torch
 
 import flops
 import models
-from common import ExitParser, ModelConfig, UsageError, compile_regions, run_command
+from common import ExitParser, UsageError, check_output_file, compile_regions, make_parent, run_command
+from harness.config import Dist, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+OUT_DIR = os.path.join("out", "bench")  # default outputs: git-ignored scratch; results/ only via --json/--md
 DEFAULT_BLOCK_SIZES = "256,512,1024,2048,4096"
 
 MEMORY_DEF_CPU = ("peak RSS during one training step (forward, backward, clip, AdamW step) minus RSS just "
@@ -117,10 +121,7 @@ def child(spec):
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     dev = spec["device"]
-    d, H, target = models.TIERS[spec["size"]]
-    cfg = ModelConfig(model=spec["model"], vocab_size=spec["vocab_size"], block_size=spec["T"], n_embd=d,
-                      n_head=H, depth=spec["depth"], window=spec["window"])
-    cfg = models.solve_width(cfg, target, strict=spec["size"] not in ("tiny", "cpu"))  # as train.py
+    cfg = child_config(spec)
     T = spec["T"]
     B = max(1, spec["batch_tokens"] // T)
     model = models.build_model(cfg, device=dev)
@@ -211,6 +212,22 @@ def child(spec):
             "recompiles": graphs_compiled() - graphs_first,
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
             "final_loss": losses[-1]}
+
+
+def child_config(spec):
+    """The ModelConfig a configuration times: the one train.py builds for its model, tier, depth,
+    block size T, vocabulary and model flags (flops.train_config)."""
+    flags = {f: spec[f] for f in flops.train_model_flags()}
+    return flops.train_config(spec["model"], spec["size"], spec["depth"], spec["T"], spec["vocab_size"], flags)[0]
+
+
+def config_spec(a, model, comp, T, threads):
+    """The spec of one configuration (what the child process gets) from parse()'s flags."""
+    return {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
+            "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, **a.flags,
+            "batch_tokens": a.batch_tokens, "steps": math.ceil(a.steps / a.rounds), "step_budget": a.step_budget / a.rounds,
+            "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads, "cpu_memory": a.cpu_memory,
+            "backend": a.compile_backend}
 
 
 def graphs_compiled():
@@ -362,6 +379,8 @@ def run_config_here(spec):
 
 
 def parse(argv):
+    """bench.py's flags, validated (ExitParser: a bad value is one line and exit code 2) and their
+    defaults filled in; a.flags holds train.py's model flags as the models are built with them."""
     p = ExitParser(prog="bench.py", description="Training-step throughput, peak memory and MFU at matched parameters "
                    "(batch-1 decoding and ReFlux timings: python -m tools.bench decode --help).")
     p.add_argument("--models", default=",".join(models.REGISTRY), help="comma-separated registry names (default: all)")
@@ -369,36 +388,40 @@ def parse(argv):
                    help="every model at T = 2048 compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop "
                         "Transformer++ at T = 8192 (CUDA); on CPU T = 32 / 128, eager, in this process")
     p.add_argument("--size", default=None, help=f"parameter tier: {', '.join(models.TIERS)} (default: 70M on CUDA, cpu)")
-    p.add_argument("--depth", type=int, default=4, help="block applications K")
+    p.add_argument("--depth", type=int, default=4, help="block applications K (default: 4)")
     p.add_argument("--block_sizes", default=None,
-                   help=f"comma-separated sequence lengths T (default: 2048,8192 on CUDA, {DEFAULT_BLOCK_SIZES})")
-    p.add_argument("--batch_tokens", type=int, default=0,
-                   help="tokens per step; batch = max(1, batch_tokens // T) (default: the largest block size, "
+                   help=f"comma-separated sequence lengths T (default: 2048,8192 on CUDA, {DEFAULT_BLOCK_SIZES}; "
+                        "--quick sets its own)")
+    p.add_argument("--batch_tokens", type=int, default=None,
+                   help="tokens per step (>= 1); batch = max(1, batch_tokens // T) (default: the largest block size, "
                         "at least 32768 on CUDA)")
-    p.add_argument("--vocab_size", type=int, default=0,
-                   help="vocabulary V (default GPT-2's 50257, as in training; --quick on CPU: 256)")
-    p.add_argument("--window", type=int, default=256, help="Windowed TANGO window W")
-    p.add_argument("--steps", type=int, default=None, help="timed training steps per configuration (median; default 2, --quick 3 on CUDA, 1 on CPU)")
+    p.add_argument("--vocab_size", type=int, default=None,
+                   help="vocabulary V (>= 1; default GPT-2's 50257; --quick on CPU: 256)")
+    p.add_argument("--steps", type=int, default=None, help="timed training steps per configuration (median; >= 1; "
+                   "default 2, --quick 3 on CUDA, 1 on CPU)")
     p.add_argument("--step_budget", type=float, default=20,
-                   help="stop timing once the timed steps took this many seconds (at least one step)")
+                   help="stop timing once the timed steps took this many seconds (at least one step; default 20)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run each configuration this many times, in reversed order every other round at each block "
-                        "size; --steps and --step_budget are split evenly over the rounds, the steps pooled")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed steps first, the last one measures memory (>= 1; compile: at least 2 used)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+                        "size; --steps and --step_budget are split evenly over the rounds, the steps pooled (default 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first, the last one measures memory (>= 1; default 1, --quick on CUDA 2; "
+                        "compiled rows: at least 2 used)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
-                   help="torch.compile the model (default: off on CPU, both on CUDA)")
+                   help="torch.compile the model (default: off on CPU, both on CUDA; --quick: on on CUDA, off on CPU)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="autocast dtype and matmul-peak dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--cpu_memory", choices=("keep", "return"), default="keep",
                    help="CPU timed steps: glibc keeps freed memory for the next step (keep, default; "
                         "cpu_memory.keep_freed_memory) or returns it, so large tensors fault in anew each step (return)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed")
-    p.add_argument("--peak_n", type=int, default=0, help="matmul size for the peak (default 2048 CPU, 8192 CUDA)")
-    p.add_argument("--peak_reps", type=int, default=10, help="matmuls timed for the peak (best counts)")
-    p.add_argument("--json", default=None, help="output JSON (default results/bench/bench_<device>.json; --quick: out/bench_<device>.json)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per configuration before it is killed (default 300)")
+    p.add_argument("--peak_n", type=int, default=None,
+                   help="matmul size for the peak (>= 1; default 2048 CPU, 8192 CUDA, 256 with --quick on CPU)")
+    p.add_argument("--peak_reps", type=int, default=None,
+                   help="matmuls timed for the peak, the best counts (>= 1; default 10, 3 with --quick on CPU)")
+    p.add_argument("--json", default=None, help=f"output JSON (default {OUT_DIR}/bench_<device>.json)")
     p.add_argument("--md", default=None, help="output markdown (default: next to --json, .md)")
     p.add_argument("--note", action="append", default=[], help="free-text note stored in the outputs (repeatable)")
     p.add_argument("--main_job", default=None,
@@ -407,58 +430,78 @@ def parse(argv):
     p.add_argument("--compile_backend", default="inductor", help="torch.compile backend of the compiled rows")
     p.add_argument("--reflux", action="store_true",
                    help="also time the ReFlux schedules (reflux.py) at the smallest block size (on with --quick)")
+    flops.add_train_model_flags(p)  # --width, --window, --chunk, --gau_s, ...: the models as train.py builds them
     a = p.parse_args(argv)
+    try:
+        resolve_device(a, Dist())  # train.py's check: a device this machine has
+    except UsageError as e:
+        p.error(str(e))
     cuda = a.device.startswith("cuda")
     a.size = a.size or ("70M" if cuda else "cpu")
-    if a.quick:
-        a.block_sizes = ",".join(map(str, QUICK_T["cuda" if cuda else "cpu"]))
-        a.steps = a.steps or (3 if cuda else 1)
-        a.warmup = max(a.warmup, 2) if cuda else a.warmup
-        if not cuda:
-            a.peak_n, a.peak_reps = a.peak_n or 256, min(a.peak_reps, 3)
-            a.vocab_size = a.vocab_size or 256
-    a.block_sizes = a.block_sizes or ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES)
-    a.steps = a.steps or 2
-    a.vocab_size = a.vocab_size or 50257
-    a.reflux = a.reflux or a.quick
-    a.main_job = a.main_job or (MAIN_JOB if a.quick else "none")
-    a.main_job = None if a.main_job == "none" else a.main_job
+    if a.size not in models.TIERS:
+        p.error(f"--size {a.size}: choose one of {', '.join(models.TIERS)}")
     a.models = [m for m in a.models.split(",") if m]
     for m in a.models:
         if m not in models.REGISTRY:
             p.error(f"--models: unknown model '{m}'; choose from {', '.join(models.REGISTRY)}")
-    if a.size not in models.TIERS:
-        p.error(f"--size {a.size}: choose one of {', '.join(models.TIERS)}")
-    try:
-        a.block_sizes = sorted({int(t) for t in a.block_sizes.split(",") if t})
-    except ValueError:
-        p.error(f"--block_sizes {a.block_sizes}: comma-separated integers")
-    if not a.block_sizes or min(a.block_sizes) < 1:
-        p.error("--block_sizes: need positive integers")
-    a.batch_tokens = a.batch_tokens or max(max(a.block_sizes), 32768 if cuda else 0)
-    for flag in ("depth", "batch_tokens", "vocab_size", "window", "steps", "warmup", "peak_reps", "rounds"):
-        if getattr(a, flag) < 1:
+    if not a.models:
+        p.error("--models: name at least one model")
+    for flag in ("depth", "batch_tokens", "vocab_size", "steps", "warmup", "peak_n", "peak_reps", "rounds"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:  # None: unset, its default below
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
-    if a.reflux and a.depth < 2:  # checked here, not after every model's row
-        p.error(f"--depth {a.depth}: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes block S's "
-                "increment into an earlier block D)")
-    for flag in ("threads", "peak_n"):
-        if getattr(a, flag) < 0:
-            p.error(f"--{flag} {getattr(a, flag)}: must be >= 0")
+    if a.threads < 0:
+        p.error(f"--threads {a.threads}: must be >= 0")
     for flag in ("step_budget", "timeout"):
         if not 0 < getattr(a, flag) < math.inf:
             p.error(f"--{flag} {getattr(a, flag)}: must be a finite number of seconds > 0")
-    if cuda and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: CUDA is not available")
+    if a.quick:
+        for flag in ("block_sizes", "compile"):  # --quick's plan would ignore them
+            if getattr(a, flag) is not None:
+                p.error(f"--{flag}: --quick runs its own plan (T = {' / '.join(map(str, QUICK_T['cuda' if cuda else 'cpu']))}, "
+                        f"compiled on CUDA only); drop --{flag} or --quick")
+        a.block_sizes = ",".join(map(str, QUICK_T["cuda" if cuda else "cpu"]))
+    block_sizes = a.block_sizes or ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES)
+    try:
+        a.block_sizes = sorted({int(t) for t in block_sizes.split(",") if t})
+    except ValueError:
+        p.error(f"--block_sizes {block_sizes}: comma-separated integers")
+    if not a.block_sizes or min(a.block_sizes) < 1:
+        p.error("--block_sizes: need positive integers")
+    quick_cpu = a.quick and not cuda
+    defaults = {"steps": 1 if quick_cpu else 3 if a.quick else 2, "warmup": 2 if a.quick and cuda else 1,
+                "peak_n": 256 if quick_cpu else 8192 if cuda else 2048, "peak_reps": 3 if quick_cpu else 10,
+                "vocab_size": 256 if quick_cpu else 50257, "batch_tokens": max(max(a.block_sizes), 32768 if cuda else 0)}
+    for flag, value in defaults.items():
+        if getattr(a, flag) is None:
+            setattr(a, flag, value)
+    a.reflux = a.reflux or a.quick
+    if a.reflux and a.depth < 2:  # checked here, not after every model's row
+        p.error(f"--depth {a.depth}: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes block S's "
+                "increment into an earlier block D)")
+    given = flops.given_train_flags(a)
+    a.flags = flops.train_flags(a.size, given)
+    try:  # every model built as train.py would (on the meta device): a value train.py refuses is refused here
+        error = flops.unread_flags_error(given, a.models)
+        if error:
+            raise UsageError(error)
+        for m in a.models:
+            flops.train_config(m, a.size, a.depth, max(a.block_sizes), a.vocab_size, a.flags)
+    except UsageError as e:
+        p.error(str(e))
+    a.main_job = a.main_job or (MAIN_JOB if a.quick else "none")
+    a.main_job = None if a.main_job == "none" else a.main_job
     if a.compile is None:
         a.compile = "both" if cuda else "off"
     if a.dtype is None:
         a.dtype = "bfloat16" if cuda else "float32"
-    a.peak_n = a.peak_n or (8192 if cuda else 2048)
     kind = a.device.split(":")[0]
-    # --quick is a smoke run (the test suite runs it): its files go to the scratch out/ folder
-    a.json = a.json or os.path.join("out" if a.quick else os.path.join("results", "bench"), f"bench_{kind}.json")
+    a.json = a.json or os.path.join(OUT_DIR, f"bench_{kind}.json")
     a.md = a.md or os.path.splitext(a.json)[0] + ".md"
+    try:  # before the run, not after it (common.check_output_file: creates nothing)
+        check_output_file("--json", a.json)
+        check_output_file("--md", a.md)
+    except UsageError as e:
+        p.error(str(e))
     return a
 
 
@@ -482,11 +525,7 @@ def main(argv=None):
     parts, failed = {}, {}
     here = a.quick and not a.device.startswith("cuda")
     for (model, comp, T), rnd in schedule(plan(a), a.rounds):
-        spec = {"model": model, "T": T, "compile": comp, "device": a.device, "dtype": a.dtype,
-                "size": a.size, "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window,
-                "batch_tokens": a.batch_tokens, "steps": math.ceil(a.steps / a.rounds), "step_budget": a.step_budget / a.rounds,
-                "warmup": max(a.warmup, 2) if comp else a.warmup, "threads": threads, "cpu_memory": a.cpu_memory,
-                "backend": a.compile_backend}
+        spec = config_spec(a, model, comp, T, threads)
         if (model, comp) in failed:  # a larger T (or a later round) of a configuration that failed
             row = {**spec, "status": f"skipped ({failed[model, comp]})"}
         else:
@@ -515,7 +554,7 @@ def main(argv=None):
         "command": "python -m tools.bench " + " ".join(argv), "device": a.device, "dtype": a.dtype, "threads": threads,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
-        "depth": a.depth, "vocab_size": a.vocab_size, "window": a.window, "batch_tokens": a.batch_tokens,
+        "depth": a.depth, "vocab_size": a.vocab_size, "model_flags": a.flags, "batch_tokens": a.batch_tokens,
         "steps": a.steps, "step_budget_s": a.step_budget, "rounds": a.rounds, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
         "quick": a.quick, "cpu_memory": None if a.device.startswith("cuda") else a.cpu_memory,
         "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
@@ -533,6 +572,7 @@ def main(argv=None):
         out["reflux"] = rf_rows
     md = (f"`{meta['command']}`\n\n{a.device}, {a.dtype}, {threads} threads, tier {a.size} (d={meta['tier']['d']}, "
           f"~{meta['tier']['target']:,} non-embedding parameters), K={a.depth}, V={a.vocab_size}, "
+          f"{flops.flags_text(a.flags, a.models)}, "
           f"batch max(1, {a.batch_tokens} // T), median of up to {a.steps} timed steps (fewer past {a.step_budget:g} s) "
           + (f"in {a.rounds} rounds (each configuration run {a.rounds} times, the order at each T reversed every other "
              f"round, the steps pooled), each " if a.rounds > 1 else "")
@@ -556,9 +596,7 @@ def main(argv=None):
           + "".join(f"\nNote: {n}\n" for n in a.note))
     print("\n" + md)
     for path, text in ((a.json, json.dumps(out, indent=1)), (a.md, md)):
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        with open(make_parent(path), "w") as f:
             f.write(text + "\n")
     print(f"wrote {a.json} and {a.md} ({meta['wall_s']:.0f} s)")
     return 0

@@ -15,7 +15,7 @@ import torch
 import flops
 import models
 from tools.cpu_memory import loadavg
-from common import ExitParser, ModelConfig, UsageError, not_a_command
+from common import ExitParser, UsageError, check_output_file, make_parent, not_a_command
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -29,12 +29,17 @@ from common import ExitParser, ModelConfig, UsageError, not_a_command
 # the rows, not the passes; the passes are the latency on hardware where batched rows are nearly
 # free (memory-bound GPU decoding).
 
-def decode_row(model_name, size, depth, width, prompt, tokens, warmup, device="cpu", vocab_size=50257, **cfg_kw):
-    """Time batch-1 greedy decoding of one model; returns a dict (ms_per_token, passes, rows, ...)."""
-    d, H, target = models.TIERS[size]
-    cfg = ModelConfig(model=model_name, vocab_size=vocab_size, block_size=max(prompt + tokens + warmup, 8),
-                      n_embd=d, n_head=H, depth=depth, **cfg_kw)
-    cfg = replace_width(cfg, width) if width else models.solve_width(cfg, target, strict=size not in ("tiny", "cpu"))
+def decode_row(model_name, size, depth, width, prompt, tokens, warmup, device="cpu", vocab_size=50257,
+               block_size=None, **flags):
+    """Time batch-1 greedy decoding of the model train.py builds for --model model_name --size size
+    --depth depth --block_size block_size (default: the tier's) --width width (0: solved) and the
+    model flags `flags` (flops.train_config; unset ones train.py's defaults, the tier's for --window,
+    --chunk, --gau_s). Returns a dict (ms_per_token, passes, rows, ..., config: the model's
+    ModelConfig). UsageError for a value train.py refuses."""
+    from harness.config import TIER_DEFAULTS
+    block_size = TIER_DEFAULTS[size]["block_size"] if block_size is None else block_size
+    cfg, _ = flops.train_config(model_name, size, depth, block_size, vocab_size,
+                                flops.train_flags(size, {**flags, "width": width}))
     torch.manual_seed(0)
     model = models.build_model(cfg, device=device).eval()
     idx = torch.randint(cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
@@ -59,14 +64,6 @@ def decode_row(model_name, size, depth, width, prompt, tokens, warmup, device="c
             "forward_macs_per_token": flops.forward_macs(cfg, 1)["total"], "config": cfg.to_dict()}
 
 
-def replace_width(cfg, width):
-    if width % models.width_multiple(cfg):
-        raise UsageError(f"--width {width}: must be a multiple of {models.width_multiple(cfg)} for {cfg.model}")
-    d = cfg.to_dict()
-    d["width"] = width
-    return ModelConfig(**d)
-
-
 def decode_table(rows):
     lines = ["| model | N loops | n_core | width | passes/token | rows/token | ms/token (median) | ms/token (mean) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -78,52 +75,70 @@ def decode_table(rows):
 
 def decode_main(argv):
     """python -m tools.bench decode ...: one row per model (see the section comment); prints a markdown
-    table and writes --json (default results/bench/decode_<device>.json) and its .md."""
-    p = ExitParser(prog="bench.py decode", description="Batch-1 cached decoding latency and sequential passes per token.")
-    p.add_argument("--models", default="loopstack,plt,loopfold", help="comma-separated registry names")
-    p.add_argument("--size", default="cpu", help=f"tier: {', '.join(models.TIERS)}")
-    p.add_argument("--depth", type=int, default=4, help="N loops (K applications for other models)")
-    p.add_argument("--n_core", type=int, default=2, help="blocks per loop (parallel loops)")
-    p.add_argument("--fold", type=int, default=2, help="LoopFold fold width f")
-    p.add_argument("--width", type=int, default=0, help="feed-forward width F (0: solved to the tier's target)")
-    p.add_argument("--prompt", type=int, default=64, help="prompt tokens prefilled before timing")
-    p.add_argument("--tokens", type=int, default=32, help="timed decoded tokens")
-    p.add_argument("--warmup", type=int, default=4, help="untimed decoded tokens first")
-    p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V")
+    table and writes --json (default out/bench/decode_<device>.json) and its .md."""
+    from harness.config import TIER_DEFAULTS, Dist, resolve_device, tier_default
+    p = ExitParser(prog="bench.py decode", description="Batch-1 cached decoding latency and sequential passes per "
+                   "token of the models train.py builds (its model flags below).")
+    p.add_argument("--models", default="loopstack,plt,loopfold", help="comma-separated registry names "
+                   "(default: loopstack,plt,loopfold)")
+    p.add_argument("--size", default="cpu", help=f"tier: {', '.join(models.TIERS)} (default: cpu)")
+    p.add_argument("--depth", type=int, default=4, help="N loops (K applications for other models; default 4)")
+    p.add_argument("--block_size", type=int, default=None, help="the model's context T, as train.py's --block_size "
+                   "(GAU's score scale; >= 1); " + tier_default("block_size"))
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens prefilled before timing (>= 1; default 64)")
+    p.add_argument("--tokens", type=int, default=32, help="timed decoded tokens (>= 1; default 32)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed decoded tokens first (>= 0; default 4)")
+    p.add_argument("--vocab_size", type=int, default=50257, help="vocabulary V (>= 1; default 50257)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--json", default=None, help="output JSON (default results/bench/decode_<device>.json)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    p.add_argument("--json", default=None, help="output JSON (default out/bench/decode_<device>.json)")
+    flops.add_train_model_flags(p)  # --width, --n_core, --fold, --window, ...: the models as train.py builds them
     a = p.parse_args(argv)
+    try:
+        resolve_device(a, Dist())  # train.py's check: a device this machine has
+    except UsageError as e:
+        p.error(str(e))
     names = [m for m in a.models.split(",") if m]
     for m in names:
         if m not in models.REGISTRY:
             p.error(f"--models: unknown model '{m}'; choose from {', '.join(models.REGISTRY)}")
+    if not names:
+        p.error("--models: name at least one model")
     if a.size not in models.TIERS:
         p.error(f"--size {a.size}: choose one of {', '.join(models.TIERS)}")
-    for flag in ("depth", "n_core", "fold", "prompt", "tokens", "vocab_size"):
+    a.block_size = a.block_size if a.block_size is not None else TIER_DEFAULTS[a.size]["block_size"]
+    for flag in ("depth", "block_size", "prompt", "tokens", "vocab_size"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
-    for flag in ("width", "warmup", "threads"):
+    for flag in ("warmup", "threads"):
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 0")
+    path = a.json or os.path.join("out", "bench", f"decode_{a.device.split(':')[0]}.json")  # git-ignored scratch
+    given = flops.given_train_flags(a)
+    flags = flops.train_flags(a.size, given)
+    try:  # every model built as train.py would (on the meta device) before any is timed; the outputs writable
+        check_output_file("--json", path)
+        error = flops.unread_flags_error(given, names)
+        if error:
+            raise UsageError(error)
+        for m in names:
+            flops.train_config(m, a.size, a.depth, a.block_size, a.vocab_size, flags)
+    except UsageError as e:
+        p.error(str(e))
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = []
     for m in names:
-        try:
-            rows.append(decode_row(m, a.size, a.depth, a.width, a.prompt, a.tokens, a.warmup, a.device, a.vocab_size,
-                                   n_core=a.n_core, fold=a.fold))
-        except UsageError as e:
-            p.exit(2, f"bench.py decode: error: {e}\n")
+        rows.append(decode_row(m, a.size, a.depth, flags["width"], a.prompt, a.tokens, a.warmup, a.device,
+                               a.vocab_size, a.block_size, **{f: v for f, v in flags.items() if f != "width"}))
         print(f"  {m:<15} {rows[-1]['ms_per_token']:.2f} ms/token, {rows[-1]['passes']} passes", flush=True)
     command = "python -m tools.bench decode " + " ".join(argv)
-    md = (f"`{command}`\n\n{a.device}, {torch.get_num_threads()} threads, tier {a.size}, batch 1, prompt {a.prompt}, "
-          f"{a.tokens} timed tokens after {a.warmup} untimed; load average {loadavg()}.\n\n" + decode_table(rows) + "\n")
+    md = (f"`{command}`\n\n{a.device}, {torch.get_num_threads()} threads, tier {a.size}, T={a.block_size}, "
+          f"V={a.vocab_size}, {flops.flags_text(flags, names)}, "
+          f"batch 1, prompt {a.prompt}, {a.tokens} timed tokens after {a.warmup} untimed; load average {loadavg()}.\n\n"
+          + decode_table(rows) + "\n")
     print("\n" + md)
-    path = a.json or os.path.join("results", "bench", f"decode_{a.device.split(':')[0]}.json")
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    with open(make_parent(path), "w") as f:
         json.dump({"command": command, "threads": torch.get_num_threads(), "load_average": loadavg(), "rows": rows}, f, indent=1)
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write(md)
@@ -135,16 +150,15 @@ REFLUX_SCHEDULES = ("base", "sync", "stream2", "stream")
 
 
 def reflux_rows(size, depth, T, vocab_size, reps=3):
-    """Inference ms/token of each ReFlux schedule (reflux.py) on a random untied Transformer++ of
-    tier `size`, K = depth, edge reflux.default_edge(K), eager, no gradients. "forward": the
-    full-sequence protocol over one length-T sequence (stream: the per-token recurrence);
-    "decode": cached steps after a T/2-token prompt (stream: parallel prefill), min(T/2, 16) of
-    them. One untimed warm-up forward, then the best of reps timings; ratios against the base; MACs ratio from flops.reflux_forward_macs."""
+    """Inference ms/token of each ReFlux schedule (reflux.py) on a random untied Transformer++ as
+    train.py builds it at tier `size`, K = depth, block size T (flops.train_config), edge
+    reflux.default_edge(K), eager, no gradients. "forward": the full-sequence protocol over one
+    length-T sequence (stream: the per-token recurrence); "decode": cached steps after a T/2-token
+    prompt (stream: parallel prefill), min(T/2, 16) of them. One untimed warm-up forward, then the
+    best of reps timings; ratios against the base; MACs ratio from flops.reflux_forward_macs."""
     import reflux
     torch.manual_seed(0)
-    d, H, target = models.TIERS[size]
-    cfg = models.solve_width(ModelConfig(model="untied", vocab_size=vocab_size, block_size=T, n_embd=d, n_head=H,
-                                         depth=depth), target, strict=False)
+    cfg, _ = flops.train_config("untied", size, depth, T, vocab_size, flops.train_flags(size))
     base = models.build_model(cfg).eval()
     idx = torch.randint(vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     edge, P, n_dec = reflux.default_edge(depth), T // 2, max(1, min(T // 2, 16))
