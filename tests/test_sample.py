@@ -27,7 +27,7 @@ MDM_SIZE = (60, 20)  # problems per train-* folder, extrapolate problems (tests/
 PROMPT = "What is 3 + 4?"  # 14 characters, all in the mini dataset's vocabulary
 TINY = ["--size", "tiny", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--max_iters", "2",
         "--eval_interval", "2", "--warmup_iters", "1", "--eval_windows", "3", "--eval_batch_size", "2",
-        "--sample_tokens", "0", "--em_samples", "2", "--quiet"]
+        "--sample_tokens", "0", "--quiet"]
 DEPTH = {"tango-3set": "3"}  # its first, middle and last sets need depth >= 3
 # the models whose full forward is a parallel approximation of their exact sequential recurrence
 # (cached decoding is that recurrence): these settings make it exact at 32 tokens (ponder.py,
@@ -57,7 +57,7 @@ def tiny_run(model, data_flags, out_dir, *extra):
 
 @pytest.fixture(scope="module")
 def mdm_flags(mdm, data_root):
-    return ["--dataset", "dmmath", "--data_dir", str(mdm), "--data_root", str(data_root)]
+    return ["--em_samples", "2", "--dataset", "dmmath", "--data_dir", str(mdm), "--data_root", str(data_root)]
 
 
 @pytest.fixture(scope="module")
