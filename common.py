@@ -15,6 +15,9 @@ import argparse
 import functools
 import inspect
 import numbers
+import os
+import sys
+import tempfile
 from dataclasses import dataclass, asdict, fields
 from typing import ClassVar
 
@@ -47,8 +50,6 @@ def run_command(main):
     """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
     the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
     BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE")."""
-    import os
-    import sys
     try:
         code = main()
         sys.stdout.flush()
@@ -61,7 +62,6 @@ def run_command(main):
 def not_a_command(module, use):
     """What a companion module run directly does (python text_data.py, ...): one line on stderr
     naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""
-    import sys
     print(f"error: {module} has no command line of its own; use {use}", file=sys.stderr)
     sys.exit(2)
 
@@ -75,7 +75,6 @@ def check_output_folder(flag, path):
     """UsageError "FLAG PATH: ..." unless path (an output folder, e.g. --out_dir) is a folder this
     process can write into, or can be created: not a file, no file among its parents, a writable
     nearest existing folder. flag: as typed, e.g. "--out_dir". Creates nothing."""
-    import os
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path}: exists and is not a folder")
     _check_creatable(flag, path, os.path.abspath(path))
@@ -85,7 +84,6 @@ def check_output_file(flag, path):
     """UsageError "FLAG PATH: ..." unless path (an output file, e.g. --json) can be written: not a
     folder, and its folder exists or can be created (make_parent creates it when the file is
     written). Creates nothing."""
-    import os
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a folder; give a file path")
     _check_creatable(flag, path, os.path.dirname(os.path.abspath(path)))
@@ -93,8 +91,6 @@ def check_output_file(flag, path):
 
 def _check_creatable(flag, path, folder):
     """UsageError unless folder exists and is writable, or can be created."""
-    import os
-    import tempfile
     parent = folder
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -109,7 +105,6 @@ def _check_creatable(flag, path, folder):
 def make_parent(path):
     """Create the missing folders above the output file path (checked by check_output_file);
     returns path."""
-    import os
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return path
 
