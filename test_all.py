@@ -355,7 +355,7 @@ def run_train(tmp_path, *flags, env_extra=None, check=True):
 
 
 TINY = ["--max_iters", "4", "--eval_interval", "2", "--block_size", "32", "--batch_size", "2",
-        "--eval_windows", "4", "--sample_tokens", "5", "--em_samples", "3"]
+        "--eval_windows", "4", "--sample_tokens", "5"]
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +434,7 @@ def test_train_on_the_dmmath_sample_reports_exact_match(dmmath_sample, tmp_path,
     run reports test NLL on interpolate and exact match on both held-out splits. (The scorer's
     values are pinned in tests/test_values.py.)"""
     code, out, err = main_in_process(tmp_path, "--model", "loop", "--depth", "2", "--dataset", "dmmath",
-                                     *TINY[:-6], "--block_size", "256", "--eval_windows", "2", "--em_samples", "3",
+                                     *TINY[:-4], "--block_size", "256", "--eval_windows", "2", "--em_samples", "3",
                                      "--sample_tokens", "8", capsys=capsys)
     assert code == 0, err
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
