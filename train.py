@@ -393,6 +393,7 @@ def train_loop(r):
             pending, t_read = [], time.time()
         if r.it in eval_at:
             eval_and_checkpoint(r, dev_starts)
+            t_read = time.time()  # (pending is empty: an evaluation update is read first) not training time
     r.log.close_bar()
     return rates
 

@@ -243,6 +243,27 @@ def test_deferred_reads_log_every_update_with_one_read_per_interval(mdm, data_ro
         assert a["tok_per_s"] > 0 and a["lr"] == b["lr"]
 
 
+def test_deferred_reads_do_not_count_evaluation_as_training_time(mdm, data_root, tmp_path, monkeypatch):
+    """Deferred, each update gets the mean rate since the last read: the evaluation and checkpoints
+    after update 6 (made to take 1000 s of a shifted clock) must not land in updates 7-12's rate,
+    which would put each of them at ~170 s and 2 x 32 / 170 ~ 0.4 tokens/s."""
+    import time as real_time
+    from types import SimpleNamespace
+    shift = [0.0]
+    monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: real_time.time() + shift[0]))
+    evaluate = train.eval_and_checkpoint
+    def slow_eval(r, starts):
+        evaluate(r, starts)
+        shift[0] += 1000.0
+    monkeypatch.setattr(train, "eval_and_checkpoint", slow_eval)
+    monkeypatch.setattr(train, "deferred_reads", lambda r: True)
+    monkeypatch.setattr(train, "READ_EVERY", 5)
+    _tiny_run(mdm, data_root, tmp_path / "deferred")
+    rates = {r["iter"]: r["tok_per_s"] for r in _train_records(tmp_path / "deferred")}
+    assert sorted(rates) == list(range(1, 13))
+    assert min(rates.values()) > 2 * 32 / 100  # every update took < 100 s of the clock, not 1000 / 6
+
+
 def test_deferred_reads_still_stop_on_a_non_finite_loss(mdm, data_root, tmp_path, monkeypatch):
     """A non-finite gradient norm read late (after update 6, the first read after update 1) still
     stops the run before any checkpoint, naming the update where it happened: with a learning rate
