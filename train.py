@@ -590,7 +590,8 @@ def eval_only(args, given):
     dev, test = nll("dev"), nll(data.test_split)
     curve = depth_sweep(model, args.depth_list, lambda: nll("dev")) if args.depth_list else None
     unused = sorted(k for k in changed if k not in EVAL_FLAGS)
-    print(f"evaluating {path} (update {best['iter']}; --eval_only: no training, nothing written)"
+    print(f"evaluating {path} (update {best['iter']}; {args.device} {args.dtype}; --eval_only: no training, "
+          "nothing written)"
           + overrides({k: v for k, v in changed.items() if k in EVAL_FLAGS})
           + (f"; not used without training: {', '.join('--' + k for k in unused)}" if unused else ""))
     summary = {"non_embedding_params": model.num_params(), "unigram_dev": data_mod.unigram_entropy(data, "dev"),

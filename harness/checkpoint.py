@@ -31,8 +31,9 @@ TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optim
                  "seed", "data_seed")
 # --resume: these must agree with the checkpoint (they define the model, its data order or the
 # meaning of "best dev"); MACHINE_FLAGS are never taken from it (but --data_root, when not given,
-# is the run's if that folder exists here: merge_resume_args); every other flag is taken from the
-# checkpoint unless given explicitly, in which case the given value wins and the change is logged.
+# is the run's if that folder exists here: merge_resume_args); every other flag, --dtype included
+# (the run's numerics), is taken from the checkpoint unless given explicitly, in which case the
+# given value wins and the change is logged.
 IDENTITY_FLAGS = ("model", "depth", "size", "window", "chunk", "gau_s", "block_size", "seed", "data_seed",
                   "eval_windows", "mu_rec", "mu_bwd", "n_prelude", "n_core", "n_coda",
                   "da_stride", "da_recent", "n_thoughts", "jacobi", "width",
@@ -41,8 +42,7 @@ IDENTITY_FLAGS += ("lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_in
 # the data flags (data.add_arguments) that choose the tokens: checked here, before any preparation
 DATA_FLAGS = ("dataset", "tokenizer", "max_tokens", "hf_split", "hf_text_field", "hf_split_key", "hf_data_files")
 IDENTITY_FLAGS += DATA_FLAGS
-MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "eval_only", "quiet", "device", "dtype",
-                 "compile")
+MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "eval_only", "quiet", "device", "compile")
 
 
 # ----------------------------------------------------------------------------- writing

@@ -104,6 +104,9 @@ def resolve_args(args, dist=None, reads_out_dir=False):
     if args.dtype == "auto":
         bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
         args.dtype = "bfloat16" if bf16 else "float32"
+    if args.dtype == "bfloat16" and args.device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"--dtype bfloat16: {args.device} does not support it (a resumed or evaluated run "
+                         "keeps its checkpoint's dtype unless given); use --dtype float32")
     check_values(args, dist)
     check_paths(args, ("data_root",) if reads_out_dir else ("out_dir", "data_root"))
     check_model(args)

@@ -185,3 +185,43 @@ def test_train_bf16_cpu_tiny_every_model(name, text_data, tmp_path):
     train.main(argv)  # raises SystemExit on a non-zero exit code
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["model"] == name and np.isfinite(s["dev_nll"]) and np.isfinite(s["test_nll"])
+
+
+def test_resume_and_eval_only_keep_the_checkpoints_dtype(text_data, tmp_path, capsys):
+    """A bfloat16 run resumed or evaluated without --dtype keeps bfloat16 (the machine's auto would
+    give float32 on a CPU): --eval_only prints the dev and test NLL the training run printed, bit
+    for bit; an explicit --dtype float32 is an override, printed and logged."""
+    text_dir, data_root = text_data
+    out = tmp_path / "out"
+    base = ["--model", "loop", "--depth", "2", "--device", "cpu", "--size", "tiny", "--eval_interval", "2",
+            "--block_size", "32", "--batch_size", "2", "--eval_windows", "2", "--eval_batch_size", "2",
+            "--sample_tokens", "0", "--dataset", str(text_dir), "--data_root", str(data_root),
+            "--out_dir", str(out), "--quiet"]
+    trained = train.run(train.parse_args(base + ["--max_iters", "2", "--dtype", "bfloat16"]))
+    capsys.readouterr()
+    evaluated = train.eval_only(train.parse_args(["--eval_only", "--out_dir", str(out)]), {"eval_only", "out_dir"})
+    assert (evaluated["dev_nll"], evaluated["test_nll"]) == (trained["dev_nll"], trained["test_nll"])
+    assert "; cpu bfloat16; --eval_only" in capsys.readouterr().out
+    starts = lambda: [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()
+                      if json.loads(line)["event"] == "start"]
+    argv = ["--resume", "--out_dir", str(out), "--max_iters", "4"]
+    train.run(train.parse_args(argv), train.given_flags(argv))
+    assert starts()[-1]["args"]["dtype"] == "bfloat16" and starts()[-1]["resume_overrides"] == {"max_iters": [2, 4]}
+    argv = ["--resume", "--out_dir", str(out), "--max_iters", "6", "--dtype", "float32"]
+    train.run(train.parse_args(argv), train.given_flags(argv))
+    assert starts()[-1]["args"]["dtype"] == "float32"
+    assert starts()[-1]["resume_overrides"] == {"max_iters": [4, 6], "dtype": ["bfloat16", "float32"]}
+    assert "; --dtype bfloat16 -> float32" in capsys.readouterr().out
+
+
+def test_bfloat16_on_a_gpu_without_it_is_a_usage_error(monkeypatch):
+    """--dtype bfloat16 (given, or a resumed checkpoint's) on a GPU without bfloat16: one line
+    naming the flag and the way out, before anything runs (simulated CUDA device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    args = train.parse_args(["--model", "loop", "--device", "cuda", "--dtype", "bfloat16", "--size", "tiny"])
+    with pytest.raises(train.UsageError, match=r"^--dtype bfloat16: cuda does not support it .*use --dtype float32$"):
+        train.resolve_args(args)
+    auto = train.resolve_args(train.parse_args(["--model", "loop", "--device", "cuda", "--size", "tiny"]))
+    assert auto.dtype == "float32"

@@ -68,7 +68,7 @@ def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(monkeypatch):
             own, extra = next((o, e) for o, e in grids if m in o["--models"].split(",") and
                               str(k) in o["--depths"].split(",") and s["seed"] <= int(o["--seeds"]))
             argv = sweep.train_argv("runs/cpugrid", ds, m, k, s["seed"], None, extra)
-            requested = vars(train.resolve_args(train.parse_args(argv)))
+            requested = vars(train.resolve_args(train.parse_args(argv + ["--device", "cpu"])))  # as they ran
             with open(os.path.join(s["_dir"], "args.json")) as f:
                 saved = json.load(f)
             keys = set(saved) - set(MACHINE_FLAGS) - unread_model_flags(m)

@@ -276,7 +276,8 @@ def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_pa
 
 def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
     """What a CUDA run saves (a CUDA RNG state, device/dtype/compile args, here also old-style
-    _orig_mod. names) resumes on a CPU-only machine: machine flags are not taken from the checkpoint."""
+    _orig_mod. names) resumes on a CPU-only machine: machine flags (--device, --compile) are not
+    taken from the checkpoint; --dtype, the run's numerics, is (bfloat16 autocast runs on a CPU too)."""
     out = tmp_path / "out"
     shutil.copytree(runs["out"]["A"], out)
     ck = load(out / "ckpt_latest.pt")
@@ -287,7 +288,7 @@ def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
     code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "7"), capsys)
     assert code == 0, err
     args = records(out, "start")[-1]["args"]
-    assert (args["device"], args["dtype"], args["compile"]) == ("cpu", "float32", False)
+    assert (args["device"], args["dtype"], args["compile"]) == ("cpu", "bfloat16", False)
     assert [r["iter"] for r in records(out, "train")] == list(range(1, 8))
     assert not any(k.startswith("_orig_mod.") for k in load(out / "ckpt_latest.pt")["model"])
 
