@@ -382,6 +382,19 @@ def test_bench_reflux_rows():
                                                for s in ("base", "sync", "stream2", "stream")]
     assert 1.0 < rows[3]["macs_ratio"] < 1.01 and 1.5 < rows[1]["macs_ratio"] < 1.75  # the write: O(d) per position
     assert "| stream | 16 |" in bench_decode.reflux_table(rows)
+    assert {(r["device"], r["dtype"]) for r in rows} == {("cpu", "float32")}
+
+
+def test_bench_reflux_rows_run_under_the_benchmarks_dtype(monkeypatch):
+    """bench --dtype bfloat16 times the ReFlux rows under bfloat16 autocast, as its training rows:
+    every linear layer of the timed forwards sees bfloat16 inputs, and the rows say so."""
+    seen = set()
+    linear = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward",
+                        lambda self, x: seen.add(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                                 else x.dtype) or linear(self, x))
+    rows = bench_decode.reflux_rows("tiny", 4, 16, 64, reps=1, device="cpu", dtype="bfloat16")
+    assert seen == {torch.bfloat16} and {(r["device"], r["dtype"]) for r in rows} == {("cpu", "bfloat16")}
 
 
 # ------------------------------------------------------------------------------ command line

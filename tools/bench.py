@@ -73,8 +73,9 @@ TANGO's time per token at T=4096 within 1.25x of T=512, the three-set model >= 3
 tokens/s at T=2048, and every model's MFU >= 0.8x Loop Transformer++'s at the same T.
 
 --reflux (on with --quick): inference ms/token of the ReFlux schedules of reflux.py (base, sync,
-stream2, stream) on a random untied Transformer++ at the smallest block size (bench_decode.reflux_rows):
-the full-sequence protocol and cached decoding, with flops.reflux_forward_macs's MACs ratio beside them.
+stream2, stream) on a random untied Transformer++ at the smallest block size, on --device under --dtype
+(bench_decode.reflux_rows): the full-sequence protocol and cached decoding, with
+flops.reflux_forward_macs's MACs ratio beside them.
 `python -m tools.bench decode ...` (batch-1 cached decoding latency) is in bench_decode.py too.
 
 Without a GPU (--device cpu) the report says that the GPU figures are not measured.
@@ -549,7 +550,8 @@ def main(argv=None):
     rows.sort(key=lambda r: (a.models.index(r["model"]), r["compile"], r["T"]))  # listed model by model
     add_ratios(rows, peak)
     tg = targets(rows)
-    rf_rows = reflux_rows(a.size, a.depth, min(a.block_sizes), a.vocab_size) if a.reflux else None
+    rf_rows = (reflux_rows(a.size, a.depth, min(a.block_sizes), a.vocab_size, device=a.device, dtype=a.dtype)
+               if a.reflux else None)
     meta = {
         "command": "python -m tools.bench " + " ".join(argv), "device": a.device, "dtype": a.dtype, "threads": threads,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.processor() or platform.machine(),
@@ -591,7 +593,8 @@ def main(argv=None):
              + (f"first update after {main_job['first_update_s']:.1f} s from start"
                 + (" (its data prepared in this run, included)" if main_job["prepared"] else "")
                 if main_job["status"] == "ok" else main_job["status"]) + ".\n" if main_job else "")
-          + ("\nReFlux schedules (inference, one sequence, no gradients; bench_decode.reflux_rows):\n\n"
+          + (f"\nReFlux schedules (inference, one sequence, no gradients, {a.device} {a.dtype}; "
+             "bench_decode.reflux_rows):\n\n"
              + reflux_table(rf_rows) + "\n" if rf_rows is not None else "")
           + "".join(f"\nNote: {n}\n" for n in a.note))
     print("\n" + md)

@@ -149,36 +149,44 @@ def decode_main(argv):
 REFLUX_SCHEDULES = ("base", "sync", "stream2", "stream")
 
 
-def reflux_rows(size, depth, T, vocab_size, reps=3):
+def reflux_rows(size, depth, T, vocab_size, reps=3, device="cpu", dtype="float32"):
     """Inference ms/token of each ReFlux schedule (reflux.py) on a random untied Transformer++ as
     train.py builds it at tier `size`, K = depth, block size T (flops.train_config), edge
-    reflux.default_edge(K), eager, no gradients. "forward": the full-sequence protocol over one
+    reflux.default_edge(K), eager, no gradients, on `device` under `dtype` autocast (the
+    benchmark's; each timing synchronized on CUDA). "forward": the full-sequence protocol over one
     length-T sequence (stream: the per-token recurrence); "decode": cached steps after a T/2-token
     prompt (stream: parallel prefill), min(T/2, 16) of them. One untimed warm-up forward, then the
     best of reps timings; ratios against the base; MACs ratio from flops.reflux_forward_macs."""
     import reflux
     torch.manual_seed(0)
     cfg, _ = flops.train_config("untied", size, depth, T, vocab_size, flops.train_flags(size))
-    base = models.build_model(cfg).eval()
-    idx = torch.randint(vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    base = models.build_model(cfg, device=device).eval()
+    idx = torch.randint(vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
     edge, P, n_dec = reflux.default_edge(depth), T // 2, max(1, min(T // 2, 16))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    ctx = lambda: torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     rows = []
     for sched in REFLUX_SCHEDULES:
         lm = base if sched == "base" else reflux.reflux_lm(base, reflux.Settings(sched, (edge,)))
         fwd, dec = [], []
-        with torch.no_grad():
+        with torch.no_grad(), ctx():
             lm(idx)  # warm-up (first-call allocations), untimed
             for _ in range(reps):
+                sync()
                 t0 = time.perf_counter()
                 lm(idx)
+                sync()
                 fwd.append(time.perf_counter() - t0)
                 cache = {}
                 lm(idx[:, :P], cache=cache)
+                sync()
                 t0 = time.perf_counter()
                 for i in range(n_dec):
                     lm(idx[:, P + i:P + i + 1], cache=cache)
+                sync()
                 dec.append(time.perf_counter() - t0)
         rows.append({"schedule": sched, "edge": f"{edge[0]}:{edge[1]}", "T": T, "width": cfg.width,
+                     "device": device, "dtype": dtype,
                      "forward_ms_per_token": 1e3 * min(fwd) / T, "decode_ms_per_token": 1e3 * min(dec) / n_dec,
                      "decode_tokens": n_dec,
                      "macs_ratio": flops.reflux_forward_macs(cfg, T, sched, low=edge[1])["ratio"]})
