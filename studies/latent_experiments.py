@@ -267,7 +267,7 @@ def table_header(args, runs=()):
 
 
 def make_table(runs):
-    """Markdown: one table per task, rows = methods, columns = levels, mean +- std over seeds."""
+    """Markdown: one table per task, rows = methods, columns = levels, mean ± sample std (ddof 1) over seeds."""
     lines = []
     for name, task in TASKS.items():
         rs = [r for r in runs if r["task"] == name]

@@ -17,7 +17,7 @@ a model's own flags such as `--window` or `--n_core` only to the models that rea
 `--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first. What
 `run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`.
 
-`report` prints one table per dataset (mean ± std over seeds of test/dev NLL, exact match; lowest
+`report` prints one table per dataset (mean ± sample std over seeds of test/dev NLL, exact match; lowest
 in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
 prints the TANGO paper's section 4.1 tables and checks its claims one by one (and the grid's wall
 time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);

@@ -214,7 +214,7 @@ def _stat(rows, key, metric):
 
 
 def _table(rows, ds, models, cols):
-    """cols: [(header, depth, metric, fmt)]. Cells: mean ± std over seeds, "(n=...)" when fewer
+    """cols: [(header, depth, metric, fmt)]. Cells: mean ± sample std (n − 1) over seeds, "(n=...)" when fewer
     seeds than the grid's most; the lowest NLL or highest exact match of a column is bold (nothing
     when every mean of the column is equal, e.g. 0 % exact match everywhere)."""
     seeds = max(len(v) for v in rows.values())
@@ -252,8 +252,8 @@ def grid_report(root):
         depths = sorted({k[2] for k in rows if k[0] == ds})
         held = [k for k in HELD_OUT if k in depths] or depths  # a grid without K = 4/8: test NLL at every depth
         runs = [r for k, v in rows.items() if k[0] == ds for r in v]
-        out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` (nats/token, mean ± std over "
-                   f"seeds; unigram entropy of dev {runs[0]['unigram_dev']:.3f}); bold: the lowest NLL or highest "
+        out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` (nats/token, mean ± sample std "
+                   f"over seeds; unigram entropy of dev {runs[0]['unigram_dev']:.3f}); bold: the lowest NLL or highest "
                    "exact match of each column, extra rows included.\n")
         cols = [(f"non-emb params K={k}", k, "non_embedding_params", "{:,.0f}") for k in held[:1]]
         cols += [(f"test NLL K={k}", k, "test_nll", "{:.3f}") for k in held]
@@ -303,7 +303,7 @@ def paired_differences(rows, datasets):
         if not depths:
             continue
         out += ["", f"**{ds}**: paired-seed differences, test NLL of each model minus TANGO's at the same seed "
-                    "(nats/token, mean ± std over seeds, n seeds; negative: lower than TANGO), and training "
+                    "(nats/token, mean ± sample std over seeds, n seeds; negative: lower than TANGO), and training "
                     "throughput (tokens/s, median of the last 100 updates, mean over seeds).\n",
                 "| model | " + " | ".join(f"test NLL − TANGO K={k}" for k in depths)
                 + " | " + " | ".join(f"tokens/s K={k}" for k in depths) + " |",
