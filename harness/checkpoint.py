@@ -184,7 +184,23 @@ def resume_args(args, given):
     UsageError for a bad file or a conflicting identity flag."""
     path = os.path.join(args.out_dir, LATEST)
     ckpt = load_checkpoint(path, keys=TRAINING_KEYS)
-    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path), path=path, config=ckpt["config"])
+    saved = saved_args(ckpt, path)
+    changed = merge_resume_args(args, given, saved, path=path, config=ckpt["config"])
+    check_sequences_per_update(args, saved)
+    return ckpt, changed
+
+
+def check_sequences_per_update(args, saved):
+    """UsageError when --batch_size x --gradient_accumulation_steps (sequences per update) differs
+    from the checkpoint's: the run's token counts (summary tokens, the curves' x axis) are updates
+    x tokens per update. Another split of the same product is allowed (a smaller GPU)."""
+    was = [saved.get(k) for k in ("batch_size", "gradient_accumulation_steps")]
+    if not all(isinstance(v, int) for v in was) or min(args.batch_size, args.gradient_accumulation_steps) < 1:
+        return  # a malformed entry or a value below 1: reported where the flags are checked
+    if args.batch_size * args.gradient_accumulation_steps != was[0] * was[1]:
+        raise UsageError(f"--batch_size {args.batch_size} x --gradient_accumulation_steps "
+                         f"{args.gradient_accumulation_steps}: the checkpoint in {args.out_dir} was trained with "
+                         f"{was[0]} x {was[1]} = {was[0] * was[1]} sequences per update; keep that product to resume it")
 
 
 def eval_only_args(args, given):

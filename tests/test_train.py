@@ -293,6 +293,25 @@ def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
     assert not any(k.startswith("_orig_mod.") for k in load(out / "ckpt_latest.pt")["model"])
 
 
+def test_resume_keeps_the_sequences_per_update(runs, mdm, data_root, tmp_path, capsys):
+    """--resume may split an update's sequences otherwise (--batch_size 4 x accumulation 1 for the
+    run's 2 x 2) but not change their number: the summary's token count is updates x tokens per
+    update. Another product is one line naming both flags, exit 2, nothing written."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    before = sorted(os.listdir(out)), (out / "log.jsonl").read_bytes()
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "8", "--batch_size", "4"), capsys)
+    assert (code, err) == (2, f"error: --batch_size 4 x --gradient_accumulation_steps 2: the checkpoint in {out} "
+                              "was trained with 2 x 2 = 4 sequences per update; keep that product to resume it\n")
+    assert (sorted(os.listdir(out)), (out / "log.jsonl").read_bytes()) == before
+    code, err = call_main(flags(mdm, data_root, out, "--resume", "--max_iters", "8", "--batch_size", "4",
+                                "--gradient_accumulation_steps", "1"), capsys)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens"] == summary["best_iter"] * 4 * 32
+    assert records(out, "start")[-1]["resume_overrides"]["gradient_accumulation_steps"] == [2, 1]
+
+
 def test_checkpoint_from_before_chunk_and_gau_s_flags_resumes(runs, mdm, data_root, tmp_path, capsys):
     """Checkpoints written before --chunk/--gau_s existed have them only in the model config (then
     fixed at 256/128); --resume takes them from there instead of the tier's new defaults."""
