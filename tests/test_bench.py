@@ -2,6 +2,7 @@
 fields; the target arithmetic on hand-made rows; the CPU allocator setting of the timed steps."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -158,7 +159,7 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
     assert bench.main(["--models", "tango,loop", "--device", "cpu", "--size", "tiny", "--block_sizes", "32",
                        "--compile", "on", "--compile_backend", "eager", "--vocab_size", "256", "--batch_tokens", "64",
                        "--steps", "2", "--peak_n", "128", "--json", str(out),
-                       "--main_job", "--model no-such-model"]) == 0
+                       "--main_job", "--model tango --dataset no-such-corpus/"]) == 0
     res = json.loads(out.read_text())
     rows = {r["model"]: r for r in res["rows"]}
     assert rows["tango"]["status"] == "ok" and rows["loop"]["status"] == "ok", res["rows"]
@@ -166,13 +167,15 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
     assert rows["tango"]["graphs"] == 4 and rows["loop"]["graphs"] >= 2
     for r in rows.values():
         assert r["recompiles"] == 0 and r["compile_s"] >= 0
-    assert res["main_job"]["status"].startswith("error: exit code 2") and "no-such-model" in res["main_job"]["status"]
+    assert res["main_job"]["status"].startswith("error: exit code 2") and "no-such-corpus" in res["main_job"]["status"]
+    assert res["main_job"]["command"] == "python train.py --model tango --dataset no-such-corpus/ --device cpu"
 
 
 def test_cuda_defaults_and_quick_plan(monkeypatch):
     """What a GPU user gets (parsed here with CUDA pretended available; nothing runs)."""
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench.torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # (--quick's main job check)
     a = bench.parse(["--device", "cuda"])
     assert (a.size, a.block_sizes, a.compile, a.dtype) == ("70M", [2048, 8192], "both", "bfloat16")
     assert a.batch_tokens == 32768 and a.vocab_size == 50257 and (a.steps, a.warmup, a.peak_n, a.peak_reps) == (2, 1, 8192, 10)
@@ -182,6 +185,10 @@ def test_cuda_defaults_and_quick_plan(monkeypatch):
     assert q.batch_tokens == 32768 and q.warmup == 2 and q.steps == 3
     assert bench.plan(q) == ([(m, True, 2048) for m in bench.models.REGISTRY]
                              + [(m, True, 8192) for m in ("tango", "tango-windowed", "tango-3set", "loop")])
+    with open(os.path.join(bench.ROOT, "docs", "benchmarks.md")) as f:  # the count the docs give
+        n, models = map(int, re.search(r"`--quick` is (\d+) configurations \((\d+) models \+ 4\)", f.read()).groups())
+    assert (n, models) == (len(bench.plan(q)), len(bench.models.REGISTRY))
+    assert f"({n}\nconfigurations: {models} models + 4," in bench.__doc__
 
 
 def test_mfu_of_known_flops_time_and_peak(monkeypatch):
@@ -289,6 +296,9 @@ BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py
     (["decode", "--models", "flash", "--chunk", "0"], "--chunk 0: must be >= 1"),
     (["--json", "."], "--json .: is a folder; give a file path"),
     (["decode", "--json", "."], "--json .: is a folder; give a file path"),
+    (["--main_job", "--model nope"], "--main_job '--model nope': --model: unknown model 'nope'; choose one of tango,"),
+    (["--main_job", "--depth 0"], "--main_job '--depth 0': --depth 0: must be >= 1"),
+    (["--main_job", "--start 'x"], "--main_job \"--start 'x\": No closing quotation"),
 ]
 
 

@@ -19,13 +19,13 @@ configuration (model build) to the end of its first training step, compile inclu
 
 On CUDA the defaults are what a GPU user would run: the 70M tier, T = 2048 and 8192, at least
 32768 tokens per step, bf16 autocast, compiled and eager. --quick covers every model at T = 2048
-compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop Transformer++ at T = 8192 (13
-configurations, 2 warm-up and 3 timed steps each). Its time is an estimate from FLOPs, not
+compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop Transformer++ at T = 8192 (21
+configurations: 17 models + 4, 2 warm-up and 3 timed steps each). Its time is an estimate from FLOPs, not
 measured yet (no GPU was available while writing this): a 32k-token step at 70M is 1.5e13
 (untied, T = 2048) to 2.3e14 (TANGO, T = 8192) model FLOPs (flops.train_flops), 0.05-1 s at
-250 TFLOP/s, so the ~6 steps of all 13 configurations take under a minute together; the rest
+250 TFLOP/s, so the ~6 steps of all 21 configurations take about a minute together; the rest
 is interpreter and CUDA start-up (~10 s each) and the regional compile (~10-20 s each: one unit
-and the head, forward and backward), about 5-7 minutes in all on one H100/H200-class GPU. On CPU, --quick runs the same plan at
+and the head, forward and backward), about 8-12 minutes in all on one H100/H200-class GPU. On CPU, --quick runs the same plan at
 T = 32 / 128 and V = 256, eager (an inductor compile takes minutes per model on CPU), in this
 process (no per-configuration interpreter start, so its memory column is less isolated). The child builds the
 model train.py builds for the same --model/--size/--depth/--block_size (flops.train_config: the
@@ -298,7 +298,7 @@ def main_job_first_update(flags, device, timeout):
     import threading
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "train.py", *shlex.split(flags), "--device", device, "--out_dir", out, "--quiet"]
-        row = {"command": "python " + " ".join(shlex.quote(c) for c in cmd[1:-4]) + f" --device {device}",
+        row = {"command": "python " + " ".join(shlex.quote(c) for c in cmd[1:-5]) + f" --device {device}",
                "prepared": False}
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its lines as they are printed
@@ -491,6 +491,14 @@ def parse(argv):
         p.error(str(e))
     a.main_job = a.main_job or (MAIN_JOB if a.quick else "none")
     a.main_job = None if a.main_job == "none" else a.main_job
+    if a.main_job:  # train.py's own checks of its flags, before the benchmark, not after it
+        import shlex
+        import train
+        try:
+            job = shlex.split(a.main_job) + ["--device", a.device]
+            train.check_flags(train.parse_args(job), train.given_flags(job))
+        except (UsageError, ValueError) as e:  # (ValueError: unbalanced quotes)
+            p.error(f"--main_job {a.main_job!r}: {e}")
     if a.compile is None:
         a.compile = "both" if cuda else "off"
     if a.dtype is None:
