@@ -49,7 +49,7 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
     returns (record dict, LatentLM)."""
     torch.manual_seed(seed)
     rules = parse_policy(policy)
-    marker_ids = tok.marker_ids(marker) if any(r.kind == "marker" for r in rules) else ()
+    marker_ids = _marker_ids(tok, marker) if any(r.kind == "marker" for r in rules) else ()
     llm = LatentLM(base, Policy(rules, None, groups, marker_ids, readout), position_mode=position_mode, init=init)
     rng = np.random.default_rng([seed, list(TASKS).index(task.name)])
     augs = [llm.augment(*encode_sample(tok, task, task.sample(rng, "train"))) for _ in range(n_train)]
@@ -63,6 +63,16 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
             "final_loss": float(np.mean(losses[-8:])) if losses else None,
             "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
             "metric": task.metric, "metrics": metrics}, llm
+
+
+def _marker_ids(tok, marker):
+    """tok.marker_ids(marker); UsageError naming --marker also where the tokenizer's own names no flag."""
+    try:
+        return tok.marker_ids(marker)
+    except UsageError as e:  # tasks.Tokenizer.encode: "'x' is not in the base's vocabulary"
+        if str(e).startswith("--marker"):
+            raise
+        raise UsageError(f"--marker {marker!r}: {e} (the marker must be one token of it)") from None
 
 
 def run(args):
@@ -410,6 +420,8 @@ def check_args(args):
                  "eval_interval", "depth"):
         if getattr(args, flag, 1) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if getattr(args, "width", None) is not None and args.width < 1:  # pretrain's; 0 quietly took 4 d
+        raise UsageError(f"--width {args.width}: must be >= 1 (leave it out for the default 4 d)")
     if not 0 < args.lr < math.inf:
         raise UsageError(f"--lr {args.lr}: must be a finite number > 0")
     for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
@@ -425,15 +437,28 @@ def check_args(args):
         parse_policy(args.policy)
         choose("groups", args.groups, GROUPINGS)
         choose("eval_mode", args.eval_mode, ("tf", "generate"))
-    for t in getattr(args, "tasks", getattr(args, "task", "all")).split(","):
-        if t != "all":
-            get_task(t)
+    if args.cmd != "run":  # pretrain's --task, sweep's --tasks: all, or a comma list (get_task names --task)
+        flag = "tasks" if args.cmd == "sweep" else "task"
+        value = getattr(args, flag)
+        for t in ([] if value == "all" else value.split(",")):
+            if t not in TASKS:
+                raise UsageError(f"--{flag}: unknown task '{t}'; give all or a comma list of {', '.join(TASKS)}")
     for p in getattr(args, "extra", []):
-        parse_policy(p)
+        try:
+            parse_policy(p)
+        except UsageError as e:  # parse_policy names run's --policy
+            raise UsageError(str(e).replace("--policy", "--extra", 1)) from None
+    flag = "--seeds" if hasattr(args, "seeds") else "--seed"  # sweep's --seeds, run's and pretrain's --seed
+    seeds = args.seeds if hasattr(args, "seeds") else [args.seed]
+    for seed in seeds:  # numpy's default_rng refuses a negative seed, torch.manual_seed one of 2**64 or more
+        if not 0 <= seed < 2 ** 64:
+            raise UsageError(f"{flag} {seed}: must be >= 0" if seed < 0 else f"{flag} {seed}: must be < 2**64")
+    if len(set(seeds)) < len(seeds):  # a repeated seed would run twice and count twice in the table's mean ± std
+        raise UsageError(f"{flag} {' '.join(map(str, seeds))}: each seed at most once")
     for flag in ("save", "json"):  # run's output files: checked here, not after the training
-        if getattr(args, flag, None):
+        if getattr(args, flag, None) is not None:  # (an empty path given is refused, not skipped)
             check_output_file(f"--{flag}", getattr(args, flag))
-    if getattr(args, "out_dir", None):  # pretrain's and sweep's output folder
+    if getattr(args, "out_dir", None) is not None:  # pretrain's and sweep's output folder
         check_output_folder("--out_dir", args.out_dir)
 
 

@@ -22,9 +22,10 @@ import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
 from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
                     run_command)
-from harness.datacheck import check_data, same_data
+from harness.datacheck import check_data, data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
+from sample import CheckpointTokenizer
 
 # =============================================================================== loading, evaluation, router training
 
@@ -218,9 +219,11 @@ def parse(argv):
     for flag in ("eval_windows", "block"):  # None: the checkpoint's count, block_size / 8
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 1 (leave it out for the default)")
-    for flag in ("threads",) + (() if sweep else ("sample",)):
+    for flag in ("threads", "seed") + (() if sweep else ("sample",)):
         if getattr(a, flag) < 0:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 0")
+    if a.seed >= 2 ** 64:  # torch.manual_seed's range (numpy's default_rng refuses a negative one, above)
+        raise UsageError(f"--seed {a.seed}: must be < 2**64")
     if not 0 < a.xi < 1:
         raise UsageError(f"--xi {a.xi}: must lie in (0, 1)")
     for flag in ("lr", "alpha_max"):
@@ -261,6 +264,8 @@ def parse(argv):
                    else None}
         for flag in sorted(f for f, rule in ignored.items() if rule and f in given):
             raise UsageError(f"--{flag}: only used {ignored[flag]}; drop --{flag}")
+        if a.sample and not a.prompt:  # generate needs a token to continue from
+            raise UsageError('--prompt "": give at least one character for --sample to continue')
     for flag in (f for f in ROUTER_FLAGS if f in given and not router):
         need = "without --no_router" if sweep else "with --router"
         raise UsageError(f"--{flag}: only used {need} (a router flag); drop --{flag}")
@@ -268,7 +273,7 @@ def parse(argv):
         raise UsageError(f"--base: no checkpoint at {a.base}")
     if a.data_root is not None:  # load prepares the dataset there when it is not
         check_output_folder("--data_root", a.data_root)
-    if a.json:
+    if a.json is not None:  # (an empty path given is refused, not skipped)
         check_output_file("--json", a.json)
     return a
 
@@ -322,6 +327,9 @@ def run_one(a, log=print):
         s = Settings(a.schedule, edges, 0.2 if a.alpha is None else a.alpha, a.beta, not a.no_preserve_norm,
                      a.payload, a.prefill)
     s.check(K)
+    # sample.py's check: a character outside the vocabulary is refused, not sampled from the unknown id
+    prompt = (CheckpointTokenizer(data_signature(data), f"--base {a.base}").encode(a.prompt, "--prompt")
+              if a.sample else None)
     router, info = None, {}
     if a.router:
         log(f"training the router ({a.max_iters} updates, sync, soft gates; backbone frozen)")
@@ -346,7 +354,7 @@ def run_one(a, log=print):
         f"ReFlux {s.schedule} [{what}{'' if router else f', α {s.alpha:g} β {s.beta:g}'}] {rf_nll:.4f}   "
         f"change {rf_nll - base_nll:+.4f}{extra}")
     if a.sample:
-        prompt = torch.tensor([data.encode(a.prompt)], dtype=torch.long)
+        prompt = torch.tensor([prompt], dtype=torch.long)
         with eval_mode(view), eval_mode(base):
             out_b = base.generate(prompt, a.sample, temperature=0)
             out_r = view.generate(prompt, a.sample, temperature=0)

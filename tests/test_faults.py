@@ -781,6 +781,10 @@ def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv,
      'error: --data_root "": an empty path; give a folder ("." for this one)'),
     ("tools.sweep", ["run", "--models", "tango", "--depths", "4", "--seeds", "1", "--datasets", "stdlib", "--root", ""],
      'error: --root "": an empty path; give a folder ("." for this one)'),
+    ("studies.latent_experiments", ["pretrain", "--out_dir", ""],
+     'error: --out_dir "": an empty path; give a folder ("." for this one)'),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--json", ""],
+     'error: --json "": an empty path; give a file path'),
 ])
 def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
     """An output folder that is a file, or an output file under a file or that is a folder, gave a

@@ -352,6 +352,47 @@ def test_cli_errors(tmp_path, capsys):
     assert code == 2 and "width 63" in err and not out.exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    # numpy's default_rng refused a negative seed with a traceback (exit 1); sweep also left an empty --out_dir
+    (["--base", "x.pt", "--task", "generation", "--seed", "-1"], "--seed -1: must be >= 0"),
+    (["--base", "x.pt", "--task", "generation", "--seed", str(2 ** 64)], f"--seed {2 ** 64}: must be < 2**64"),
+    (["pretrain", "--seed", "-1", "--steps", "1", "--out_dir", "out"], "--seed -1: must be >= 0"),
+    (["sweep", "--base", "x.pt", "--seeds", "-1", "--out_dir", "out"], "--seeds -1: must be >= 0"),
+    (["sweep", "--base", "x.pt", "--seeds", "0", "1", "0", "--out_dir", "out"], "--seeds 0 1 0: each seed at most once"),
+    (["pretrain", "--width", "0", "--out_dir", "out"], "--width 0: must be >= 1 (leave it out for the default 4 d)"),
+    # sweep's errors named run's --task and --policy
+    (["sweep", "--base", "x.pt", "--tasks", "foo", "--out_dir", "out"],
+     "--tasks: unknown task 'foo'; give all or a comma list of generation, summation, repetition"),
+    (["sweep", "--base", "x.pt", "--tasks", "all,summation", "--out_dir", "out"],
+     "--tasks: unknown task 'all'; give all or a comma list of generation, summation, repetition"),
+    (["pretrain", "--task", "summation,", "--out_dir", "out"],
+     "--task: unknown task ''; give all or a comma list of generation, summation, repetition"),
+    (["sweep", "--base", "x.pt", "--extra", "foo", "--out_dir", "out"],
+     "--extra: unknown part 'foo' in 'foo'; use Start_m, End_m, Comma_m, k_m (e.g. 4_1), combinations with '+', "
+     "or none"),
+])
+def test_cli_seeds_tasks_and_extra_are_one_line_errors_naming_the_flag(argv, message, tmp_path, monkeypatch, capsys):
+    """One line naming the flag, exit 2, before anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(argv, capsys) == (2, f"error: {message}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_marker_outside_the_vocabulary_names_marker(tmp_path, capsys):
+    """--marker "🦜" said "error: '🦜' is not in the base's vocabulary" without naming the flag."""
+    cfg = ModelConfig(model="untied", vocab_size=len(tasks.TASK_VOCAB), block_size=64, n_embd=32, n_head=1, depth=1,
+                      width=64)
+    torch.save({"model": models.build_model(cfg).state_dict(), "config": cfg.to_dict(),
+                "data": {"tokenizer": "task", "vocab_size": len(tasks.TASK_VOCAB), "itos": tasks.TASK_VOCAB}},
+               tmp_path / "base.pt")
+    js = tmp_path / "out" / "r.jsonl"
+    code, err = run_cli(["--base", str(tmp_path / "base.pt"), "--task", "generation", "--marker", "🦜",
+                         "--json", str(js)], capsys)
+    assert (code, err) == (2, "error: --marker '🦜': '🦜' is not in the base's vocabulary (the marker must be one "
+                              "token of it)")
+    assert os.listdir(tmp_path) == ["base.pt"]
+
+
 def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "base"
     latent_experiments.main(["pretrain", "--out_dir", str(out), "--d", "32", "--depth", "1", "--steps", "3", "--eval_interval", "3",

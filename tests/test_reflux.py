@@ -522,6 +522,11 @@ def test_cli_exit_code_and_one_line(tmp_path, capsys):
                                      "drop --alpha"),
     (["--recirc", "--beta", "0.5"], "--beta: only used without --recirc (which sets β = 1 - α); drop --beta"),
     (["--prompt", "x"], "--prompt: only used with --sample; drop --prompt"),
+    (["--sample", "3", "--prompt", ""], '--prompt "": give at least one character for --sample to continue'),
+    # numpy's default_rng refused a negative seed with a traceback (exit 1), torch.manual_seed one of 2**64
+    (["--router", "--seed", "-1"], "--seed -1: must be >= 0"),
+    (["sweep", "--seed", "-1"], "--seed -1: must be >= 0"),
+    (["--router", "--seed", str(2 ** 64)], f"--seed {2 ** 64}: must be < 2**64"),
     (["--schedule", "sync", "--sample", "3", "--prefill", "strict"],
      "--prefill: only used with --schedule stream and --sample; drop --prefill"),
 ])
@@ -533,6 +538,16 @@ def test_cli_refuses_values_out_of_range_and_ignored_flags(argv, message, tmp_pa
     with pytest.raises(SystemExit) as e:
         reflux_cli.cli(argv[:1] * sweep + ["--base", "x.pt"] + argv[sweep:])
     assert (e.value.code, capsys.readouterr().err) == (2, f"error: {message}\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_refuses_a_prompt_outside_the_vocabulary(ckpt, tmp_path, capsys):
+    """--prompt "🦜" was sampled from the unknown id (exit 0); refused as sample.py refuses --start, before any work."""
+    out = tmp_path / "sub" / "r.json"
+    with pytest.raises(SystemExit) as e:
+        reflux_cli.cli(["--base", ckpt[0], "--sample", "3", "--prompt", "1🦜", "--json", str(out)])
+    assert (e.value.code, capsys.readouterr()) == (2, ("", "error: --prompt: 1 character(s) not in the checkpoint's "
+                                                        f"vocabulary of {ckpt[2].vocab_size} symbols: '🦜'\n"))
     assert os.listdir(tmp_path) == []
 
 
