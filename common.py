@@ -49,14 +49,28 @@ class ExitParser(argparse.ArgumentParser):
 def run_command(main):
     """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
     the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
-    BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE")."""
+    BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE"). Sizes
+    this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback."""
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail too
         code = 1
+    except (MemoryError, torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        print(f"error: out of memory ({first}); give smaller sizes (--batch_size, --block_size, --width, --depth, "
+              "--num_samples, ...)", file=sys.stderr)
+        code = 2
     sys.exit(code)
+
+
+def is_out_of_memory(e):
+    """True for an allocation failure: MemoryError (numpy's too), CUDA's OutOfMemoryError, or the
+    RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 def not_a_command(module, use):

@@ -30,6 +30,7 @@ from harness import tasks
 from tools import sweep
 from tools import sweep_report
 import train
+import common
 from common import ModelConfig, UsageError, sample_next
 from models import REGISTRY, build_model
 
@@ -1018,3 +1019,26 @@ def test_sweep_report_cell_ignores_flags_the_model_does_not_read(tmp_path):
     fake_run(root / "dmmath" / "a-s2", [*common, "--seed", "2", "--max_iters", "7"], dict(SUMMARY, model="loop", seed=2))
     with pytest.raises(UsageError, match="a-s1 has --lr_decay_iters 120, .*a-s2 has --lr_decay_iters 7"):
         sweep_report.report(str(root))
+
+
+@pytest.mark.parametrize("error, line", [
+    (MemoryError("Unable to allocate 7.45 TiB for an array"), "Unable to allocate 7.45 TiB for an array"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 4096 bytes.\nmore"),
+     "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+     "4096 bytes."),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "CUDA out of memory. Tried to allocate 2.00 GiB"),
+])
+def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
+    """A size this machine cannot hold (train.py --width 40000000, --batch_size 1000000, sample.py
+    --num_samples 10000000) ended in a MemoryError/RuntimeError traceback, exit 1: every command's
+    run_command now prints one line naming the sizes to reduce, exit 2; other errors still raise."""
+    def main():
+        raise error
+    with pytest.raises(SystemExit) as e:
+        common.run_command(main)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"error: out of memory ({line}); give smaller sizes (--batch_size, "
+                                       "--block_size, --width, --depth, --num_samples, ...)\n")
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        common.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
