@@ -146,7 +146,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         if not allow_empty_splits:  # before the rename: a refused folder is never in place
             check_splits(meta, dataset, max_tokens)
         meta["fingerprint"] = fp
-        meta["sha256"] = {s: _sha256(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
+        meta["sha256"] = {s: sha256_file(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if os.path.exists(folder):
@@ -337,7 +337,7 @@ def add_arguments(add):
         "interleaved, one document each in turn")
 
 
-def _sha256(path):
+def sha256_file(path):
     """The SHA-256 of a file, read in 16 MiB pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as f:

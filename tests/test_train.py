@@ -542,6 +542,13 @@ def _corrupt_tokens(p):
     a.tofile(p)
 
 
+def _swap_two_tokens(p):  # every id stays in the vocabulary: only the hash can tell
+    a = np.fromfile(p, dtype="<u2")
+    i = int(np.flatnonzero(a[:-1] != a[1:])[0])
+    a[i], a[i + 1] = a[i + 1], a[i]
+    a.tofile(p)
+
+
 def _set_shape(ck):
     k = next(k for k, v in ck["model"].items() if v.dim() == 2)
     ck["model"][k] = ck["model"][k][:, :-1].clone()
@@ -590,7 +597,10 @@ CASES = [
     ("data_dir_not_dmmath", ["--dataset", "stdlib", "--data_dir", "TMP"], "--data_dir", [], "fresh"),
     ("dmmath_layout", ["--data_dir", "TMP/empty"], "--data_dir", [_write("tmp/empty", lambda p: p.mkdir())],
      "fresh"),
-    ("bin_token_out_of_range", [], "train.bin", [_write("folder/train.bin", _corrupt_tokens)], "fresh"),
+    ("bin_token_out_of_range", [], "train.bin: token id 60000 >=",
+     [_write("folder/train.bin", _corrupt_tokens), _meta(lambda m: m.pop("sha256"))], "fresh"),
+    ("bin_bytes_changed", [], "dev.bin: its SHA-256 is not meta.json's", [_write("folder/dev.bin", _swap_two_tokens)],
+     "fresh"),
     ("meta_vocab_size", [], "vocab_size", [_meta(lambda m: m.update(vocab_size=10))], "fresh"),
     ("meta_no_dev_split", [], "no split dev", [_meta(lambda m: m["splits"].pop("dev"))], "fresh"),
     ("meta_test_split", [], "no split", [_meta(lambda m: m.update(test_split="nope"))], "fresh"),
