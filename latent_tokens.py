@@ -120,7 +120,7 @@ def parse_policy(spec, m=None):
             count = mt.group(2)
             if count is None:
                 if m is None:
-                    raise UsageError(f"--policy: '{part}' needs a count (e.g. {part}_2) or --m")
+                    raise UsageError(f"--policy: '{part}' needs a count (e.g. {part}_2)")  # (m: Policy's argument)
                 count = m
             kind = {"start": "start", "end": "end", "comma": "marker"}[mt.group(1).lower()]
             rules.append(Rule(kind, int(count)))

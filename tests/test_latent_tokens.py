@@ -126,6 +126,8 @@ def test_policy_parsing():
     assert [str(r) for r in lt.parse_policy("Start_1+Comma_2+8_2+End_3")] == ["Start_1", "Comma_2", "8_2", "End_3"]
     assert lt.parse_policy("comma", m=2) == (lt.Rule("marker", 2),)
     assert lt.parse_policy("none") == ()
+    with pytest.raises(UsageError, match=r"^--policy: 'Comma' needs a count \(e.g. Comma_2\)$"):  # (no --m flag)
+        lt.parse_policy("Comma")
     for bad in ("Foo_2", "Comma", "0_1", "Start_0", "Comma_2+", "4-1"):
         with pytest.raises(UsageError):
             lt.parse_policy(bad)
