@@ -104,9 +104,9 @@ class Rule:
 _PART = re.compile(r"^(?:(start|end|comma)(?:_(\d+))?|(\d+)_(\d+))$", re.IGNORECASE)
 
 
-def parse_policy(spec, m=None):
+def parse_policy(spec, m=None, flag="--policy"):
     """'Start_1+Comma_2', '4_1', 'End_8', 'none' -> tuple of Rules. A part written without its count
-    ('Comma') takes m. Raises UsageError for anything else."""
+    ('Comma') takes m. Raises UsageError naming flag (the option that gave spec) for anything else."""
     spec = (spec or "").strip()
     if spec.lower() in ("", "none"):
         return ()
@@ -114,13 +114,13 @@ def parse_policy(spec, m=None):
     for part in spec.split("+"):
         mt = _PART.match(part.strip())
         if not mt:
-            raise UsageError(f"--policy: unknown part '{part}' in '{spec}'; use Start_m, End_m, Comma_m, "
+            raise UsageError(f"{flag}: unknown part '{part}' in '{spec}'; use Start_m, End_m, Comma_m, "
                              f"k_m (e.g. 4_1), combinations with '+', or none")
         if mt.group(1):
             count = mt.group(2)
             if count is None:
                 if m is None:
-                    raise UsageError(f"--policy: '{part}' needs a count (e.g. {part}_2)")  # (m: Policy's argument)
+                    raise UsageError(f"{flag}: '{part}' needs a count (e.g. {part}_2)")  # (m: Policy's argument)
                 count = m
             kind = {"start": "start", "end": "end", "comma": "marker"}[mt.group(1).lower()]
             rules.append(Rule(kind, int(count)))
@@ -128,7 +128,7 @@ def parse_policy(spec, m=None):
             rules.append(Rule("every", int(mt.group(4)), int(mt.group(3))))
     for r in rules:
         if r.m < 1 or (r.kind == "every" and r.k < 1):
-            raise UsageError(f"--policy: '{r}' needs m >= 1 and k >= 1")
+            raise UsageError(f"{flag}: '{r}' needs m >= 1 and k >= 1")
     return tuple(rules)
 
 

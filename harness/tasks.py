@@ -39,7 +39,10 @@ class Tokenizer:
 
     def marker_ids(self, marker):
         """[id] of a one-token marker (Comma_m's ','); UsageError naming --marker otherwise."""
-        ids = self.encode(marker)
+        try:
+            ids = self.encode(marker)
+        except UsageError as e:  # encode's message names no flag
+            raise UsageError(f"--marker {marker!r}: {e} (the marker must be one token of it)") from None
         if len(ids) != 1:
             raise UsageError(f"--marker {marker!r}: must be one token")
         return ids

@@ -49,7 +49,7 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
     returns (record dict, LatentLM)."""
     torch.manual_seed(seed)
     rules = parse_policy(policy)
-    marker_ids = _marker_ids(tok, marker) if any(r.kind == "marker" for r in rules) else ()
+    marker_ids = tok.marker_ids(marker) if any(r.kind == "marker" for r in rules) else ()
     llm = LatentLM(base, Policy(rules, None, groups, marker_ids, readout), position_mode=position_mode, init=init)
     rng = np.random.default_rng([seed, list(TASKS).index(task.name)])
     augs = [llm.augment(*encode_sample(tok, task, task.sample(rng, "train"))) for _ in range(n_train)]
@@ -63,16 +63,6 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
             "final_loss": float(np.mean(losses[-8:])) if losses else None,
             "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
             "metric": task.metric, "metrics": metrics}, llm
-
-
-def _marker_ids(tok, marker):
-    """tok.marker_ids(marker); UsageError naming --marker also where the tokenizer's own names no flag."""
-    try:
-        return tok.marker_ids(marker)
-    except UsageError as e:  # tasks.Tokenizer.encode: "'x' is not in the base's vocabulary"
-        if str(e).startswith("--marker"):
-            raise
-        raise UsageError(f"--marker {marker!r}: {e} (the marker must be one token of it)") from None
 
 
 def run(args):
@@ -444,10 +434,7 @@ def check_args(args):
             if t not in TASKS:
                 raise UsageError(f"--{flag}: unknown task '{t}'; give all or a comma list of {', '.join(TASKS)}")
     for p in getattr(args, "extra", []):
-        try:
-            parse_policy(p)
-        except UsageError as e:  # parse_policy names run's --policy
-            raise UsageError(str(e).replace("--policy", "--extra", 1)) from None
+        parse_policy(p, flag="--extra")
     flag = "--seeds" if hasattr(args, "seeds") else "--seed"  # sweep's --seeds, run's and pretrain's --seed
     seeds = args.seeds if hasattr(args, "seeds") else [args.seed]
     for seed in seeds:  # numpy's default_rng refuses a negative seed, torch.manual_seed one of 2**64 or more
