@@ -73,6 +73,13 @@ def is_out_of_memory(e):
     return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
+def check_seed(flag, seed):
+    """UsageError unless seed lies in [0, 2**64): numpy's default_rng refuses a negative seed and
+    torch.manual_seed one of 2**64 or more, each with a traceback."""
+    if not 0 <= seed < 2 ** 64:
+        raise UsageError(f"{flag} {seed}: must be >= 0" if seed < 0 else f"{flag} {seed}: must be < 2**64")
+
+
 def not_a_command(module, use):
     """What a companion module run directly does (python text_data.py, ...): one line on stderr
     naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""

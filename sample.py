@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from common import ModelConfig, UsageError, UsageParser, check_sampling, run_command
+from common import ModelConfig, UsageError, UsageParser, check_sampling, check_seed, run_command
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
@@ -121,8 +121,7 @@ def check_args(args):
             check_sampling(**{flag: getattr(args, flag)})
         except ValueError as e:
             raise UsageError(f"--{e}") from None
-    if args.seed < 0:
-        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    check_seed("--seed", args.seed)
 
 
 def load_model(ck, path, device):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from common import UsageError, check_output_folder
+from common import UsageError, check_output_folder, check_seed
 from harness.checkpoint import trim_log
 from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
@@ -135,9 +135,11 @@ def check_values(args, dist):
         raise UsageError(f"--min_lr_ratio {args.min_lr_ratio}: must be in [0, 1]")
     if not 0 <= args.weight_decay < math.inf:
         raise UsageError(f"--weight_decay {args.weight_decay}: must be a finite number >= 0")
-    for flag in ("warmup_iters", "sample_tokens", "seed", "data_seed"):
+    for flag in ("warmup_iters", "sample_tokens"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 0")
+    for flag in ("seed", "data_seed"):
+        check_seed(f"--{flag}", getattr(args, flag))
     if args.gradient_accumulation_steps % dist.world:
         raise UsageError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps}: must be divisible "
                          f"by the number of processes ({dist.world}); it counts micro-batches over all of them")

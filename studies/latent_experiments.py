@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
-                    run_command)
+from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
+                    make_parent, run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -437,9 +437,8 @@ def check_args(args):
         parse_policy(p, flag="--extra")
     flag = "--seeds" if hasattr(args, "seeds") else "--seed"  # sweep's --seeds, run's and pretrain's --seed
     seeds = args.seeds if hasattr(args, "seeds") else [args.seed]
-    for seed in seeds:  # numpy's default_rng refuses a negative seed, torch.manual_seed one of 2**64 or more
-        if not 0 <= seed < 2 ** 64:
-            raise UsageError(f"{flag} {seed}: must be >= 0" if seed < 0 else f"{flag} {seed}: must be < 2**64")
+    for seed in seeds:
+        check_seed(flag, seed)
     if len(set(seeds)) < len(seeds):  # a repeated seed would run twice and count twice in the table's mean ± std
         raise UsageError(f"{flag} {' '.join(map(str, seeds))}: each seed at most once")
     for flag in ("save", "json"):  # run's output files: checked here, not after the training

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
-from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
-                    run_command)
+from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
+                    make_parent, run_command)
 from harness.datacheck import check_data, data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -219,11 +219,10 @@ def parse(argv):
     for flag in ("eval_windows", "block"):  # None: the checkpoint's count, block_size / 8
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 1 (leave it out for the default)")
-    for flag in ("threads", "seed") + (() if sweep else ("sample",)):
+    for flag in ("threads",) + (() if sweep else ("sample",)):
         if getattr(a, flag) < 0:
             raise UsageError(f"--{flag} {getattr(a, flag)}: must be >= 0")
-    if a.seed >= 2 ** 64:  # torch.manual_seed's range (numpy's default_rng refuses a negative one, above)
-        raise UsageError(f"--seed {a.seed}: must be < 2**64")
+    check_seed("--seed", a.seed)
     if not 0 < a.xi < 1:
         raise UsageError(f"--xi {a.xi}: must lie in (0, 1)")
     for flag in ("lr", "alpha_max"):

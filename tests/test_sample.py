@@ -241,6 +241,7 @@ BAD = [  # (flags, the one-line error's start)
     (["--temperature", "nan"], "error: --temperature nan: must be a finite number >= 0"),
     (["--top_k", "-1"], "error: --top_k -1: must be >= 0 (0: all tokens)"),
     (["--seed", "-1"], "error: --seed -1: must be >= 0"),
+    (["--seed", str(2 ** 64)], f"error: --seed {2 ** 64}: must be < 2**64"),  # torch.manual_seed's range
     (["--ckpt", "final"], "error: argument --ckpt: invalid choice: 'final'"),
     (["--num_samples", "x"], "error: argument --num_samples: invalid int value: 'x'"),
     (["--device", "tpu"], "error: --device tpu: use auto, cpu, cuda or cuda:N"),

@@ -575,6 +575,7 @@ CASES = [
     ("lr_decay_iters", ["--lr_decay_iters", "0"], "--lr_decay_iters", [], "fresh"),
     ("sample_tokens", ["--sample_tokens", "-1"], "--sample_tokens", [], "fresh"),
     ("seed", ["--seed", "-1"], "--seed", [], "fresh"),
+    ("seed_too_large", ["--seed", str(2 ** 64)], f"--seed {2 ** 64}: must be < 2**64", [], "fresh"),  # torch's range
     ("data_seed", ["--data_seed", "-2"], "--data_seed", [], "fresh"),
     ("num_proc", ["--num_proc", "0"], "--num_proc", [], "fresh"),
     ("device", ["--device", "tpu"], "--device", [], "fresh"),
