@@ -23,7 +23,7 @@ from tango_kernels import tango_fast, windowed_fast
 HERE = os.path.dirname(os.path.abspath(__file__))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
 SMALL = dict(n_embd=64, n_head=2, vocab_size=61, block_size=32, window=5, chunk=8,
-             jacobi=32,  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= T - 1
+             jacobi=32,  # PonderLM-2's Jacobi prefill is exact (cached = full forward) at jacobi >= n_thoughts (T - 1)
              lrt_subsets=64)  # LRT's parallel prefill is exact at one slot per subset (lrt-think: 2 T slots)
 
 
@@ -265,13 +265,15 @@ def test_three_set_uses_first_middle_last_sets():
 # ----------------------------------------------------------------------------- every model
 
 @pytest.mark.parametrize("name", list(REGISTRY))
-def test_cached_decoding_equals_full_forward(f64, name):
+@pytest.mark.parametrize("prefill", [1, 3, 9])  # below, at and past window - 1 (window=5)
+def test_cached_decoding_equals_full_forward(f64, name, prefill):
     model = randomize(build_model(small(name)), std=0.2).eval()
     x = torch.randint(0, 61, (2, 21))
     full, _ = model(x)
     cache = {}
-    parts = [model(x[:, :9], cache=cache)[0]]  # prefill, then one token at a time
-    parts += [model(x[:, t:t + 1], cache=cache)[0] for t in range(9, 21)]
+    steps = [prefill, prefill + 2] + list(range(prefill + 3, 22))  # prefill, one 2-token step, then 1 at a time
+    parts = [model(x[:, :prefill], cache=cache)[0]]
+    parts += [model(x[:, a:b], cache=cache)[0] for a, b in zip(steps, steps[1:])]
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-9
 
 

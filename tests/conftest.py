@@ -21,6 +21,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def f64():
+    """Build and run the test in float64 (torch's default dtype), then restore float32."""
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
 def _write_mdm(root, n_train, n_extrapolate, n_eval=60):
     """A small dataset in the official DeepMind Mathematics layout under root (a pathlib.Path):
     "What is a + b?" / answer lines, n_train problems in each train-* folder; returns root."""
