@@ -416,6 +416,16 @@ class LM(nn.Module):
         return out
 
 
+def host_values(x):
+    """x with every tensor read back as a Python float (dicts and lists walked): a diagnostics
+    record taken as device tensors, read when the host syncs anyway."""
+    if isinstance(x, dict):
+        return {k: host_values(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [host_values(v) for v in x]
+    return float(x) if torch.is_tensor(x) else x
+
+
 def check_sampling(temperature=1.0, top_k=None, max_new_tokens=0):
     """ValueError naming the argument unless temperature is a finite number >= 0, top_k is None
     or an int >= 1 and max_new_tokens an int >= 0 (bools are not counts)."""

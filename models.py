@@ -13,7 +13,8 @@ Adding a model (a checklist; tests/test_registry.py registers a toy model by it)
      source (paper title, arXiv id, section). Module attributes the harness reads, if they apply:
      `no_decay` (names of the class's own gain/scale parameters: no weight decay),
      `is_residual_out = True` on a Linear (smaller init), `rng_seed` (the seed of training draws,
-     set per micro-batch) and `diagnostics(spectral)` on the body (logged per update).
+     set per micro-batch) and `diagnostics(spectral, read)` on the body (logged per update; read=False
+     returns device tensors, read later).
   2. New hyperparameters: a field with its default in common.ModelConfig and a flag of the same
      name in train.build_parser's "model" group (model_config passes every declared flag on).
   3. models.py: a REGISTRY row `"yourmodel": ModelSpec(yourmodel.yourmodel, width_multiple=8,

@@ -72,7 +72,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from baselines import Attention, SwiGLU, TransformerBlock
-from common import RMSNorm, UsageError, compiled_region, compute_dtype, rope_cos_sin
+from common import RMSNorm, UsageError, compiled_region, compute_dtype, host_values, rope_cos_sin
 
 # ============================================================================= shared: state, depth, draws
 TRUNC_SD = 3.0          # initial states are truncated at +-3 standard deviations
@@ -177,7 +177,7 @@ class LoopedBody(nn.Module):
     def state_norms(self):
         """The recurrent state's mean L2 norm (over channels, averaged over tokens and rows) after
         each recurrence of the last forward, as floats."""
-        return torch.stack(self._norms).float().tolist() if self._norms else []
+        return host_values(self._norms)
 
 
 # ============================================================================= Parcae
@@ -314,22 +314,23 @@ class Parcae(LoopedBody):
             y = blk(y, cos, sin, sub_cache(cache, ("coda", j)))
         return y
 
-    def diagnostics(self, spectral=True):
+    def diagnostics(self, spectral=True, read=True):
         """{"state_norm": [per step], "state_norm_max", "abar_max", "abar_min", "steps",
         "depth_mean" (mean sampled r_i; None at fixed depth)} of the last forward; with spectral
         (two d x d SVDs) also "bbar_spectral_norm" = ||diag(Delta) B||_2 and "c_spectral_norm"
-        = ||C||_2 (the Parcae paper's Figure 18 quantities)."""
-        norms = self.state_norms()
+        = ||C||_2 (the Parcae paper's Figure 18 quantities). Floats; read=False: 0-dim device
+        tensors where a float needs a host sync (common.host_values reads them later)."""
+        norms = [n.float() for n in self._norms]
         with torch.no_grad():
             a = self.abar()
-            out = {"state_norm": norms, "state_norm_max": max(norms, default=0.0),
-                   "abar_max": float(a.max()), "abar_min": float(a.min()), "steps": self._steps,
+            out = {"state_norm": norms, "state_norm_max": torch.stack(norms).max() if norms else 0.0,
+                   "abar_max": a.max(), "abar_min": a.min(), "steps": self._steps,
                    "depth_mean": self._depth_mean}
             if spectral:
                 bbar = self.delta()[:, None] * self.B
-                out["bbar_spectral_norm"] = float(torch.linalg.matrix_norm(bbar.float(), ord=2))
-                out["c_spectral_norm"] = float(torch.linalg.matrix_norm(self.C.float(), ord=2))
-        return out
+                out["bbar_spectral_norm"] = torch.linalg.matrix_norm(bbar.float(), ord=2)
+                out["c_spectral_norm"] = torch.linalg.matrix_norm(self.C.float(), ord=2)
+        return host_values(out) if read else out
 
 
 def parcae(cfg):
@@ -446,18 +447,19 @@ class RecurrentDepth(LoopedBody):
         h = self.recur(e, cos, sin, cache, n_steps, h0)
         return self.decode(h, cos, sin, cache)
 
-    def diagnostics(self, spectral=True):
+    def diagnostics(self, spectral=True, read=True):
         """{"state_norm": [per recurrence], "state_norm_max", "steps"} of the last forward; with
         spectral (one d x d SVD) also "w1_spectral_norm" = ||W_1||_2 of the adapter's state half,
         W [h; e] = W_1 h + W_2 e: the linear recurrence matrix Parcae constrains (Abar) and RDM
-        leaves free."""
-        norms = self.state_norms()
-        out = {"state_norm": norms, "state_norm_max": max(norms, default=0.0), "steps": self._steps}
+        leaves free. Floats; read=False: 0-dim device tensors where a float needs a host sync."""
+        norms = [n.float() for n in self._norms]
+        out = {"state_norm": norms, "state_norm_max": torch.stack(norms).max() if norms else 0.0,
+               "steps": self._steps}
         if spectral:
             with torch.no_grad():
                 w1 = self.adapter.weight[:, :self.adapter.weight.shape[0]].float()
-                out["w1_spectral_norm"] = float(torch.linalg.matrix_norm(w1, ord=2))
-        return out
+                out["w1_spectral_norm"] = torch.linalg.matrix_norm(w1, ord=2)
+        return host_values(out) if read else out
 
 
 def rdm(cfg):

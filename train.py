@@ -51,7 +51,7 @@ import data as data_mod
 from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, check_unfinished, eval_only_args,
                         load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
                         strip_prefixes)
-from common import ModelConfig, UsageError, UsageParser, compile_regions, run_command
+from common import ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data
@@ -385,11 +385,13 @@ def train_loop(r):
                   for _ in range(args.gradient_accumulation_steps)]
         loss, grad_norm = train_update(r, starts)
         r.it += 1
-        pending.append((r.it, lr, loss, grad_norm, time.time() - t0))
+        # the diagnostics of this update's last forward, taken now (device tensors when reads are deferred)
+        diag = diagnostics(r.model, spectral=False, read=not deferred_reads(r))
+        pending.append((r.it, lr, loss, grad_norm, time.time() - t0, diag))
         dump.write(r.it, r.dist.share(starts), r.model)
         if not deferred_reads(r) or r.first_update_s is None or r.it % READ_EVERY == 0 or r.it in eval_at \
                 or r.it == args.max_iters:
-            rates += read_updates(r, pending, tokens_per_update, time.time() - t_read)
+            rates += read_updates(r, pending, tokens_per_update, t_read)
             pending, t_read = [], time.time()
         if r.it in eval_at:
             eval_and_checkpoint(r, dev_starts)
@@ -408,13 +410,23 @@ def deferred_reads(r):
     return str(r.args.device).startswith("cuda")
 
 
-def read_updates(r, pending, tokens_per_update, elapsed):
-    """Log the pending updates [(it, lr, loss, grad_norm, seconds)] (device tensors when deferred:
-    one host sync for all) and return their tokens/s; deferred, each gets the mean rate over the
-    `elapsed` seconds since the last read. TrainingError naming the first update whose loss or
-    gradient norm is not finite (with deferred reads the run stops at most READ_EVERY updates later)."""
+def wait_for_device(device):
+    """Block until every kernel queued on a CUDA `device` has finished (CPU work is already done)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def read_updates(r, pending, tokens_per_update, since):
+    """Log the pending updates [(it, lr, loss, grad_norm, seconds, diagnostics)] (device tensors
+    when deferred: one host sync for all) and return their tokens/s; deferred, each gets the mean
+    rate over the seconds from `since` (time.time() of the last read) until the device has finished
+    their work. TrainingError naming the first update whose loss or gradient norm is not finite
+    (with deferred reads the run stops at most READ_EVERY updates later)."""
     rates = []
-    for it, lr, loss, grad_norm, secs in pending:
+    if deferred_reads(r):
+        wait_for_device(r.args.device)  # queued kernels (optimizer steps too) count before the clock stops
+        elapsed = time.time() - since
+    for it, lr, loss, grad_norm, secs, diag in pending:
         if deferred_reads(r):
             loss, grad_norm = check_finite(r, it, float(loss), float(grad_norm))
             secs = elapsed / len(pending)
@@ -424,7 +436,7 @@ def read_updates(r, pending, tokens_per_update, elapsed):
             r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
                       + (", compile" if r.args.compile else "") + " included)")
         r.log.emit(event="train", iter=it, loss=loss, lr=lr, grad_norm=grad_norm, tok_per_s=rates[-1],
-                   **diagnostics(r.model, spectral=False))
+                   **host_values(diag))
         r.log.progress(loss=f"{loss:.3f}", tok_s=f"{rates[-1]:.0f}")
     return rates
 
@@ -509,11 +521,12 @@ def seed_random_draws(model, seed, update, micro_batch):
             m.rng_seed = s
 
 
-def diagnostics(model, spectral):
-    """The looped models' training diagnostics (Parcae, RDM: recurrent state norm per step, max Abar,
-    spectral norms when spectral=True), as {"diag": {...}} for the log; {} for other models."""
+def diagnostics(model, spectral, read=True):
+    """The looped models' training diagnostics of the last forward (Parcae, RDM: recurrent state
+    norm per step, max Abar, spectral norms when spectral=True), as {"diag": {...}} for the log;
+    {} for other models. read=False leaves them as device tensors (no host sync; host_values reads them)."""
     fn = getattr(model.body, "diagnostics", None)
-    return {"diag": fn(spectral=spectral)} if fn is not None else {}
+    return {"diag": fn(spectral=spectral, read=read)} if fn is not None else {}
 
 
 # ----------------------------------------------------------------------------- the final report

@@ -264,6 +264,47 @@ def test_deferred_reads_do_not_count_evaluation_as_training_time(mdm, data_root,
     assert min(rates.values()) > 2 * 32 / 100  # every update took < 100 s of the clock, not 1000 / 6
 
 
+def test_deferred_reads_count_the_work_still_queued_on_the_device(mdm, data_root, tmp_path, monkeypatch):
+    """Deferred, a read first waits for the device (wait_for_device: torch.cuda.synchronize), and
+    that wait is training time: made to take 50 s of a shifted clock at each of the 5 reads, the
+    logged rates must add up to at least 5 x 50 s of updates (timed before the wait: ~0 s)."""
+    import time as real_time
+    from types import SimpleNamespace
+    shift, waits = [0.0], []
+    monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: real_time.time() + shift[0]))
+    def slow_device(device):
+        waits.append(device)
+        shift[0] += 50.0
+    monkeypatch.setattr(train, "wait_for_device", slow_device)
+    monkeypatch.setattr(train, "deferred_reads", lambda r: True)
+    monkeypatch.setattr(train, "READ_EVERY", 5)
+    _tiny_run(mdm, data_root, tmp_path / "deferred")
+    seconds = [2 * 32 / r["tok_per_s"] for r in _train_records(tmp_path / "deferred")]
+    assert len(waits) == 5 and len(seconds) == 12
+    assert 250 <= sum(seconds) < 250 + 60
+    assert min(seconds[1:5]) >= 50 / 4  # updates 2-5 share the second read's wait
+
+
+def test_deferred_reads_log_each_update_s_own_diagnostics(mdm, data_root, tmp_path, monkeypatch):
+    """Parcae logs its state norms, sampled depth and Abar per update. Deferred, they are taken as
+    device tensors at the update and read later: each update's record must equal the eager run's,
+    not repeat the newest update's (the sampled depths differ between updates)."""
+    args = ["--model", "parcae", "--n_prelude", "1", "--n_core", "1", "--n_coda", "1"]
+    _tiny_run(mdm, data_root, tmp_path / "eager", *args)
+    eager = [r["diag"] for r in _train_records(tmp_path / "eager")]
+    monkeypatch.setattr(train, "deferred_reads", lambda r: True)
+    monkeypatch.setattr(train, "READ_EVERY", 5)
+    _tiny_run(mdm, data_root, tmp_path / "deferred", *args)
+    deferred = [r["diag"] for r in _train_records(tmp_path / "deferred")]
+    assert len({d["depth_mean"] for d in eager[1:5]}) > 1  # updates 2-5 (one read) differ
+    assert len(deferred) == len(eager) == 12
+    for a, b in zip(deferred, eager):
+        assert a["depth_mean"] == b["depth_mean"] and a["steps"] == b["steps"]
+        assert a["state_norm"] == pytest.approx(b["state_norm"], rel=1e-5)
+        assert a["abar_max"] == pytest.approx(b["abar_max"], rel=1e-6)
+        assert isinstance(a["abar_max"], float) and isinstance(a["state_norm_max"], float)
+
+
 def test_deferred_reads_still_stop_on_a_non_finite_loss(mdm, data_root, tmp_path, monkeypatch):
     """A non-finite gradient norm read late (after update 6, the first read after update 1) still
     stops the run before any checkpoint, naming the update where it happened: with a learning rate
