@@ -416,6 +416,14 @@ class LM(nn.Module):
         return out
 
 
+def synchronizer(device):
+    """A function that waits for the work queued on `device`, for timers: torch.cuda.synchronize
+    of that very GPU (with no argument it would wait for the current one, cuda:0); CPU: nothing."""
+    if str(device).startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 def host_values(x):
     """x with every tensor read back as a Python float (dicts and lists walked): a diagnostics
     record taken as device tensors, read when the host syncs anyway."""

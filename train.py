@@ -51,7 +51,7 @@ import data as data_mod
 from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, check_unfinished, eval_only_args,
                         load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
                         strip_prefixes)
-from common import ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command
+from common import ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command, synchronizer
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data
@@ -412,8 +412,7 @@ def deferred_reads(r):
 
 def wait_for_device(device):
     """Block until every kernel queued on a CUDA `device` has finished (CPU work is already done)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)
+    synchronizer(device)()
 
 
 def read_updates(r, pending, tokens_per_update, since):
@@ -456,19 +455,17 @@ def train_update(r, starts):
     loss and the gradient norm before clipping (floats; on CUDA 0-dim device tensors that train_loop
     reads later, see deferred_reads); TrainingError if either is not finite (on CUDA when read)."""
     args, dist = r.args, r.dist
-    mine = dist.share(starts)
     first = dist.share(list(range(len(starts))))[0]  # global index of this rank's first micro-batch
-    batches = [r.data.window_batch("train", s, args.block_size) for s in mine]
-    counts = [int((y != -1).sum()) for _, y in batches]  # counted on the CPU: no device sync per micro-batch
-    n_mine = sum(counts)
-    n_scored = max(float(dist.all_sum(torch.tensor(float(n_mine), dtype=torch.float64, device=args.device)))
-                   if dist.ddp else float(n_mine), 1.0)  # one process: no round trip through the device
-    batches = [(x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)) for x, y in batches]
+    every = [r.data.window_batch("train", s, args.block_size) for s in starts]  # every rank's micro-batches
+    # counted on the CPU over all ranks' windows (each rank draws them all): no device round trip
+    n_scored = max(float(sum(int((y != -1).sum()) for _, y in every)), 1.0)
+    batches = [(x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True))
+               for x, y in dist.share(every)]
     scale = dist.world / n_scored  # DDP averages gradients over ranks: undo that
     nll_sum = torch.zeros((), dtype=torch.float64, device=args.device)
     for j, (x, y) in enumerate(batches):
         seed_random_draws(r.model, args.seed, r.it, first + j)
-        sync = j == len(mine) - 1  # gradients are all-reduced on the last micro-batch only
+        sync = j == len(batches) - 1  # gradients are all-reduced on the last micro-batch only
         with contextlib.nullcontext() if sync or not dist.ddp else r.train_model.no_sync():
             with r.ctx:
                 _, nll = r.train_model(x, y, reduction="sum")  # summed NLL of the scored targets (common.LM.head)

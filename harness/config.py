@@ -169,6 +169,7 @@ def resolve_device(args, dist):
             raise UsageError(f"--device {args.device}: use auto, cpu, cuda or cuda:N") from None
         if index >= torch.cuda.device_count():
             raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(index)  # calls that take no device (and new CUDA contexts) go there, not to cuda:0
 
 
 def check_paths(args, flags=("out_dir", "data_root")):

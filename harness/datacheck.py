@@ -3,6 +3,7 @@ prepared files against their meta.json, and the data signature a checkpoint must
 
 Every problem is a one-line UsageError naming the file and saying how to fix it (exit code 2).
 """
+import datetime
 import os
 
 import numpy as np
@@ -11,20 +12,23 @@ import torch.distributed as tdist
 import data as data_mod
 from common import UsageError
 
+PREPARE_TIMEOUT = datetime.timedelta(hours=24)  # how long other ranks wait for rank 0 to prepare the data
+
 
 def load_data(args, dist):
     """Prepare and validate the dataset of the flags; returns data.Data. Under DDP rank 0 prepares
-    it and sends the folder (or its error) to the others, so no two processes write the same
-    folder; the folder must then be on a file system all ranks see (always so with --standalone)."""
+    it and sends the folder (or its error) to the others, which wait up to PREPARE_TIMEOUT, so no
+    two processes write the same folder; the folder must then be on a file system all ranks see
+    (always so with --standalone)."""
     folder = error = None
     if dist.main:
         try:
             folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root, **data_mod.flag_options(args))
         except UsageError as e:
             error = str(e)
-    if dist.ddp:
+    if dist.ddp:  # over gloo with a long timeout: NCCL's 10-minute watchdog would abort ranks that wait
         box = [folder, error]
-        tdist.broadcast_object_list(box, src=0)
+        tdist.broadcast_object_list(box, src=0, group=tdist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT))
         folder, error = box
     if error is not None:
         raise UsageError(error)

@@ -175,6 +175,7 @@ def test_cuda_defaults_and_quick_plan(monkeypatch):
     """What a GPU user gets (parsed here with CUDA pretended available; nothing runs)."""
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench.torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(bench.torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # (--quick's main job check)
     a = bench.parse(["--device", "cuda"])
     assert (a.size, a.block_sizes, a.compile, a.dtype) == ("70M", [2048, 8192], "both", "bfloat16")

@@ -219,6 +219,7 @@ def test_bfloat16_on_a_gpu_without_it_is_a_usage_error(monkeypatch):
     naming the flag and the way out, before anything runs (simulated CUDA device)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     args = train.parse_args(["--model", "loop", "--device", "cuda", "--dtype", "bfloat16", "--size", "tiny"])
     with pytest.raises(train.UsageError, match=r"^--dtype bfloat16: cuda does not support it .*use --dtype float32$"):

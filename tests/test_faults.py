@@ -4,7 +4,8 @@
 of the world size, 4 latent tokens on half-precision bases, 5 under-determined scaling-law fits,
 6 sweep settings, 7 BPE tests without the vocabulary, 8 leftovers (folders, train/eval mode),
 9 weight-decay exemptions, 10 CI installs the optional extras the tests use, 11 a newcomer's pass
-(one-line errors from every command line, model flags checked before the data, flags a model ignores).
+(one-line errors from every command line, model flags checked before the data, flags a model ignores),
+12 the GPU a command names (current device, timers and memory counters of that device).
 """
 import contextlib
 import copy
@@ -1042,3 +1043,41 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
                                        "--block_size, --width, --depth, --num_samples, ...)\n")
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         common.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+
+
+# ----------------------------------------------------------------------------- 12 the GPU a command names
+def test_a_single_process_run_on_cuda_n_makes_n_the_current_gpu(monkeypatch):
+    """--device cuda:1 (simulated: two GPUs) makes GPU 1 current, so torch.cuda calls that take no
+    device, and new CUDA contexts, go there rather than to cuda:0."""
+    from harness.config import Dist, resolve_device
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    resolve_device(SimpleNamespace(device="cuda:1"), Dist())
+    resolve_device(SimpleNamespace(device="cuda"), Dist())
+    assert current == [1, 0]
+
+
+def test_timers_wait_for_the_gpu_they_time(monkeypatch):
+    """common.synchronizer(device) waits for that device: torch.cuda.synchronize() with no argument
+    waits for the current GPU (cuda:0 unless set), so a timer of work on cuda:1 would stop early."""
+    from common import synchronizer
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    synchronizer("cuda:1")()
+    synchronizer("cpu")()
+    assert waited == ["cuda:1"]
+
+
+def test_every_cuda_call_of_the_project_names_its_device():
+    """The torch.cuda calls whose device defaults to the current GPU are given one, in every file."""
+    import glob
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [p for pattern in ("*.py", "harness/*.py", "tools/*.py", "studies/*.py")
+             for p in glob.glob(os.path.join(root, pattern))]
+    bare = re.compile(r"torch\.cuda\.(synchronize|memory_allocated|max_memory_allocated|reset_peak_memory_stats"
+                      r"|memory_reserved|max_memory_reserved|get_rng_state|set_rng_state|mem_get_info)\(\)")
+    found = [f"{os.path.relpath(p, root)}: {m.group(0)}" for p in files for m in bare.finditer(open(p).read())]
+    assert len(files) > 20 and found == []
+

@@ -93,12 +93,13 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 import flops
 import models
-from common import ExitParser, UsageError, check_output_file, compile_regions, make_parent, run_command
+from common import ExitParser, UsageError, check_output_file, compile_regions, make_parent, run_command, synchronizer
 from harness.config import Dist, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
@@ -127,8 +128,8 @@ def child(spec):
     B = max(1, spec["batch_tokens"] // T)
     model = models.build_model(cfg, device=dev)
     model.train()
-    from train import param_groups  # the same weight-decay groups as training
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    from train import make_optimizer  # training's AdamW: its groups, and fused on CUDA
+    opt = make_optimizer(model, SimpleNamespace(device=dev, weight_decay=0.1, learning_rate=6e-4))
     fwd = model
     if spec["dtype"] == "bfloat16":
         ctx = lambda: torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16)
@@ -137,7 +138,7 @@ def child(spec):
     g = torch.Generator().manual_seed(0)
     data = torch.randint(cfg.vocab_size, (B, T + 1), generator=g).to(dev)
     x, y = data[:, :-1], data[:, 1:]
-    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    sync = synchronizer(dev)
 
     def step():
         with ctx():
@@ -184,11 +185,11 @@ def child(spec):
     sync()
     keep = not dev.startswith("cuda") and spec.get("cpu_memory", "keep") == "keep"
     if dev.startswith("cuda"):
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated(dev)  # dev named: without it, cuda:0's counters
+        torch.cuda.reset_peak_memory_stats(dev)
         step()
-        torch.cuda.synchronize()
-        mem_mb, method = (torch.cuda.max_memory_allocated() - base) / 2**20, "cuda max_memory_allocated"
+        sync()
+        mem_mb, method = (torch.cuda.max_memory_allocated(dev) - base) / 2**20, "cuda max_memory_allocated"
     else:
         mem_mb, method = step_memory(step, keep)
     first_done()
@@ -250,7 +251,7 @@ def matmul_peak(device, dtype, n, reps):
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     for _ in range(2):
         a @ b
     sync()

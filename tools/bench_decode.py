@@ -15,7 +15,7 @@ import torch
 import flops
 import models
 from tools.cpu_memory import loadavg
-from common import ExitParser, UsageError, check_output_file, make_parent, not_a_command
+from common import ExitParser, UsageError, check_output_file, make_parent, not_a_command, synchronizer
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -43,7 +43,7 @@ def decode_row(model_name, size, depth, width, prompt, tokens, warmup, device="c
     torch.manual_seed(0)
     model = models.build_model(cfg, device=device).eval()
     idx = torch.randint(cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     times = []
     with torch.no_grad():
         cache = {}
@@ -163,7 +163,7 @@ def reflux_rows(size, depth, T, vocab_size, reps=3, device="cpu", dtype="float32
     base = models.build_model(cfg, device=device).eval()
     idx = torch.randint(vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
     edge, P, n_dec = reflux.default_edge(depth), T // 2, max(1, min(T // 2, 16))
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     ctx = lambda: torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     rows = []
     for sched in REFLUX_SCHEDULES:
