@@ -30,7 +30,16 @@ class UsageError(ValueError):
     """Bad user input (a flag, a file, a checkpoint). train.py prints str(e) on one line and exits 2."""
 
 
-class UsageParser(argparse.ArgumentParser):
+class WholeFlagParser(argparse.ArgumentParser):
+    """argparse that takes flags by their whole names only: argparse would read --out as --out_dir,
+    past every check that looks for a flag by name (tools.sweep's, given_flags')."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+class UsageParser(WholeFlagParser):
     """argparse for the command lines: a bad flag is a UsageError (one line "error: ...", exit code
     2, printed by the command's main) instead of argparse's usage block."""
 
@@ -38,7 +47,7 @@ class UsageParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see python {self.prog} --help)")
 
 
-class ExitParser(argparse.ArgumentParser):
+class ExitParser(WholeFlagParser):
     """argparse for the tools' command lines: a bad flag is one line "PROG: error: ..." on stderr and
     exit code 2, without argparse's usage block."""
 
@@ -112,6 +121,18 @@ def check_output_file(flag, path):
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a folder; give a file path")
     _check_creatable(flag, path, os.path.dirname(os.path.abspath(path)))
+
+
+def check_output_files(flags_paths):
+    """check_output_file for each (flag, path) of one command's outputs, then UsageError when two
+    of them name the same file (the second would overwrite the first). Creates nothing."""
+    seen = {}
+    for flag, path in flags_paths:
+        check_output_file(flag, path)
+        key = os.path.normcase(os.path.realpath(path))
+        if key in seen:
+            raise UsageError(f"{flag} {path}: the same file as {seen[key]}; give another path")
+        seen[key] = flag
 
 
 def _check_creatable(flag, path, folder):

@@ -20,6 +20,7 @@ char vocabulary), shared by the stdlib, local-path and Hugging Face datasets.
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -349,7 +350,7 @@ def sha256_file(path):
 def _count(s):
     """A token count: 1500000000, 1_500_000_000 or 1.5e9."""
     v = _try(float, s.replace("_", ""))
-    if not (isinstance(v, float) and v >= 0 and v == int(v)):
+    if not (isinstance(v, float) and math.isfinite(v) and v >= 0 and v == int(v)):
         raise argparse.ArgumentTypeError(f"{s!r} is not a whole number >= 0 (e.g. 1500000000 or 1.5e9)")
     return int(v)
 

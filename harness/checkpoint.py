@@ -151,7 +151,7 @@ def trim_log(path, it):
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-            if rec.get("event") != "summary" and rec.get("iter", 0) <= it:
+            if isinstance(rec, dict) and rec.get("event") != "summary" and rec.get("iter", 0) <= it:
                 keep.append(json.dumps(rec) + "\n")
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)

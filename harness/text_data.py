@@ -11,8 +11,12 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import sys
 
 import numpy as np
+
+if not __package__:  # run as python harness/x.py, not python -m harness.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UsageError, not_a_command
 from harness.token_files import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of

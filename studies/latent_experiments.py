@@ -24,10 +24,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+if not __package__:  # run as python studies/x.py, not python -m studies.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
+from common import (ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder, check_seed,
                     make_parent, run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
@@ -215,7 +218,7 @@ def sweep(args, base, tok):
     t0 = time.time()
     for task in tasks:
         raw_path = os.path.join(args.out_dir, f"results_{task.name}.json")
-        runs = json.load(open(raw_path)) if args.resume and os.path.exists(raw_path) else []
+        runs = read_results(raw_path) if args.resume and os.path.exists(raw_path) else []
         done = {(r["task"], *run_key(r), r["seed"]) for r in runs}
         paper, pgroups = PAPER_METHOD[task.name]
         probe = LatentLM(base, Policy(paper, None, pgroups, tok.marker_ids(",")))
@@ -245,11 +248,25 @@ def sweep(args, base, tok):
     for name in TASKS:  # the table covers every task's results in out_dir
         path = os.path.join(args.out_dir, f"results_{name}.json")
         if os.path.exists(path):
-            runs += json.load(open(path))
+            runs += read_results(path)
     table = make_table(runs)
     with open(os.path.join(args.out_dir, "README_table.md"), "w") as f:
         f.write(table_header(args, runs) + table)
     print(table)
+    return runs
+
+
+def read_results(path):
+    """The run records of a results_TASK.json; UsageError naming the file when it is not a list of
+    records with this sweep's keys (a file cut short or written by something else)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            runs = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: not a readable results file ({type(e).__name__}); delete it to run again") from None
+    keys = ("task", "policy", "groups", "seed", "metrics")
+    if not (isinstance(runs, list) and all(isinstance(r, dict) and all(k in r for k in keys) for r in runs)):
+        raise UsageError(f"{path}: expected a list of run records ({', '.join(keys)}); delete it to run again")
     return runs
 
 
@@ -441,9 +458,9 @@ def check_args(args):
         check_seed(flag, seed)
     if len(set(seeds)) < len(seeds):  # a repeated seed would run twice and count twice in the table's mean ± std
         raise UsageError(f"{flag} {' '.join(map(str, seeds))}: each seed at most once")
-    for flag in ("save", "json"):  # run's output files: checked here, not after the training
-        if getattr(args, flag, None) is not None:  # (an empty path given is refused, not skipped)
-            check_output_file(f"--{flag}", getattr(args, flag))
+    # run's output files: checked here, not after the training (an empty path given is refused, not skipped)
+    check_output_files([(f"--{flag}", getattr(args, flag)) for flag in ("save", "json")
+                        if getattr(args, flag, None) is not None])
     if getattr(args, "out_dir", None) is not None:  # pretrain's and sweep's output folder
         check_output_folder("--out_dir", args.out_dir)
 

@@ -18,6 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+if not __package__:  # run as python studies/x.py, not python -m studies.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
 from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,

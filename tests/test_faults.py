@@ -750,6 +750,19 @@ def run_cli(script, argv, monkeypatch, capsys):
     ("studies.latent_experiments", ["--task", "summation"], "--base"),
     ("studies.latent_experiments", ["pretrain", "--steps", "x"], "--steps"),
     ("studies.latent_experiments", ["sweep", "--seeds", "x"], "--seeds"),
+    # a flag's prefix is not that flag (argparse would read --out as --out_dir, past every check by name)
+    ("train.py", ["--out", "x"], "--out"),
+    ("sample.py", ["--out", "x"], "--out"),
+    ("data.py", ["--datas", "x"], "--datas"),
+    ("tools.sweep", ["run", "--roo", "x"], "--roo"),
+    ("tools.sweep", ["run", "--root", "x", "--", "--out", "y"], "--out"),
+    ("tools.bench", ["--mod", "tango"], "--mod"),
+    ("flops.py", ["--mod", "tango"], "--mod"),
+    ("tools.flops_fit", ["x", "--ou", "y"], "--ou"),
+    ("studies.reflux_cli", ["--bas", "x"], "--bas"),
+    ("studies.latent_experiments", ["pretrain", "--out", "x"], "--out"),
+    ("data.py", ["--max_tokens", "inf"], "--max_tokens"),
+    ("train.py", ["--max_tokens", "1e400"], "--max_tokens"),
 ])
 def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
                                                                      capsys):
@@ -787,6 +800,11 @@ def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv,
      'error: --out_dir "": an empty path; give a folder ("." for this one)'),
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--json", ""],
      'error: --json "": an empty path; give a file path'),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--json", "o.pt", "--save", "o.pt"],
+     "error: --json o.pt: the same file as --save; give another path"),
+    ("tools.bench", ["--json", "b.json", "--md", "b.json"], "bench.py: error: --md b.json: the same file as --json; give another path"),
+    ("tools.bench", ["decode", "--json", "d.md"], "bench.py decode: error: --json's .md d.md: the same file as --json; give another path"),
+    ("tools.bench", ["decode", "--json", "afile.json"], "bench.py decode: error: --json's .md afile.md: is a folder; give a file path"),
 ])
 def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
     """An output folder that is a file, or an output file under a file or that is a folder, gave a
@@ -795,9 +813,10 @@ def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message
     (common.check_output_folder / check_output_file; a missing folder is created, not refused)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "afile.md").mkdir()
     code, out, err = run_cli(script, argv, monkeypatch, capsys)
     assert (code, out, err) == (2, "", message.replace("TMP", str(tmp_path)) + "\n")
-    assert os.listdir(tmp_path) == ["afile"]
+    assert sorted(os.listdir(tmp_path)) == ["afile", "afile.md"]
 
 
 @pytest.mark.parametrize("script,argv,message", [
@@ -836,7 +855,8 @@ def test_bench_flags_out_of_range(argv, message, capsys):
 
 @pytest.mark.parametrize("module,command", [
     ("tools/bench_decode.py", "python -m tools.bench decode"), ("tools/sweep_report.py", "python -m tools.sweep report"),
-    ("harness/text_data.py", "python data.py"),
+    ("harness/text_data.py", "python data.py"), ("tools/cpu_memory.py", "python -m tools.bench"),
+    ("tools/bench_report.py", "python -m tools.bench"),
 ])
 def test_a_module_of_another_command_names_that_command(module, command, monkeypatch, capsys):
     """A module that belongs to another command, run directly with --help, exits 2 with one line naming
@@ -1043,6 +1063,36 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
                                        "--block_size, --width, --depth, --num_samples, ...)\n")
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         common.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lrs", "1e-3", "--", "--learning_rate", "0.5"],
+     "error: -- --learning_rate: --lrs sets each run's learning rate; give the rates to --lrs only"),
+    (["--lrs", "1e-3,0.001"], "error: --lrs 1e-3,0.001: a learning rate given twice (as the same number)"),
+    (["--datasets", "a/multi,b/multi/"],
+     "error: --datasets: a/multi and b/multi/ would share the runs' folder multi/ under --root; rename one of them"),
+    (["--", "--out_dir=elsewhere"], "error: -- --out_dir: the sweep sets this itself per run; use --models/--depths/"
+                                    "--seeds/--datasets/--lrs/--root instead"),
+])
+def test_sweep_refuses_flags_that_would_merge_or_override_grid_runs(argv, message, tmp_path, monkeypatch, capsys):
+    """Each of these ran with exit 0 and trained fewer or other runs than the grid named: two datasets
+    of one folder name shared a folder (one was dropped), -- --learning_rate lost to --lrs, 1e-3 and
+    0.001 trained twice, and --out (a prefix of --out_dir) put every run in one folder."""
+    monkeypatch.chdir(tmp_path)
+    for d in ("a/multi", "b/multi"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "x.txt").write_text("some text\n" * 50)
+    argv = ["run", "--root", "runs", "--models", "loop", "--depths", "1", *argv]
+    code, out, err = run_cli("tools.sweep", argv, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", message + "\n")
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_flops_fit_refuses_a_log_line_that_is_not_an_object(tmp_path, monkeypatch, capsys):
+    (tmp_path / "log.jsonl").write_text('[1, 2]\n')
+    code, out, err = run_cli("tools.flops_fit", [str(tmp_path / "log.jsonl")], monkeypatch, capsys)
+    assert (code, out) == (2, "") and err == (f"tools.flops_fit: error: {tmp_path / 'log.jsonl'}: not a JSON-lines "
+                                              "log (a line is not a JSON object)\n")
 
 
 # ----------------------------------------------------------------------------- 12 the GPU a command names

@@ -336,12 +336,12 @@ def test_grid_report_without_held_out_depths(tmp_path):
 def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
     """Flags the sweep sets per run would win after `--` (every run into one --out_dir); unknown
     train.py flags and bad --lrs would fail every run: all are refused before anything starts."""
-    args = argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs=lrs)
+    args = argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs=lrs, datasets="stdlib")
     with pytest.raises(UsageError) as e:
         sweep.check_run_flags(args, extra)
     assert str(e.value).startswith(message)
-    sweep.check_run_flags(argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs="1e-3"),
-                          ["--size", "tiny", "--learning_rate", "6e-3"])  # these are fine
+    sweep.check_run_flags(argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs="1e-3", datasets="stdlib"),
+                          ["--size", "tiny", "--warmup_iters", "5"])  # these are fine
 
 
 def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):

@@ -97,9 +97,12 @@ from types import SimpleNamespace
 
 import torch
 
+if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import flops
 import models
-from common import ExitParser, UsageError, check_output_file, compile_regions, make_parent, run_command, synchronizer
+from common import ExitParser, UsageError, check_output_files, compile_regions, make_parent, run_command, synchronizer
 from harness.config import Dist, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
@@ -508,8 +511,7 @@ def parse(argv):
     a.json = a.json or os.path.join(OUT_DIR, f"bench_{kind}.json")
     a.md = a.md or os.path.splitext(a.json)[0] + ".md"
     try:  # before the run, not after it (common.check_output_file: creates nothing)
-        check_output_file("--json", a.json)
-        check_output_file("--md", a.md)
+        check_output_files([("--json", a.json), ("--md", a.md)])
     except UsageError as e:
         p.error(str(e))
     return a

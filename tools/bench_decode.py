@@ -8,14 +8,18 @@ imports this module when one of them is asked for.
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import flops
 import models
 from tools.cpu_memory import loadavg
-from common import ExitParser, UsageError, check_output_file, make_parent, not_a_command, synchronizer
+from common import ExitParser, UsageError, check_output_files, make_parent, not_a_command, synchronizer
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -114,10 +118,11 @@ def decode_main(argv):
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 0")
     path = a.json or os.path.join("out", "bench", f"decode_{a.device.split(':')[0]}.json")  # git-ignored scratch
+    md_path = os.path.splitext(path)[0] + ".md"
     given = flops.given_train_flags(a)
     flags = flops.train_flags(a.size, given)
     try:  # every model built as train.py would (on the meta device) before any is timed; the outputs writable
-        check_output_file("--json", path)
+        check_output_files([("--json", path), ("--json's .md", md_path)])
         error = flops.unread_flags_error(given, names)
         if error:
             raise UsageError(error)
@@ -140,7 +145,7 @@ def decode_main(argv):
     print("\n" + md)
     with open(make_parent(path), "w") as f:
         json.dump({"command": command, "threads": torch.get_num_threads(), "load_average": loadavg(), "rows": rows}, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+    with open(md_path, "w") as f:
         f.write(md)
     return 0
 

@@ -114,3 +114,12 @@ def targets_text(tg):
         v = f" {t['value']:.2f}" if "value" in t else ""
         lines.append(f"- **{t['status']}**{v}: {title}. {t['detail']}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
+    import os
+    import sys
+    if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from common import not_a_command
+    not_a_command("tools/bench_report.py", "python -m tools.bench (python -m tools.bench --help)")

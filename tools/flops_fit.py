@@ -6,8 +6,13 @@ read_run (N, D and dev NLL of one run's log.jsonl), fit_runs, and the command li
 fits take N and D from (unrolled_params). Bad input raises UsageError (the CLI: one line, exit 2).
 """
 import math
+import os
+import sys
 
 import torch
+
+if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import ExitParser, ModelConfig, UsageError, check_output_file, make_parent, run_command
 from flops import RECURRENT_MODELS, unrolled_params
@@ -183,6 +188,8 @@ def read_run(path):
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 raise UsageError(f"{f}: not a JSON-lines log") from None
+            if not isinstance(rec, dict):
+                raise UsageError(f"{f}: not a JSON-lines log (a line is not a JSON object)")
             ev = rec.get("event")
             if ev == "start" and start is None:
                 start = rec

@@ -40,6 +40,9 @@ import sys
 import threading
 import time
 
+if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from common import UsageError, UsageParser, check_output_file, check_output_folder, make_parent, run_command
 from tools.sweep_report import curves_of, log_records, read_json
 
@@ -262,15 +265,28 @@ def check_run_flags(args, extra):
     known, unknown = train.build_parser().parse_known_args(extra)
     if unknown:
         raise UsageError(f"-- {' '.join(unknown)}: not a train.py flag (python train.py --help lists them)")
+    given = train.given_flags(extra)
     for flag, instead in SWEEP_REFUSED_FLAGS.items():
-        if flag.lstrip("-") in train.given_flags(extra):
+        if flag.lstrip("-") in given:
             raise UsageError(f"-- {flag}: {instead}")
-    own = [f for f in SWEEP_SET_FLAGS if f in extra or any(e.startswith(f + "=") for e in extra)]
+    own = [f for f in SWEEP_SET_FLAGS if f.lstrip("-") in given]
     if own:
         raise UsageError(f"-- {', '.join(own)}: the sweep sets this itself per run; use --models/--depths/"
                          "--seeds/--datasets/--lrs/--root instead")
-    if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in filter(None, args.lrs.split(","))):
+    lrs = list(filter(None, args.lrs.split(",")))
+    if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in lrs):
         raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
+    if len({float(lr) for lr in lrs}) < len(lrs):
+        raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
+    if lrs and "learning_rate" in given:
+        raise UsageError("-- --learning_rate: --lrs sets each run's learning rate; give the rates to --lrs only")
+    names = {}
+    for ds in dict.fromkeys(args.datasets.split(",")):
+        name = os.path.basename(ds.rstrip("/"))
+        if name in names:
+            raise UsageError(f"--datasets: {names[name]} and {ds} would share the runs' folder {name}/ under "
+                             f"--root; rename one of them")
+        names[name] = ds
     from models import model_flags  # a model flag goes only to the models that read it (flags_for): one of them must
     users = model_flags()
     for flag in sorted(train.given_flags(extra) & set(users)):

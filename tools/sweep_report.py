@@ -13,6 +13,9 @@ import re
 import statistics
 import sys
 
+if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from common import UsageError, not_a_command
 
 
@@ -27,11 +30,14 @@ def log_records(run):
     recs = []
     for i, line in enumerate(lines):
         try:
-            recs.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
             if i == len(lines) - 1 and not line.endswith("\n"):
                 break
             raise UsageError(f"{path}: line {i + 1} is not a JSON record") from None
+        if not isinstance(rec, dict):
+            raise UsageError(f"{path}: line {i + 1} is not a JSON record (an object)")
+        recs.append(rec)
     return recs
 
 
