@@ -305,14 +305,30 @@ class Data:
 
 def unigram_entropy(data, split="dev"):
     """Entropy (nats/token) of the split's own empirical unigram distribution over its counted
-    targets (tokens 1..n-1; only mask==1 ones for masked datasets). A model's NLL on the split
-    should beat it; it is a slightly optimistic baseline since it is fitted to the split itself."""
+    targets (tokens 1..n-1; only mask==1 ones for masked datasets): how predictable the whole split
+    is from token frequencies alone. The baseline for an NLL on evaluation windows is unigram_nll."""
     tok = np.asarray(data.tokens(split)[1:])
     if data.masked:
         tok = tok[np.asarray(data.mask(split)[1:]) == 1]
     counts = np.bincount(tok, minlength=data.vocab_size)
     p = counts[counts > 0] / max(1, counts.sum())
     return float(-(p * np.log(p)).sum())
+
+
+def unigram_nll(data, split, starts, block_size):
+    """The NLL (nats/token) of a unigram model on the scored targets of split's windows at starts
+    (Data.window_batch: the targets a model's NLL on those windows averages, evaluation.evaluate):
+    the baseline that NLL must beat. The unigram is fitted on train's counted targets, add-one
+    smoothed over the vocabulary, so every token has a probability and the split is not peeked at.
+    nan when the windows score no target."""
+    tok = np.asarray(data.tokens("train")[1:])
+    if data.masked:
+        tok = tok[np.asarray(data.mask("train")[1:]) == 1]
+    counts = np.bincount(tok, minlength=data.vocab_size).astype(np.float64)
+    log_p = np.log((counts + 1) / (counts.sum() + data.vocab_size))
+    _, y = data.window_batch(split, starts, block_size)
+    y = y.numpy()[y.numpy() != -1]
+    return float(-log_p[y].mean()) if y.size else math.nan
 
 
 # ----------------------------------------------------------------------------- command line

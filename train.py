@@ -554,6 +554,8 @@ def finish(r, rates):
                "width": r.cfg.width, "non_embedding_params": model.num_params(), "params": model.num_params(False),
                "best_iter": best["iter"], "dev_nll": best["dev_nll"], "test_split": data.test_split,
                "test_nll": test, "unigram_dev": data_mod.unigram_entropy(data, "dev"),
+               "unigram_dev_windows": data_mod.unigram_nll(
+                   data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows), args.block_size),
                "tokens": best["iter"] * tokens_per_update,
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "tok_per_s_updates": len(rates[-100:]),
@@ -605,6 +607,8 @@ def eval_only(args, given):
           + overrides({k: v for k, v in changed.items() if k in EVAL_FLAGS})
           + (f"; not used without training: {', '.join('--' + k for k in unused)}" if unused else ""))
     summary = {"non_embedding_params": model.num_params(), "unigram_dev": data_mod.unigram_entropy(data, "dev"),
+               "unigram_dev_windows": data_mod.unigram_nll(
+                   data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows), args.block_size),
                "best_iter": best["iter"], "dev_nll": dev, "test_nll": test, "tok_per_s_median_last100": None,
                "first_update_s": None}
     if curve is not None:

@@ -119,11 +119,14 @@ def exact_match(model, data, split, n_samples, device, ctx):
 
 def print_report(s, data, args):
     row = lambda label, value: print(f"{label:<25}{value}")  # one aligned column of values
+    unit = "nats/char" if data.tokenizer == "char" else "nats/token"
     print(f"\n== {args.model} depth {args.depth} on {args.dataset} ({args.size} tier) ==")
     row("non-embedding params", f"{s['non_embedding_params']:,}")
-    row("unigram entropy (dev)", f"{s['unigram_dev']:.4f} nats/token   (baseline)")
-    row(f"dev NLL (best, upd {s['best_iter']})", f"{s['dev_nll']:.4f} nats/token")
-    row(f"test NLL ({data.test_split})", f"{s['test_nll']:.4f} nats/token")
+    row("unigram entropy (dev)", f"{s['unigram_dev']:.4f} {unit}   (of the whole split)")
+    if s.get("unigram_dev_windows") is not None:
+        row("unigram NLL (dev)", f"{s['unigram_dev_windows']:.4f} {unit}   (baseline: train's unigram, same windows)")
+    row(f"dev NLL (best, upd {s['best_iter']})", f"{s['dev_nll']:.4f} {unit}")
+    row(f"test NLL ({data.test_split})", f"{s['test_nll']:.4f} {unit}")
     if s["tok_per_s_median_last100"]:
         n = s.get("tok_per_s_updates", 100)  # fewer than 100 in a short run
         row("throughput", f"{s['tok_per_s_median_last100']:.0f} tokens/s (median of the last {n} updates)")

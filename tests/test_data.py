@@ -1,5 +1,6 @@
 """Tests for data.py and text_data.py: tokenizer, prepare (stdlib, dmmath, local paths), Data loading and batching."""
 import json
+import math
 import os
 import re
 import sysconfig
@@ -283,6 +284,36 @@ def test_dmmath_with_dev(tmp_path):
     targets = np.asarray(d.tokens("dev"))[np.asarray(d.mask("dev")) == 1]
     p = np.bincount(targets) / len(targets)
     assert data.unigram_entropy(d) == pytest.approx(-(p[p > 0] * np.log(p[p > 0])).sum())
+
+
+def plain_unigram_nll(d, split, starts, T):
+    """The train-fitted, add-one smoothed unigram's mean NLL on the scored targets of split's windows,
+    in plain Python (counted target: a token after the first, mask 1 where the data is masked)."""
+    import collections
+    mask_of = lambda s, i: 1 if not d.masked else int(d.mask(s)[i])
+    train = d.tokens("train")
+    counts = collections.Counter(int(train[i]) for i in range(1, len(train)) if mask_of("train", i) == 1)
+    total = sum(counts.values())
+    toks = d.tokens(split)
+    nll = [-math.log((counts[int(toks[i])] + 1) / (total + d.vocab_size))
+           for s in starts for i in range(s + 1, s + T + 1) if mask_of(split, i) == 1]
+    return sum(nll) / len(nll)
+
+
+def test_unigram_baseline_is_scored_on_the_evaluated_targets(tmp_path):
+    """unigram_nll: the baseline printed beside the dev NLL is scored on the same targets (the
+    windows' scored ones: answers only on dmmath), with the unigram fitted on train, not on dev."""
+    fake_dmmath(tmp_path / "dm")
+    d = data.Data(data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out")))
+    for T, n in ((16, 5), (40, 3)):
+        starts = d.eval_windows("dev", T, n)
+        assert data.unigram_nll(d, "dev", starts, T) == pytest.approx(plain_unigram_nll(d, "dev", starts, T), rel=1e-12)
+    assert math.isnan(data.unigram_nll(d, "dev", [], 16))  # no window, no targets
+
+
+def test_unigram_baseline_on_an_unmasked_dataset(small):
+    starts = small.eval_windows("dev", 8, 4)
+    assert data.unigram_nll(small, "dev", starts, 8) == pytest.approx(plain_unigram_nll(small, "dev", starts, 8), rel=1e-12)
 
 
 def test_dmmath_without_dev(tmp_path):

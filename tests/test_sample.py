@@ -279,7 +279,7 @@ def test_damaged_checkpoint_is_one_line_exit_2(ckpts, tmp_path, capsys):
 def report_numbers(stdout):
     """The NLL, exact-match and depth-sweep lines of train.py's report, as printed."""
     keep = ("dev NLL (best", "test NLL (", "exact match ", "dev NLL by test-time depth", "non-embedding params ",
-            "unigram entropy")
+            "unigram entropy", "unigram NLL")
     return [line for line in stdout.splitlines() if line.startswith(keep)]
 
 
@@ -293,13 +293,13 @@ def test_eval_only_prints_the_training_runs_numbers_and_writes_nothing(mdm_flags
     out = tmp_path / "run"
     trained = tiny_run(name, mdm_flags, out, "--max_iters", "6", "--eval_interval", "2", "--em_samples", "3", *extra)
     expected = report_numbers(trained)
-    assert len(expected) == 6 + bool(extra)  # params, unigram, dev, test, exact match of 2 splits (+ sweep)
+    assert len(expected) == 7 + bool(extra)  # params, 2 unigram, dev, test, exact match of 2 splits (+ sweep)
     best_line = [line for line in trained.splitlines() if line.endswith("(best)")][-1]  # "update N: dev NLL x (best)"
     before, folder = files(out), os.stat(out).st_mtime_ns  # the folder's time: nothing made in it, even briefly
     evaluated = train_main(["--eval_only", "--out_dir", out, "--data_root", mdm_flags[-1], *override])
     assert report_numbers(evaluated) == expected  # (the NLL does not depend on the evaluation batch size)
     upd, dev = re.fullmatch(r"update (\d+): dev NLL (\S+) \(best\)", best_line).groups()
-    assert f"{f'dev NLL (best, upd {upd})':<25}{dev} nats/token" in evaluated.splitlines()
+    assert f"{f'dev NLL (best, upd {upd})':<25}{dev} nats/char" in evaluated.splitlines()  # dmmath: characters
     assert f"evaluating {out / 'ckpt_best.pt'} (update {upd};" in evaluated
     assert ("; --eval_batch_size 2 -> 3\n" in evaluated) == bool(override)
     assert "throughput" not in evaluated and files(out) == before and os.stat(out).st_mtime_ns == folder
