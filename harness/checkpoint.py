@@ -139,9 +139,13 @@ def remove_stale(out_dir):
               "(use --resume to continue a run)")
 
 
+FINISH_EVENTS = ("summary", "depth_sweep")  # what train.finish writes: a resumed run writes its own
+
+
 def trim_log(path, it):
-    """Drop the records of updates after it (and earlier summaries) from a log being resumed:
-    a run that died after its last checkpoint leaves records the resumed run will write again."""
+    """Drop the records of updates after it, and an earlier finish's records (FINISH_EVENTS), from
+    a log being resumed: a run that died after its last checkpoint leaves records the resumed run
+    will write again, and a finished run's summary and depth sweep are of its old best checkpoint."""
     if not os.path.isfile(path):
         return
     keep = []
@@ -151,7 +155,7 @@ def trim_log(path, it):
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-            if isinstance(rec, dict) and rec.get("event") != "summary" and rec.get("iter", 0) <= it:
+            if isinstance(rec, dict) and rec.get("event") not in FINISH_EVENTS and rec.get("iter", 0) <= it:
                 keep.append(json.dumps(rec) + "\n")
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)

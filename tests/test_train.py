@@ -258,6 +258,20 @@ def test_clean_state_dict_strips_wrappers():
     assert list(checkpoint.strip_prefixes(wrapped.state_dict())) == list(model.state_dict())
 
 
+def test_a_resumed_log_keeps_only_what_the_resumed_run_does_not_write_again(tmp_path):
+    """trim_log at update 4: the records of updates after 4 and the old finish's summary and depth
+    sweep (of the old best checkpoint; flops_fit would pair that sweep with the new summary) go; a
+    line cut short by a crash and a line that is not a record are dropped."""
+    recs = ([{"event": "start", "args": {}}] + [{"event": "train", "iter": i} for i in range(1, 7)]
+            + [{"event": "eval", "iter": 4}, {"event": "eval", "iter": 6}, {"event": "depth_sweep", "dev_nll": [1.0]},
+               {"event": "summary", "dev_nll": 1.0}])
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + "[1, 2]\n" + '{"event": "tra')
+    checkpoint.trim_log(str(path), 4)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == recs[:5] + [{"event": "eval", "iter": 4}]
+
+
 def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_path, capsys):
     out = tmp_path / "out"
     shutil.copytree(runs["out"]["A"], out)
