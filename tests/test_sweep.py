@@ -500,3 +500,31 @@ def test_a_refused_run_in_a_real_process_exits_2_and_leaves_nothing(tmp_path):
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": HERE}, capture_output=True, text=True, timeout=120)
     assert (p.returncode, p.stderr, p.stdout) == (2, "error: R/stdlib/tango-K2-s1: --max_iters 0: must be >= 1\n", "")
     assert os.listdir(tmp_path) == []
+
+
+def test_report_bold_and_spread_follow_the_printed_values(tmp_path):
+    """report: a metric with one value in a cell of three runs prints it with (n=1), not ± 0; means
+    that print alike are bold alike; a column that prints alike everywhere has no bold."""
+    fake_grid(str(tmp_path), {("tango", 4): 3.0, ("loop", 4): 3.0002, ("gau", 4): 3.5}, em=True)
+    for s in (1, 3):  # tokens/s recorded by one of gau's three runs only
+        path = tmp_path / "dmmath" / f"gau-K4-s{s}" / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "tok_per_s_median_last100": None}))
+    path = tmp_path / "dmmath" / "gau-K4-s2" / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tok_per_s_median_last100": 100.0}))
+    for p in tmp_path.glob("dmmath/*/summary.json"):  # the same exact match everywhere
+        p.write_text(json.dumps({**json.loads(p.read_text()), "exact_match_extrapolate": 0.0}))
+    rows = {ln.split(" | ")[0][2:]: ln.split(" | ") for ln in sweep_report.report(str(tmp_path)).splitlines()
+            if ln.startswith("| ") and " | 4 | " in ln}
+    assert rows["gau"][-1] == "100 (n=1) |"
+    assert rows["tango"][4].startswith("**3.000 ± ") and rows["loop"][4].startswith("**3.000 ± ")  # 3.0002 prints 3.000
+    assert all(r[7] == "0.00% ± 0.00%" for r in rows.values()), rows
+
+
+def test_claims_say_when_their_means_are_over_unequal_seed_counts(tmp_path):
+    fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] != 16})
+    assert "**Seeds**" not in sweep_report.grid_report(str(tmp_path))
+    fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] == 16}, seeds=(1,))
+    import shutil
+    shutil.rmtree(tmp_path / "stdlib" / "gau-K4-s3")
+    assert ("\n**Seeds**: the claims compare means over unequal numbers of seeds, 3 per cell except stdlib K = 4: gau 2; "
+        "stdlib K = 16: every model 1.\n") in sweep_report.grid_report(str(tmp_path))

@@ -57,6 +57,15 @@ def curves_of(run):
             "eval": pairs("eval", "dev_nll", 5), "train": pairs("train", "loss", 4)}
 
 
+def is_best(printed, column, lower):
+    """Whether a printed mean is the column's lowest (lower) or highest as printed, so that means
+    printed alike are bold alike; no bold when the whole column prints alike (e.g. 0 % everywhere)."""
+    key = lambda t: float(t.rstrip("%").replace(",", ""))
+    if len(set(column)) < 2:
+        return False
+    return key(printed) == (min if lower else max)(map(key, column))
+
+
 def mean_std(xs):
     if not xs:
         return None, None
@@ -115,20 +124,19 @@ def report(root):
                    f"{rows[keys[0]][0]['unigram_dev']:.3f} nats/token)\n")
         out.append("| model | K | seeds | non-emb params | " + " | ".join(m[1] for m in metrics) + " |")
         out.append("|---|---|---|---|" + "---|" * len(metrics))
-        stats = {k: {m: mean_std([r[m] for r in rows[k] if r.get(m) is not None]) for m, _, _ in metrics}
-                 for k in keys}
+        values = {k: {m: [r[m] for r in rows[k] if r.get(m) is not None] for m, _, _ in metrics} for k in keys}
         for k in keys:
             cells = []
             for m, _, lower in metrics:
-                mu, sd = stats[k][m]
+                mu, sd = mean_std(values[k][m])
                 if mu is None:
                     cells.append("-")
                     continue
-                same_depth = [stats[j][m][0] for j in keys if j[2] == k[2] and stats[j][m][0] is not None]
-                best = lower is not None and mu == (min(same_depth) if lower else max(same_depth))
                 fmt = "{:.0f}" if m.startswith("tok") else "{:.2%}" if m.startswith("exact") else "{:.3f}"
-                txt = fmt.format(mu) + ("" if len(rows[k]) == 1 else " ± " + fmt.format(sd))
-                cells.append(f"**{txt}**" if best else txt)
+                same_depth = [fmt.format(mean_std(values[j][m])[0]) for j in keys if j[2] == k[2] and values[j][m]]
+                n = len(values[k][m])
+                txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + (f" (n={n})" if n < len(rows[k]) else "")
+                cells.append(f"**{txt}**" if lower is not None and is_best(fmt.format(mu), same_depth, lower) else txt)
             out.append(f"| {k[1]} | {k[2]} | {len(rows[k])} | {rows[k][0]['non_embedding_params']:,} | "
                        + " | ".join(cells) + " |")
     return "\n".join(out).lstrip("\n") + "\n"
@@ -236,11 +244,10 @@ def _table(rows, ds, models, cols):
             if metric == "non_embedding_params":  # a size, not a result: no spread, no bold
                 cells.append(fmt.format(mu))
                 continue
-            col = [stats[j, i][0] for j in models if stats[j, i][0] is not None]
+            col = [fmt.format(stats[j, i][0]) for j in models if stats[j, i][0] is not None]
             n = len(_values(rows, (ds, m, k), metric))
             txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == seeds else f" (n={n})")
-            best = mu == (max(col) if metric.startswith("exact") else min(col))
-            cells.append(f"**{txt}**" if best and len(set(col)) > 1 else txt)  # all equal: no bold
+            cells.append(f"**{txt}**" if is_best(fmt.format(mu), col, not metric.startswith("exact")) else txt)
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
 
@@ -442,7 +449,27 @@ def claims(rows, datasets):
                        + " at 160M, K = 8 | "
                        + f"{mean(ds, 'tango', k, metric):.1%} / {mean(ds, 'tango-windowed', k, metric):.1%} / "
                        + f"{top:.1%} ({best}) |")
-    return out
+    return out + seed_counts_note(rows, datasets, settings)
+
+
+def seed_counts_note(rows, datasets, settings):
+    """A line under the claims when the means they compare are over unequal numbers of seeds (a
+    cell with fewer runs than the others): which cells, and how many seeds each has; [] otherwise."""
+    cells = {(ds, m, k) for ds, k in settings for m in PAPER_MODELS}
+    cells |= {(ds, m, k) for ds in datasets for m in ("tango", "loop", "untied") + tuple(PAPER_MODELS)
+              for k in (4, 8, 16) if (ds, m, k) in rows}
+    counts = {c: len(rows[c]) for c in cells if c in rows}
+    if len(set(counts.values())) < 2:
+        return []
+    most = max(counts.values())
+    groups = {}  # (dataset, K, seeds) -> the models of that setting with fewer seeds
+    for ds, m, k in sorted(counts, key=lambda c: (c[0], c[2], PAPER_MODELS.index(c[1]))):
+        if counts[ds, m, k] < most:
+            groups.setdefault((ds, k, counts[ds, m, k]), []).append(m)
+    parts = [f"{ds} K = {k}: " + ("every model" if len(ms) == sum(c[0] == ds and c[2] == k for c in counts)
+                                  else ", ".join(ms)) + f" {n}" for (ds, k, n), ms in groups.items()]
+    return ["", f"**Seeds**: the claims compare means over unequal numbers of seeds, {most} per cell except "
+                + "; ".join(parts) + "."]
 
 
 def plot(root, out):
@@ -540,6 +567,11 @@ def throughput_report(root):
     for m in models:
         out.append(f"| {m} | " + " | ".join(cell(by_depth[k].get(m), key, fmt) for _, key, fmt in cols for k in ks)
                    + " |")
+    from flops import RECURRENT_MODELS
+    drawn = [m for m in models if m in RECURRENT_MODELS]
+    if drawn:  # (tools.bench's MFU definition)
+        out += ["", f"{', '.join(drawn)}: MFU counted at K recurrences, but a training step runs a random number "
+                    "of them with truncated backprop; not comparable with the other rows."]
     return "\n".join(out) + "\n"
 
 
