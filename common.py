@@ -59,10 +59,14 @@ def run_command(main):
     """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
     the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
     BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE"). Sizes
-    this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback."""
+    this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback;
+    Ctrl-C ends in one line ("interrupted", with what the command says of its state) and exit code 130."""
     try:
         code = main()
         sys.stdout.flush()
+    except KeyboardInterrupt as e:
+        print("interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
+        code = 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail too
         code = 1

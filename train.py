@@ -241,7 +241,12 @@ def run(args, given=frozenset()):
     r, ckpt, changed = setup(args, given)  # nothing written to out_dir before this returns
     r.t_start = t_start
     open_outputs(r, resumed=ckpt is not None, changed=changed)
-    rates = train_loop(r)
+    try:
+        rates = train_loop(r)
+    except KeyboardInterrupt:  # Ctrl-C: say what is left and how to go on (common.run_command prints it)
+        raise KeyboardInterrupt(f"stopped after update {r.it}; {r.checkpoint_note()}"
+                                + ("" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues "
+                                   "from it")) from None
     summary = finish(r, rates)
     r.log.close()
     return summary
