@@ -315,16 +315,18 @@ def unigram_entropy(data, split="dev"):
     return float(-(p * np.log(p)).sum())
 
 
-def unigram_nll(data, split, starts, block_size):
+def unigram_nll(data, split, starts, block_size, chunk=1 << 24):
     """The NLL (nats/token) of a unigram model on the scored targets of split's windows at starts
     (Data.window_batch: the targets a model's NLL on those windows averages, evaluation.evaluate):
     the baseline that NLL must beat. The unigram is fitted on train's counted targets, add-one
     smoothed over the vocabulary, so every token has a probability and the split is not peeked at.
     nan when the windows score no target."""
-    tok = np.asarray(data.tokens("train")[1:])
-    if data.masked:
-        tok = tok[np.asarray(data.mask("train")[1:]) == 1]
-    counts = np.bincount(tok, minlength=data.vocab_size).astype(np.float64)
+    tok, mask = data.tokens("train"), data.mask("train") if data.masked else None
+    counts = np.zeros(data.vocab_size, dtype=np.int64)
+    for i in range(1, len(tok), chunk):  # in chunks: train may not fit in memory at once
+        part = np.asarray(tok[i:i + chunk])
+        counts += np.bincount(part if mask is None else part[np.asarray(mask[i:i + chunk]) == 1],
+                              minlength=data.vocab_size)
     log_p = np.log((counts + 1) / (counts.sum() + data.vocab_size))
     _, y = data.window_batch(split, starts, block_size)
     y = y.numpy()[y.numpy() != -1]

@@ -21,14 +21,17 @@ def load_data(args, dist):
     two processes write the same folder; the folder must then be on a file system all ranks see
     (always so with --standalone)."""
     folder = error = None
+    # the wait runs over gloo with a long timeout (NCCL's 10-minute watchdog would abort the waiting
+    # ranks); the group is made before rank 0 prepares, as making it is a collective too
+    group = tdist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT) if dist.ddp else None
     if dist.main:
         try:
             folder = data_mod.prepare(args.dataset, args.data_dir, args.data_root, **data_mod.flag_options(args))
         except UsageError as e:
             error = str(e)
-    if dist.ddp:  # over gloo with a long timeout: NCCL's 10-minute watchdog would abort ranks that wait
+    if dist.ddp:
         box = [folder, error]
-        tdist.broadcast_object_list(box, src=0, group=tdist.new_group(backend="gloo", timeout=PREPARE_TIMEOUT))
+        tdist.broadcast_object_list(box, src=0, group=group)
         folder, error = box
     if error is not None:
         raise UsageError(error)

@@ -307,7 +307,9 @@ def test_unigram_baseline_is_scored_on_the_evaluated_targets(tmp_path):
     d = data.Data(data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out")))
     for T, n in ((16, 5), (40, 3)):
         starts = d.eval_windows("dev", T, n)
-        assert data.unigram_nll(d, "dev", starts, T) == pytest.approx(plain_unigram_nll(d, "dev", starts, T), rel=1e-12)
+        want = plain_unigram_nll(d, "dev", starts, T)
+        assert data.unigram_nll(d, "dev", starts, T) == pytest.approx(want, rel=1e-12)
+        assert data.unigram_nll(d, "dev", starts, T, chunk=7) == pytest.approx(want, rel=1e-12)  # train read in parts
     assert math.isnan(data.unigram_nll(d, "dev", [], 16))  # no window, no targets
 
 

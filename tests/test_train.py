@@ -702,7 +702,7 @@ def test_report_names_how_many_updates_its_throughput_median_covers(capsys):
     s = {"non_embedding_params": 10, "unigram_dev": 3.0, "best_iter": 3, "dev_nll": 2.0, "test_nll": 2.1,
          "tok_per_s_median_last100": 1234.4, "tok_per_s_updates": 3,
          "first_update_s": None, "wall_s": 5.0}
-    data = SimpleNamespace(test_split="test", meta={})
+    data = SimpleNamespace(test_split="test", meta={}, tokenizer="gpt2")
     args = SimpleNamespace(model="tango", depth=2, dataset="stdlib", size="tiny", em_samples=1, compile=False)
     evaluation.print_report(s, data, args)
     assert "throughput               1234 tokens/s (median of the last 3 updates)\n" in capsys.readouterr().out
