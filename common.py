@@ -210,7 +210,7 @@ class ModelConfig:
     fold: int = 2               # LoopFold: fold width f (loops per stage)
     fold_rank: int = 0          # LoopFold: predictor/corrector rank r (0 = d/4)
     fold_layout: str = "first"  # LoopFold: "first" (loop 1 alone, then groups of f) or "last" (groups, then loop N alone)
-    # fields of older versions that nothing read; configs that carry them still load (from_dict)
+    # config keys ignored on load (from_dict): nothing reads them
     DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
 
     def to_dict(self):

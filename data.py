@@ -33,11 +33,10 @@ import torch
 from common import UsageError, UsageParser, check_output_folder, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
-    BY_FILE, BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, _download_gpt2, _fingerprint, _try, _walk, bin_dtype,
-    gpt2_encoder, read_bin, split_of, write_bin)
+    BY_FILE, BY_POSITION, EOT, _download_gpt2, _fingerprint, _try, _walk, bin_dtype, gpt2_encoder, read_bin,
+    split_of, write_bin)
 
 TOKENIZERS = ("auto", "gpt2", "char")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------- prepare
 

@@ -87,8 +87,8 @@ class ModelSpec:
 
 HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
 BOOL = Choice((False, True))
-# Ranges: a rank or dimension above d adds parameters but no rank (the fault this guards: --fold_rank
-# 9999 built 2.6M non-embedding parameters at the tiny tier's 400k); a block index past the last.
+# Ranges: a rank or dimension above d adds parameters but no rank (--fold_rank 9999 would build 2.6M
+# non-embedding parameters at the tiny tier's 400k); a block index past the last.
 # Windows (--window, --chunk, --plt_window) and LRT's subsets have no upper bound: above --block_size
 # a window equals it in training, but it still bounds decoding past T, and the tier defaults exceed
 # short runs' T; subsets beyond a sequence's slot rows are as many as its rows, at any length.
@@ -149,8 +149,9 @@ def shared_block_models():
 
 
 # name -> (d, n_head, non-embedding parameter target N*). 70M/160M are the paper's tiers; "cpu"
-# is this project's small tier (the default without a GPU) and "tiny" the one of the README's
-# reproduction grid (98 runs in about 1.6 hours on 2 cores), solved by the same rule.
+# is this project's small tier (the default without a GPU) and "tiny" the one of the
+# character-level reproduction grid (results/chargrid: 126 runs in about 1.5 hours on 2 cores),
+# solved by the same rule.
 TIERS = {
     "tiny": (64, 2, 400_000),
     "cpu": (128, 4, 1_000_000),

@@ -174,11 +174,6 @@ class LoopedBody(nn.Module):
         """The decoding caches of the core's blocks at recurrence t (None when not decoding)."""
         return None if cache is None else [sub_cache(cache, ("core", t, j)) for j in range(len(self.core))]
 
-    def state_norms(self):
-        """The recurrent state's mean L2 norm (over channels, averaged over tokens and rows) after
-        each recurrence of the last forward, as floats."""
-        return host_values(self._norms)
-
 
 # ============================================================================= Parcae
 ABAR_INIT = math.sqrt(1 / 5)
@@ -262,7 +257,8 @@ class Parcae(LoopedBody):
           still idle when gradients start holds h_0 computed without autograd, so its link to h_0
           is restored first.
         The draws come from seeded_generators(body.rng_seed): depths first, then h_0. Records each
-        step's mean state norm (state_norms) and the mean sampled depth (diagnostics).
+        step's mean state norm (its L2 norm over channels, averaged over tokens and rows) and the
+        mean sampled depth, both read by diagnostics.
         Raises ValueError for depths with a cache (decoding runs a fixed depth), or depths not
         (B,) integers >= 1.
         """
@@ -415,7 +411,7 @@ class RecurrentDepth(LoopedBody):
           rdm_sample_depths, or `n_steps` given): the first r - k steps under no_grad, the last
           k = min(r, mu_bwd) with gradients (truncated backprop through depth).
         The draws come from seeded_generators(body.rng_seed): the depth first, then h_0. Records
-        each step's mean state norm (state_norms).
+        each step's mean state norm (read by diagnostics).
         Raises ValueError for n_steps with a cache (decoding runs a fixed depth).
         """
         norms = []

@@ -57,9 +57,7 @@ from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_fl
 from harness.datacheck import load_data
 from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model, model_config, shared_block_models
-# names other code uses as train.X (latent_tokens.py: save_atomic, eval_mode)
-from harness.checkpoint import save_atomic  # noqa: F401,E402
-from harness.config import TIER_DEFAULTS  # noqa: F401,E402
+# a name other code uses as train.X (studies/latent_experiments.py: eval_mode)
 from harness.evaluation import eval_mode  # noqa: F401,E402
 
 
@@ -271,7 +269,7 @@ def setup(args, given):
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
         check_unfinished(ckpt, args)
         r.it = r.saved_at = r.resumed_at = ckpt["iter"]
-        r.wall_before = ckpt.get("wall_s")  # checkpoints written before this was recorded lack it
+        r.wall_before = ckpt.get("wall_s")  # None for a checkpoint without it
     r.ctx = autocast_ctx(args)
     if args.compile:  # regional: each body's repeated unit (and the head) compiles once, whatever the depth
         compile_regions(model)
@@ -566,7 +564,7 @@ def finish(r, rates):
                "tok_per_s_updates": len(rates[-100:]),
                "seed": args.seed, "data_seed": args.data_seed, "world_size": r.dist.world,
                "first_update_s": r.first_update_s, "wall_s": r.wall_s(), "resumed_at": r.resumed_at}
-    if r.wall_before is None:  # an older checkpoint: the time before the resume is unknown
+    if r.wall_before is None:  # a checkpoint without wall_s: the time before the resume is unknown
         summary["wall_s_this_process_only"] = True
     if curve is not None:
         summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}

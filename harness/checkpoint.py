@@ -247,7 +247,7 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
     solved = config.get("width") if isinstance(config, dict) else None
     gone = _dataset_not_here(saved.get("dataset"))
     for k, v in saved.items():
-        if k in MACHINE_FLAGS or not hasattr(args, k):  # (flags since removed are skipped)
+        if k in MACHINE_FLAGS or not hasattr(args, k):  # saved flags this train.py does not have are skipped
             continue
         if not isinstance(v, (type(None), bool, int, float, str)):
             raise UsageError(f"{where}: malformed args entry {k}={v!r}")

@@ -20,7 +20,8 @@ from models import REGISTRY, TIERS, build_model, model_config, model_flags, shar
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
 # characters, takes under 5 minutes on 2 cores),
-# the tiny tier so the README's 98-run reproduction grid runs in about 1.6 hours on 2 cores).
+# the tiny tier so the character-level reproduction grid, results/chargrid, 126 runs, takes about
+# 1.5 hours on 2 cores).
 # window (Windowed TANGO W), chunk (FLASH C) and gau_s (GAU/FLASH s) scale with the context: at
 # W >= T Windowed TANGO is exactly full-prefix TANGO and at C >= T FLASH is one quadratic chunk.
 _GPU_TIER = dict(block_size=2048, batch_size=4, gradient_accumulation_steps=8, max_iters=5000, eval_interval=250,
@@ -38,9 +39,8 @@ TIER_DEFAULTS = {
 }
 # The model flags each model reads are declared in its registry row (models.ModelSpec.flags); a
 # model flag is refused for every model that does not read it (as --data_dir is without dmmath);
-# --model, --depth, --size and --width are every model's. MODEL_FLAGS: the registry's view at
-# import (flag -> its models); the checks below read the registry live.
-MODEL_FLAGS = model_flags()
+# --model, --depth, --size and --width are every model's. The checks below read the registry
+# live (models.model_flags: flag -> its models).
 
 
 def unread_model_flags(model):

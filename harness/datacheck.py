@@ -104,7 +104,7 @@ def data_signature(data):
 
 def same_data(saved, data):
     """True when a checkpoint's data signature (saved) is that of data; the SHA-256s count when both
-    have them (a checkpoint or a prepared folder older than that record has none)."""
+    have them (a checkpoint or a prepared folder without that record has none)."""
     now = data_signature(data)
     if not (isinstance(saved, dict) and "sha256" in saved and "sha256" in now):
         saved = {k: v for k, v in saved.items() if k != "sha256"} if isinstance(saved, dict) else saved

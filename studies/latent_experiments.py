@@ -2,7 +2,7 @@
 Tokens* (arXiv 2505.12629, §4) at our scale: `run_one` trains latents for one task, policy and seed
 and evaluates them; `pretrain` trains a tiny base on the tasks' in-distribution data (the paper
 uses Llama-3.2-1B); `sweep` runs every task x method x seed and writes the results table. They are
-the bodies of latent_tokens.py's commands:
+the bodies of this module's commands:
 
     python -m studies.latent_experiments --base CKPT --task summation --policy Comma_2      # run
     python -m studies.latent_experiments pretrain --task all --out_dir out/latent_base      # tiny base, ~6 CPU min
@@ -40,7 +40,8 @@ from harness.tasks import TASK_ALPHABET, TASKS, CharTokenizer, encode_sample, ge
 
 # =============================================================================== one run
 
-def mean_latents(llm, augs):
+def mean_latents(augs):
+    """The mean number of latent positions per augmented sample (0 for none)."""
     return float(np.mean([sum(a.is_latent) for a in augs])) if augs else 0.0
 
 
@@ -62,7 +63,7 @@ def run_one(base, tok, task, policy, groups="shared", position_mode="prepend", m
     metrics = {lv: evaluate(llm, tok, task, lv, n_test, mode=eval_mode) for lv in levels or list(task.levels)}
     return {"task": task.name, "policy": policy, "groups": groups, "position_mode": position_mode,
             "init": init, "readout": readout, "seed": seed, "latent_vectors": int(llm.Z.shape[0] * llm.Z.shape[1]),
-            "latents_per_train_sample": mean_latents(llm, augs),
+            "latents_per_train_sample": mean_latents(augs),
             "final_loss": float(np.mean(losses[-8:])) if losses else None,
             "train_s": round(t_train, 1), "eval_s": round(time.time() - t0 - t_train, 1),
             "metric": task.metric, "metrics": metrics}, llm
@@ -223,7 +224,7 @@ def sweep(args, base, tok):
         paper, pgroups = PAPER_METHOD[task.name]
         probe = LatentLM(base, Policy(paper, None, pgroups, tok.marker_ids(",")))
         rng = np.random.default_rng([0, list(TASKS).index(task.name)])
-        M = round(mean_latents(probe, [probe.augment(*encode_sample(tok, task, task.sample(rng, "train")))
+        M = round(mean_latents([probe.augment(*encode_sample(tok, task, task.sample(rng, "train")))
                                        for _ in range(args.n_train)]))
         rows = ([("none", "shared"), ("Start_2", "shared"), ("End_2", "shared"), (paper, pgroups),
                  (f"Start_{M}", "shared"), (f"End_{M}", "shared")] + [(p, "shared") for p in args.extra])
@@ -427,7 +428,7 @@ def check_args(args):
                  "eval_interval", "depth"):
         if getattr(args, flag, 1) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    if getattr(args, "width", None) is not None and args.width < 1:  # pretrain's; 0 quietly took 4 d
+    if getattr(args, "width", None) is not None and args.width < 1:  # pretrain's; the default is 4 d
         raise UsageError(f"--width {args.width}: must be >= 1 (leave it out for the default 4 d)")
     if not 0 < args.lr < math.inf:
         raise UsageError(f"--lr {args.lr}: must be a finite number > 0")

@@ -909,12 +909,12 @@ def test_a_value_the_model_rejects_stops_the_run_before_the_data_is_prepared(mod
 
 
 def test_a_flag_the_model_does_not_read_is_an_error(text_file, capsys):
-    """--model tango --plt_window 8 trained TANGO and silently ignored the flag (like --data_dir without
-    dmmath, which was already an error); every model flag with every model that does not read it."""
-    from harness.config import MODEL_FLAGS
+    """A model flag given to a model that does not read it (--model tango --plt_window 8) is a
+    one-line error, as --data_dir without dmmath is; every model flag with every model that ignores it."""
+    from models import model_flags
     root = text_file.parent
     parser = train.build_parser()
-    for flag, users in MODEL_FLAGS.items():
+    for flag, users in model_flags().items():
         action = parser._option_string_actions[f"--{flag}"]
         value = [] if action.nargs == 0 else [str(action.choices[0]) if action.choices else "2"]
         for model in (m for m in REGISTRY if m not in users):
@@ -925,7 +925,7 @@ def test_a_flag_the_model_does_not_read_is_an_error(text_file, capsys):
     assert sorted(os.listdir(root)) == ["text.txt"]
     # the users of a flag accept it (the check itself; the runs are in the model tests)
     from harness.config import check_model_flags
-    for flag, users in MODEL_FLAGS.items():
+    for flag, users in model_flags().items():
         for model in users:
             check_model_flags(model, {flag, "depth", "model"})
 
@@ -980,9 +980,10 @@ def same(a, b):
 
 
 def test_model_flags_lists_exactly_the_models_each_flag_changes():
-    """config.MODEL_FLAGS (which models read a flag; the others refuse it) checked against the models:
+    """models.model_flags (which models read a flag; the others refuse it) checked against the models:
     changing the flag's value changes a model's parameters, training or evaluation iff it is listed."""
-    from harness.config import MODEL_FLAGS
+    from models import model_flags
+    MODEL_FLAGS = model_flags()
     assert set(CHANGED) == set(MODEL_FLAGS)
     for name in REGISTRY:
         base = small_cfg(name, **BEHAVIOUR_CFG)

@@ -14,7 +14,7 @@ import torch
 
 import train
 from common import ModelConfig, UsageError
-from harness.config import MODEL_FLAGS
+from models import model_flags
 from models import REGISTRY, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -40,7 +40,7 @@ JOINT = {"loopfold": [dict(fold=f, fold_layout=lay) for f in (1, 2, 3, 4) for la
 def settings(name):
     """The settings tried for `name`: each depth with the defaults, with one read flag changed (or
     tie_unit for GAU/FLASH), and with each JOINT combination."""
-    flags = [f for f, users in MODEL_FLAGS.items() if name in users]
+    flags = [f for f, users in model_flags().items() if name in users]
     for K in DEPTHS:
         yield dict(depth=K)
         for f in flags:

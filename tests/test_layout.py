@@ -118,8 +118,8 @@ def test_history_finder_sees_issue_numbers_and_rounds_and_skips_raw_results(tmp_
 
 
 def test_no_issue_numbers_or_rounds_in_code_or_documents():
-    docs = [p for p in tracked_files() if is_document(p)]
-    assert "README.md" in docs and "tango.py" in docs and len(docs) > 60  # the walk sees the tree
+    docs = [p for p in tracked_files() if p.endswith((".py", ".md"))]  # the tools' raw markdown outputs too
+    assert "README.md" in docs and "tango.py" in docs and "results/bench/bench_cpu_window_i.md" in docs
     hits = history_lines(docs)
     assert not hits, "\n".join(f"{p}:{n}: {line}" for p, n, line in hits)
 

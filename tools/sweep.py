@@ -153,7 +153,7 @@ def check_existing_run(out, argv):
     if not start:
         return
     saved = start[-1].get("args", {})
-    unread = unread_model_flags(requested["model"])  # (older sweeps passed them)
+    unread = unread_model_flags(requested["model"])  # flags this model ignores are not compared
     for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
             raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
