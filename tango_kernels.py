@@ -4,7 +4,8 @@ Device switch (choose_path): the model calls gated_update, which runs
   "grouped" on CPU: the per-head-group layout and the chunked kernels below (fastest on a 2-core CPU);
   "fused" elsewhere (CUDA): one matmul per weight and the averages in PyTorch's fused attention
   (fused_average), inside the compiled region of the update.
-With a decoding cache both run the chunked kernels' decoding (decoding runs eagerly).
+A prompt given with an empty decoding cache (prefill) takes its path's average, then fills the
+decoding state (prefill_state); the tokens after it run the chunked kernels' decoding (eagerly).
 
 Fused path. TANGO's average is softmax attention with the gates as values and the null option as one
 extra key [0, b_a] whose value is 0 (queries [tau q^, 1], keys [k^, 0]). Full prefix: one causal
@@ -91,9 +92,36 @@ def gated_update(u, qs, kh, wg, wv, wo, b, window=None, cache=None):
     g = F.silu(F.linear(u, wg)).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, F/H), a view
     if cache is None:
         G = fused_average(qs, kh, g, b, window)
+    elif is_prefill(cache, window):  # a whole prompt in one fused call, then its decoding state
+        G = fused_average(qs, kh, g, b, window)
+        prefill_state(qs, kh, g, b, window, cache)
     else:
         G = chunked_average(qs, kh, g, b, window, cache)
     return F.linear(G.transpose(1, 2).reshape(B, T, -1) * F.linear(u, wv), wo)
+
+
+def is_prefill(cache, window):
+    """True if the decoding cache of one application is empty (the next call is a whole prompt)."""
+    return "k" not in cache if window is None else "n" not in cache
+
+
+def prefill_state(qs, kh, g, b, window, cache):
+    """Fill an empty decoding cache with the state after a prompt (qs, kh, g: (B, H, T, .)), as
+    the chunked kernels' prefill does: full prefix, the padded null key, keys and gates (tango_fast);
+    windowed, the last W-1 keys and gates and the sums of the older ones (windowed_prefill)."""
+    if window is None:
+        _, ka, null_k = _augment(qs, kh, b)
+        cache["k"] = torch.cat((null_k, ka), 2)
+        cache["g"] = torch.cat((g.new_zeros(g.shape[0], g.shape[1], 1, g.shape[3]), g), 2)
+        return
+    acc = _acc_dtype(qs)
+    T = kh.shape[2]
+    keep = min(T, window - 1)
+    cache["k"], cache["g"] = kh[:, :, T - keep:].to(acc), g[:, :, T - keep:].to(acc)
+    n = T - keep
+    if n > 0:
+        cache["sk"], cache["sg"] = (t[:, :, :n].to(acc).sum(2, keepdim=True) for t in (kh, g))
+    cache["n"] = n
 
 
 def chunked_average(qs, kh, g, b, window=None, cache=None):
@@ -380,14 +408,14 @@ def tango_fast(qs, kh, g, b, cache=None):
 
     With a cache (dict) the padded keys and gates are appended to it (decoding).
     """
-    qa, ka, null_k = _augment(qs, kh, b)
-    if cache is not None and "k" in cache:
+    qa, ka, _ = _augment(qs, kh, b)
+    if cache is not None and "k" in cache:  # decoding: append to the cached keys and gates
         ka, g = torch.cat((cache["k"], ka), 2), torch.cat((cache["g"], g), 2)
-    else:
-        ka = torch.cat((null_k, ka), 2)
-        g = torch.cat((g.new_zeros(g.shape[0], g.shape[1], 1, g.shape[3]), g), 2)
-    if cache is not None:
         cache["k"], cache["g"] = ka, g
+    else:  # the null key and a zero gate in front (kept in the cache when decoding starts here)
+        state = {} if cache is None else cache
+        prefill_state(qs, kh, g, b, None, state)
+        ka, g = state["k"], state["g"]
     return ChunkedCausalAttention.apply(qa, ka, g, ATTN_CHUNK)  # query i sees the null key and keys j <= i
 
 
@@ -655,12 +683,5 @@ def windowed_step(qs, kh, g, b, window, cache):
 def windowed_prefill(qs, kh, g, b, window, cache):
     """Windowed TANGO over a whole prompt (empty cache), then the decoding state for its end."""
     out = windowed_fast(qs, kh, g, b, window)
-    acc = _acc_dtype(qs)
-    T = kh.shape[2]
-    keep = min(T, window - 1)
-    cache["k"], cache["g"] = kh[:, :, T - keep:].to(acc), g[:, :, T - keep:].to(acc)
-    n = T - keep
-    if n > 0:
-        cache["sk"], cache["sg"] = (t[:, :, :n].to(acc).sum(2, keepdim=True) for t in (kh, g))
-    cache["n"] = n
+    prefill_state(qs, kh, g, b, window, cache)
     return out

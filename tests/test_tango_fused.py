@@ -171,8 +171,8 @@ def small(name, **kw):
 def test_model_on_the_fused_path_equals_the_cpu_path_and_decodes_the_same(math_sdpa, monkeypatch, name):
     """The whole model with gated_update on the fused path (one matmul per weight, fused averages)
     equals the CPU path (grouped layout, chunked kernels): loss and every gradient in float64 to
-    1e-12; cached greedy decoding (which both paths run with the chunked kernels) equals the full
-    forward's argmax, token by token."""
+    1e-12; cached decoding (the prompt by the fused average, then the chunked kernels' steps)
+    equals the full forward's logits and greedy tokens."""
     torch.manual_seed(0)
     model = models.build_model(small(name)).double()
     with torch.no_grad():
@@ -194,6 +194,12 @@ def test_model_on_the_fused_path_equals_the_cpu_path_and_decodes_the_same(math_s
         out = model.generate(idx[:1, :6], 10, temperature=0)
         for t in range(6, 16):
             assert model(out[:, :t])[0][0, -1].argmax() == out[0, t]
+        full = model(idx)[0]
+        for prefill in (1, 3, 9):  # the prompt on the fused path (below, at, past window - 1), then steps
+            cache = {}
+            parts = [model(idx[:, :prefill], cache=cache)[0]]
+            parts += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(prefill, 23)]
+            assert (torch.cat(parts, 1) - full).abs().max() < 1e-10, prefill
 
 
 @pytest.mark.parametrize("name", ["tango", "tango-windowed"])
