@@ -237,9 +237,9 @@ from test_flops import flags_for, train_py_config  # noqa: E402  (train.py's own
                                          ("tiny", ["--width", "256", "--gau_s", "64", "--n_core", "3"])])
 @pytest.mark.parametrize("model", ["tango-windowed", "gau", "flash", "loop", "plt"])
 def test_bench_times_the_model_train_py_builds(model, size, flags, tmp_path):
-    """tools.bench built ModelConfig's W = 256, C = 256, s = 128 at every tier (at --size cpu, T = 256
-    it timed FLASH as one quadratic chunk, though training uses C = 64). Now a configuration's model
-    is the one `train.py --model M --size S --depth 4 --block_size T` builds with the same flags."""
+    """A configuration's model is the one `train.py --model M --size S --depth 4 --block_size T`
+    builds with the same flags: the tier's W, C and s, not ModelConfig's defaults (at --size cpu,
+    T = 256, those would time FLASH as one quadratic chunk where training uses C = 64)."""
     a = bench.parse(["--models", model, "--size", size, "--depth", "4", "--block_sizes", "128,256", "--vocab_size", "100",
                      *flags_for(model, flags)])
     for T in (128, 256):
@@ -249,8 +249,8 @@ def test_bench_times_the_model_train_py_builds(model, size, flags, tmp_path):
 
 @pytest.mark.parametrize("size, flags", [("tiny", []), ("cpu", ["--chunk", "16"])])
 def test_bench_decode_builds_the_model_train_py_builds(size, flags, tmp_path):
-    """tools.bench decode built ModelConfig's W = C = 256, s = 128 and block size prompt + tokens:
-    now train.py's model at the tier's --block_size (128 here) with the same flags."""
+    """tools.bench decode times train.py's model at the tier's --block_size (128 here) with the same
+    flags, not ModelConfig's W = C = 256, s = 128 at block size prompt + tokens."""
     from tools import bench_decode
     for model in ("gau", "flash", "loopstack"):
         given = dict(zip((f[2:] for f in flags_for(model, flags)[::2]), map(int, flags_for(model, flags)[1::2])))
@@ -260,8 +260,8 @@ def test_bench_decode_builds_the_model_train_py_builds(size, flags, tmp_path):
 
 
 def test_cpugrid_bench_commands_build_flash_with_the_grids_chunk():
-    """The two tools.bench commands of results/cpugrid/README.md (--size cpu, T = 256) still parse,
-    and now build every model as the grid's train.py runs did: FLASH with chunk 64, not 256."""
+    """The two tools.bench commands of results/cpugrid/README.md (--size cpu, T = 256) parse and
+    build every model as the grid's train.py runs did: FLASH with chunk 64, not 256."""
     import shlex
     with open(os.path.join(bench.ROOT, "results", "cpugrid", "README.md")) as f:
         lines = [ln for ln in f.read().splitlines() if ln.startswith("OMP_NUM_THREADS=2 python -m tools.bench ")]

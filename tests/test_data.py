@@ -490,10 +490,10 @@ def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
 
 
 def test_a_split_left_empty_is_refused_and_nothing_is_written(tmp_path, capsys):
-    """`data.py --dataset stdlib --tokenizer char --max_tokens 200000` prepared train 98,881 / dev
-    101,119 / test 0 without a word, and train.py then failed on the empty test split. Now prepare
-    refuses a split without tokens, naming --max_tokens and the split, and leaves no folder (here a
-    file cut 90/5/5 by position: 10 tokens leave dev empty); so does tools.sweep run."""
+    """A split without tokens (`--max_tokens 200000` on stdlib as characters would leave test
+    empty, and train.py would fail on it later) is refused by prepare, naming --max_tokens and the
+    split, with no folder left (here a file cut 90/5/5 by position: 10 tokens leave dev empty); so
+    is it by tools.sweep run."""
     (tmp_path / "book.txt").write_text("The quick brown fox jumps.\n" * 20)
     out = tmp_path / "new" / "data"
     argv = ["--dataset", str(tmp_path / "book.txt"), "--tokenizer", "char", "--max_tokens", "10", "--data_root", str(out)]
@@ -518,7 +518,7 @@ def test_a_split_left_empty_is_refused_and_nothing_is_written(tmp_path, capsys):
 
 
 def test_cli_refuses_a_data_root_that_is_a_file(tmp_path, monkeypatch, capsys):
-    """data.py --data_root FILE raised FileExistsError (a traceback) where train.py gave one line."""
+    """data.py --data_root FILE is one line naming the flag, as in train.py (not a FileExistsError)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
     for root, message in [("afile", "--data_root afile: exists and is not a folder"),

@@ -245,10 +245,9 @@ def test_nonfinite_message_says_which_checkpoint_exists(long_questions, tmp_path
 @pytest.mark.parametrize("block,windows,split", [(8, 1, "dev"), (5, 3, "interpolate")])
 def test_settings_whose_eval_windows_score_nothing_are_refused_before_training(block, windows, split, long_questions,
                                                                                tmp_path, capsys):
-    """dmmath scores answer characters only: with windows shorter than the questions, the fixed dev
-    windows held no scored target, dev NLL printed 0.0000 (best), the best checkpoint stopped moving
-    and the test NLL was an early checkpoint's, exit 0. Now one line before training, exit 2, no
-    out_dir; also when only the test split's windows (interpolate here) are empty."""
+    """dmmath scores answer characters only: windows shorter than the questions can hold no scored
+    target (a dev NLL of 0.0000 would win every evaluation). Such settings are one line before
+    training, exit 2, no out_dir; also when only the test split's windows (interpolate here) are empty."""
     root, data_root, d = long_questions
     starts = d.eval_windows(split, block, windows)
     assert len(starts) == windows and not (d.window_batch(split, starts, block)[1] != -1).any()
@@ -269,8 +268,8 @@ def test_settings_whose_eval_windows_score_nothing_are_refused_before_training(b
 
 
 def test_evaluation_over_no_scored_target_is_never_a_number(long_questions):
-    """evaluate (dev, test, the depth sweep, reflux) over windows without a scored target returned
-    0 / max(0, 1) = 0; now a UsageError naming the split. Over windows that hold some, it is the
+    """evaluate (dev, test, the depth sweep, reflux) over windows without a scored target is a
+    UsageError naming the split, never 0 / max(0, 1) = 0. Over windows that hold some, it is the
     NLL sum over the scored targets / their count (empty windows add nothing)."""
     from harness import evaluation
     _, _, d = long_questions
@@ -367,11 +366,11 @@ def one_process_equals_ddp(flags, tmp_path):
 
 @pytest.mark.parametrize("model_flags", [["--model", "loopfold", "--depth", "4", "--fold", "1"],
                                          ["--model", "plt", "--depth", "1"]])
-def test_ddp_trains_models_at_settings_that_used_to_leave_parameters_idle(model_flags, long_questions, tmp_path):
-    """The issue's LoopFold at f = 1 (and PLT at N = 1): its predictor and corrector got no gradient,
-    so under torchrun update 2 crashed in DDP ("Expected to have finished reduction in the prior
-    iteration", exit 1) and 1 update left the ranks with different weights. Now 3 updates of 2
-    micro-batches run and equal the one-process run (tests/test_gradients.py checks every model)."""
+def test_ddp_trains_models_at_settings_that_could_leave_parameters_idle(model_flags, long_questions, tmp_path):
+    """LoopFold at f = 1 (and PLT at N = 1), where a predictor and corrector without a gradient
+    would stop DDP ("Expected to have finished reduction in the prior iteration") or leave the ranks
+    with different weights: 3 updates of 2 micro-batches under torchrun equal the one-process run
+    (tests/test_gradients.py checks every model)."""
     root, data_root, _ = long_questions
     flags = [*model_flags, "--n_core", "1", "--size", "tiny", "--width", "64", "--block_size", "16",
              "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_iters", "3", "--eval_interval", "1",
@@ -440,8 +439,7 @@ def latent_run(base, capsys):
 
 def test_latent_tokens_nonfinite_loss_exits_1(tmp_path, capsys):
     """A base whose forward overflows (finite weights of 1e30, so the residual stream reaches inf
-    and the loss NaN): the run stops with one line and exit code 1 (it went on and exited 0 with
-    0 % accuracy)."""
+    and the loss NaN): the run stops with one line and exit code 1, not a 0 % accuracy and exit 0."""
     code, err = latent_run(task_base(tmp_path, "huge.pt", 1e30), capsys)
     assert code == 1
     assert re.fullmatch(r"error: non-finite loss \(nan\) or gradient norm \(nan\) at step 1 \(epoch 1\); stopped\n",
@@ -497,8 +495,8 @@ def fit_log(folder, dev_nll, sweep=None):
             "--eval_depths, e.g. 1,2,4,8,16)"),
 ])
 def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tmp_path, capsys):
-    """--law depth without any depth_sweep printed nothing, exited 0 and wrote [] to --out; now
-    nothing fittable is one line naming what is missing, exit 2, no file."""
+    """Nothing fittable (--law depth without any depth_sweep) is one line naming what is missing,
+    exit 2, no --out file (not an empty [] and exit 0)."""
     run = fit_log(tmp_path / "run", 2.0)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -509,9 +507,9 @@ def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tm
 
 
 def test_fit_says_skipped_for_every_law_it_cannot_fit(tmp_path, capsys):
-    """--law all said "skipped: ..." for the training and unified laws but nothing for the depth law
-    when no run had a sweep; every law asked for has a line now. --out in a missing folder is
-    created (as every command's output paths); --out under a file is refused before the fits."""
+    """--law all says "skipped: ..." for every law it cannot fit, the depth law included when no run
+    has a sweep. --out in a missing folder is created (as every command's output paths); --out
+    under a file is refused before the fits."""
     swept = fit_log(tmp_path / "a", 2.0, ([1, 2, 4, 8], [3.0, 2.5, 2.2, 2.1]))
     rows = flops_fit.fit_runs([flops_fit.read_run(fit_log(tmp_path / "b", 2.1))], "all", restarts=1)
     assert [(r["law"], r["label"], r["error"]) for r in rows if r["law"] == "depth"] == [
@@ -601,9 +599,9 @@ def test_bpe_tests_skip_with_the_reason_without_the_vocabulary(tmp_path):
 
 
 def test_every_test_that_needs_the_vocabulary_skips_with_the_one_reason(tmp_path):
-    """GPT2_BPE_FILE naming a missing file: 8 tests of these files failed (a UsageError or exit 2 from
-    the tokenizer) instead of skipping. Now none fails, and every skip is the shared gpt2_bpe fixture's
-    (conftest.py), with its reason, or the optional `datasets` extra's."""
+    """GPT2_BPE_FILE naming a missing file: no test of these files fails (a UsageError or exit 2
+    from the tokenizer); every skip is the shared gpt2_bpe fixture's (conftest.py), with its reason,
+    or the optional `datasets` extra's."""
     missing = str(tmp_path / "missing.tiktoken")
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                         "tests/test_values.py", "tests/test_hf_data.py", "tests/test_data.py"],
@@ -767,7 +765,7 @@ def run_cli(script, argv, monkeypatch, capsys):
 def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
                                                                      capsys):
     """A flag argparse rejects (a missing, mistyped or valueless one) is one line on stderr naming the
-    flag, exit code 2, for every command line (sweep.py and latent_tokens.py printed a usage block)."""
+    flag, exit code 2, for every command line (no argparse usage block); a flag's prefix is not the flag."""
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(script, argv, monkeypatch, capsys)
     assert code == 2 and out == "", (code, out)
@@ -807,10 +805,10 @@ def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv,
     ("tools.bench", ["decode", "--json", "afile.json"], "bench.py decode: error: --json's .md afile.md: is a folder; give a file path"),
 ])
 def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
-    """An output folder that is a file, or an output file under a file or that is a folder, gave a
-    traceback (FileExistsError, FileNotFoundError, RuntimeError), some only after all the work was
-    done; now one line naming the flag, exit 2, before anything is read or written
-    (common.check_output_folder / check_output_file; a missing folder is created, not refused)."""
+    """An output folder that is a file, an output file under a file or that is a folder, and two
+    outputs of one command naming the same file: one line naming the flag, exit 2, before anything
+    is read or written (common.check_output_folder / check_output_file(s); a missing folder is
+    created, not refused), not a traceback after the work."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
     (tmp_path / "afile.md").mkdir()
@@ -831,8 +829,8 @@ def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message
     ("studies.reflux_cli", ["--base", "x.pt", "--alpha_max", "inf"], "--alpha_max inf: must be a finite number > 0"),
 ])
 def test_float_flags_out_of_range_are_one_line_errors(script, argv, message, tmp_path, monkeypatch, capsys):
-    """latent_tokens.py and reflux.py took a negative or NaN learning rate, penalty or warmup and ran
-    with it (reported after loading the base, if at all); now the flag is named before anything loads."""
+    """studies.latent_experiments and studies.reflux_cli name a negative or NaN learning rate,
+    penalty or warmup before anything loads (not after loading the base, or never)."""
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(script, argv, monkeypatch, capsys)
     assert (code, out, err) == (2, "", f"error: {message}\n")
@@ -842,7 +840,7 @@ def test_float_flags_out_of_range_are_one_line_errors(script, argv, message, tmp
     (["--timeout", "0"], "--timeout 0.0: must be a finite number of seconds > 0"),
     (["--step_budget", "nan"], "--step_budget nan: must be a finite number of seconds > 0"),
     (["--peak_reps", "0"], "--peak_reps 0: must be >= 1"), (["--threads", "-1"], "--threads -1: must be >= 0"),
-    # reflux_rows raised this (naming an --edge 0:0 nobody gave, exit code 1) after every model's row
+    # checked up front (reflux_rows would name an --edge 0:0 nobody gave, after every model's row)
     (["--quick", "--depth", "1"], "--depth 1: --reflux (on with --quick) needs --depth >= 2 (an edge S:D writes "
                                   "block S's increment into an earlier block D)"),
 ])
@@ -993,9 +991,9 @@ def test_model_flags_lists_exactly_the_models_each_flag_changes():
 
 
 def test_reflux_refuses_a_checkpoint_without_training_flags_before_preparing_data(tmp_path, monkeypatch, capsys):
-    """A base written by latent_tokens.py pretrain (an untied Transformer++ without train.py's flags):
-    reflux.py took its dataset for the default stdlib, tokenized all of it into ./data (minutes) and
-    only then said the data differ; now one line, exit 2, nothing written."""
+    """A base written by studies.latent_experiments pretrain (an untied Transformer++ without
+    train.py's flags) records no dataset: one line, exit 2, nothing written, before any data is
+    prepared (its dataset is not taken for the default stdlib)."""
     from studies import reflux_cli
     cfg = ModelConfig(model="untied", vocab_size=13, block_size=16, n_embd=32, n_head=1, depth=2, width=32)
     torch.save({"model": build_model(cfg).state_dict(), "config": cfg.to_dict(),
@@ -1053,8 +1051,8 @@ def test_sweep_report_cell_ignores_flags_the_model_does_not_read(tmp_path):
 ])
 def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
     """A size this machine cannot hold (train.py --width 40000000, --batch_size 1000000, sample.py
-    --num_samples 10000000) ended in a MemoryError/RuntimeError traceback, exit 1: every command's
-    run_command now prints one line naming the sizes to reduce, exit 2; other errors still raise."""
+    --num_samples 10000000): every command's run_command prints one line naming the sizes to
+    reduce, exit 2, not a MemoryError/RuntimeError traceback; other errors still raise."""
     def main():
         raise error
     with pytest.raises(SystemExit) as e:
@@ -1076,9 +1074,9 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
                                     "--seeds/--datasets/--lrs/--root instead"),
 ])
 def test_sweep_refuses_flags_that_would_merge_or_override_grid_runs(argv, message, tmp_path, monkeypatch, capsys):
-    """Each of these ran with exit 0 and trained fewer or other runs than the grid named: two datasets
-    of one folder name shared a folder (one was dropped), -- --learning_rate lost to --lrs, 1e-3 and
-    0.001 trained twice, and --out (a prefix of --out_dir) put every run in one folder."""
+    """Flags that would make a sweep train fewer or other runs than its grid names are one line,
+    exit 2, nothing made: two datasets of one folder name (one folder for both), -- --learning_rate
+    beside --lrs (--lrs would win), one rate written twice (1e-3, 0.001) and a flag the sweep sets."""
     monkeypatch.chdir(tmp_path)
     for d in ("a/multi", "b/multi"):
         (tmp_path / d).mkdir(parents=True)

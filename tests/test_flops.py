@@ -165,8 +165,8 @@ def test_cli_bad_flags(argv, message, capsys):
 
 
 def test_cli_help_shows_the_defaults(capsys):
-    """flops.py --help showed no defaults (it used T = 8192, W = 256 at every tier): now each flag's
-    default, the tier-dependent ones per tier (train.py's help, harness.config.TIER_DEFAULTS)."""
+    """flops.py --help gives each flag's default, the tier-dependent ones per tier (as train.py's
+    help does, from harness.config.TIER_DEFAULTS)."""
     with pytest.raises(SystemExit) as e:
         flops.main(["--help"])
     assert e.value.code == 0
@@ -179,7 +179,7 @@ def test_cli_help_shows_the_defaults(capsys):
 
 
 def test_cli_defaults_are_the_tiers(capsys):
-    """`flops.py --size tiny` printed T=8192 ... W=256: now the tiny tier's T = 128, W = C = s = 32."""
+    """`flops.py --size tiny` uses the tiny tier's T = 128, W = C = s = 32 (not T = 8192, W = 256)."""
     assert flops.main(["--size", "tiny", "--depth", "2"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "tier tiny (d=64, N*=400,000), K=2, T=128, V=50257, train.py's model flags --window 32 --gau_s 32 --chunk 32" in header
@@ -232,10 +232,9 @@ def cli_rows(out):
 @pytest.mark.parametrize("size, flags", [("tiny", []), ("cpu", []), ("tiny", ["--chunk", "16", "--gau_s", "64"]),
                                          ("cpu", ["--window", "8", "--width", "512"])])
 def test_cli_builds_the_models_train_py_builds(size, flags, tmp_path, capsys):
-    """flops.py built GAU/FLASH with ModelConfig's s = 128, C = 256, W = 256 whatever the tier (tiny:
-    gau width 2040 / 400,512 parameters against train.py's 2072 / 400,128). Now every row is the
-    model `train.py --size SIZE --depth 4 --block_size 128` builds (same flags), and the header
-    states the tier's --window/--chunk/--gau_s."""
+    """Every row is the model `train.py --size SIZE --depth 4 --block_size 128` builds (same flags),
+    with the tier's s, C and W rather than ModelConfig's 128, 256, 256 (tiny: GAU width 2072 /
+    400,128 parameters, not 2040 / 400,512), and the header states the tier's --window/--chunk/--gau_s."""
     from harness.config import TIER_DEFAULTS
     assert flops.main(["--size", size, "--depth", "4", "--block_size", "128", "--vocab_size", "100", *flags]) == 0
     rows, header = cli_rows(capsys.readouterr().out)

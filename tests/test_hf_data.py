@@ -237,9 +237,9 @@ def write_jsonl(path, rows):
 
 @pytest.mark.parametrize("order", ["ab", "ba"])
 def test_a_file_without_the_text_column_is_one_line_naming_file_and_column(order, tmp_path, capsys):
-    """hf:json over a.jsonl (text) and b.jsonl (no text field): a KeyError traceback (exit 1) after
-    a.jsonl's rows were read; now one UsageError naming b.jsonl and the column, before the
-    tokenizer loads (no vocabulary needed), exit 2 from the command line, nothing written."""
+    """hf:json over a.jsonl (text) and b.jsonl (no text field): one UsageError naming b.jsonl and
+    the column, before the tokenizer loads (no vocabulary needed), exit 2 from the command line,
+    nothing written (not a KeyError traceback after a.jsonl's rows)."""
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"doc {i}"} for i in range(20)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"body": f"doc {i}", "n": i} for i in range(3)])
     files = ",".join([a, b] if order == "ab" else [b, a])

@@ -224,7 +224,7 @@ def closed_pipe(argv):
 
 
 def test_a_closed_pipe_ends_every_command_quietly(ckpts):
-    """(sample.py | head printed a BrokenPipeError traceback.)"""
+    """sample.py | head (a reader that closes the pipe) ends quietly, without a BrokenPipeError traceback."""
     for argv in (["sample.py", "--out_dir", str(ckpts["loop"]), "--num_samples", "2", "--max_new_tokens", "8"],
                  ["flops.py", "--size", "cpu", "--depth", "4"],
                  ["-m", "tools.sweep", "report", "--root", "results/cpugrid"]):
@@ -420,7 +420,8 @@ def test_a_path_dataset_is_found_from_another_folder(text_folder, tmp_path, monk
 
 
 def test_nan_weights_are_a_damaged_file_for_sample_and_eval_only(ckpts, tmp_path, capsys):
-    """(sample.py ended in a traceback; --eval_only printed dev NLL nan and exited 0.)"""
+    """A checkpoint with NaN weights is a damaged file for sample.py and --eval_only: one line,
+    exit 2 (not a traceback, nor a dev NLL of nan with exit 0)."""
     ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
     ck["model"]["norm_f.weight"][0] = float("nan")
     torch.save(ck, tmp_path / "ckpt_best.pt")

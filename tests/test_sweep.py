@@ -424,8 +424,8 @@ def test_paired_differences_subtract_tango_seed_by_seed():
                                                  "into another folder"),
 ])
 def test_output_paths_are_refused_before_any_work(tmp_path, monkeypatch, argv, message):
-    """plot --out FILE and collect --to FILE raised FileExistsError, collect --to ROOT shutil.SameFileError;
-    now one line naming the flag, and nothing written (common.check_output_folder)."""
+    """plot --out FILE, collect --to FILE and collect --to ROOT are one line naming the flag, with
+    nothing written (common.check_output_folder), not FileExistsError / shutil.SameFileError."""
     monkeypatch.chdir(tmp_path)
     fake_grid("g", {("tango", 4): 3.0}, seeds=(1,))
     (tmp_path / "afile").write_text("x")
@@ -469,9 +469,9 @@ def no_runs(monkeypatch):
     ("stdlib", ["--size", "tiny", "--device", "cuda:7"], None),
 ])
 def test_run_checks_every_train_run_before_anything_starts(tmp_path, monkeypatch, datasets, extra, message):
-    """`sweep run -- --max_iters 0` (or --eval_only) started every run, each failed with exit 2, the sweep
-    exited 1 and left the run folders behind; `--datasets ../nope` left an empty --root. Now a one-line
-    UsageError naming the run (or the flag) before any preparation, and no folder."""
+    """`sweep run -- --max_iters 0` (or --eval_only, or `--datasets ../nope`) is a one-line
+    UsageError naming the run (or the flag) before any preparation, with no folder left, rather
+    than every run failing with exit 2 and leaving its folder behind."""
     import torch
     if message is None:  # the device check of train.py, where this machine has no such GPU
         if torch.cuda.device_count() > 7:

@@ -709,8 +709,8 @@ def test_report_names_how_many_updates_its_throughput_median_covers(capsys):
 
 
 def test_em_samples_is_refused_without_dmmath(tmp_path, capsys):
-    """train.py --em_samples 5 on a text dataset trained and ignored it (only dmmath has problems to
-    score by exact match); now one line, exit 2, before any data is prepared or out_dir made."""
+    """train.py --em_samples 5 on a text dataset (only dmmath has problems to score by exact match)
+    is one line, exit 2, before any data is prepared or out_dir made, not a run that ignores it."""
     (tmp_path / "t.txt").write_text("some text\n" * 200)
     code, err = call_main(["--dataset", str(tmp_path / "t.txt"), "--tokenizer", "char", "--em_samples", "5",
                            "--data_root", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"), "--quiet"], capsys)
