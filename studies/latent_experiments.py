@@ -350,7 +350,7 @@ def sweep_parser():
     p = _parser("-m studies.latent_experiments sweep", "the results table: every task x method x seed")
     a = p.add_argument
     _base_flags(a)
-    a("--out_dir", default="results/latent_tokens", help="results_TASK.json and README_table.md go here")
+    a("--out_dir", default="out/latent_tokens", help="results_TASK.json and README_table.md go here (results/: only when named)")
     a("--tasks", default="all", help="all or a comma list of " + ", ".join(TASKS))
     a("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per method")
     a("--extra", nargs="*", default=[], help="more policies (shared groups) to add to every task")

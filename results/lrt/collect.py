@@ -1,12 +1,15 @@
 """Tables of the small experiment of the latent-recurrence seed paper (MATH.md, "LRT") from runs/lrt-exp/*/summary.json (results/lrt/run.sh:
 training FLOPs matched; results/lrt/run_tokens.sh: training tokens matched). Prints markdown tables,
 the fraction of doubling LRT depth recovered by one thought, (NLL_lrt4 - NLL_lrt-think4) /
-(NLL_lrt4 - NLL_lrt8) on dev NLL, and writes results/lrt/summaries.json (the runs' summaries).
+(NLL_lrt4 - NLL_lrt8) on dev NLL, and writes results/lrt/summaries.json (the runs' summaries) when every run is there (exit 2 otherwise).
 python results/lrt/collect.py [ROOT ...]   (a run is taken from the first ROOT that has it)"""
 import json
 import os
 import sys
 
+if any(a.startswith("-") for a in sys.argv[1:]):
+    print(__doc__)
+    sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
 ROOTS = sys.argv[1:] or ["runs/lrt-exp"]
 TABLES = {
     "training FLOPs matched (run.sh)": ["untied-4", "untied-8", "loopstack-2x4", "ponder-4", "lrt-4", "lrt-8", "lrt-think-4"],
@@ -32,4 +35,9 @@ for title, runs in TABLES.items():
         a, b, c = (out[k]["dev_nll"] for k in (lrt4, lrt8, think))
         print(f"\nfraction of doubling LRT depth recovered by one thought (dev NLL): "
               f"({a:.4f} - {c:.4f}) / ({a:.4f} - {b:.4f}) = {(a - c) / (a - b):.3f}")
+missing = sorted({r for runs in TABLES.values() for r in runs} - set(out))
+if missing:  # the committed file holds every run: a partial collection does not replace it
+    print(f"\nsummaries.json not written: {len(missing)} runs missing under {', '.join(ROOTS)} ({', '.join(missing)})",
+          file=sys.stderr)
+    sys.exit(2)
 json.dump(out, open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "summaries.json"), "w"), indent=1)
