@@ -441,6 +441,11 @@ class LM(nn.Module):
         return out
 
 
+def nll_unit(tokenizer):
+    """The unit of an NLL on data of `tokenizer`: nats/char for characters, else nats/token."""
+    return "nats/char" if tokenizer == "char" else "nats/token"
+
+
 def synchronizer(device):
     """A function that waits for the work queued on `device`, for timers: torch.cuda.synchronize
     of that very GPU (with no argument it would wait for the current one, cuda:0); CPU: nothing."""

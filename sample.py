@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from common import ModelConfig, UsageError, UsageParser, check_sampling, check_seed, run_command
+from common import ModelConfig, UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
@@ -165,7 +165,7 @@ def run(args, out=None, err=None):
         raise UsageError(f"{path}: its model has {cfg.vocab_size} tokens, its {tok.kind} tokenizer {tok.vocab_size}")
     dev = ck.get("dev_nll")
     print(f"{path}: {cfg.model} depth {cfg.depth}, update {ck.get('iter')}"
-          + (f", dev NLL {dev:.4f} nats/{'char' if tok.kind == 'char' else 'token'}" if isinstance(dev, float) else "")
+          + (f", dev NLL {dev:.4f} {nll_unit(tok.kind)}" if isinstance(dev, float) else "")
           + f"; {tok.kind} tokenizer, vocab {tok.vocab_size}; {args.device} {args.dtype}", file=err)
     if len(prompt) + args.max_new_tokens > cfg.block_size:
         print(f"note: {len(prompt)} prompt + {args.max_new_tokens} new tokens exceed the trained context of "

@@ -556,6 +556,7 @@ def finish(r, rates):
     summary = {"model": args.model, "depth": args.depth, "size": args.size, "dataset": args.dataset,
                "width": r.cfg.width, "non_embedding_params": model.num_params(), "params": model.num_params(False),
                "best_iter": best["iter"], "dev_nll": best["dev_nll"], "test_split": data.test_split,
+               "tokenizer": data.tokenizer,
                "test_nll": test, "unigram_dev": data_mod.unigram_entropy(data, "dev"),
                "unigram_dev_windows": data_mod.unigram_nll(
                    data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows), args.block_size),

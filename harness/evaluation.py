@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import UsageError
+from common import UsageError, nll_unit
 from harness.config import Dist
 
 
@@ -119,7 +119,7 @@ def exact_match(model, data, split, n_samples, device, ctx):
 
 def print_report(s, data, args):
     row = lambda label, value: print(f"{label:<25}{value}")  # one aligned column of values
-    unit = "nats/char" if data.tokenizer == "char" else "nats/token"
+    unit = nll_unit(data.tokenizer)
     print(f"\n== {args.model} depth {args.depth} on {args.dataset} ({args.size} tier) ==")
     row("non-embedding params", f"{s['non_embedding_params']:,}")
     row("unigram entropy (dev)", f"{s['unigram_dev']:.4f} {unit}   (of the whole split)")

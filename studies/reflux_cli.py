@@ -24,7 +24,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
 from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
-                    make_parent, run_command)
+                    make_parent, nll_unit, run_command)
 from harness.datacheck import check_data, data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -352,7 +352,7 @@ def run_one(a, log=print):
     if router is not None:
         res["kappa"] = router.kappa()
     extra = f"  (κ = {res['kappa']:.2f} open edges per block)" if router is not None else ""
-    log(f"{split} NLL over {n} windows of {T} tokens (nats/token):  base {base_nll:.4f}   "
+    log(f"{split} NLL over {n} windows of {T} tokens ({nll_unit(data.tokenizer)}):  base {base_nll:.4f}   "
         f"ReFlux {s.schedule} [{what}{'' if router else f', α {s.alpha:g} β {s.beta:g}'}] {rf_nll:.4f}   "
         f"change {rf_nll - base_nll:+.4f}{extra}")
     if a.sample:
@@ -375,7 +375,7 @@ def run_sweep(a, log=print):
     test = data.test_split
     t_start = time.time()
     base_nll = {split: nll(base, data, split, n, T, a.batch_size), test: nll(base, data, test, n, T, a.batch_size)}
-    log(f"base: {split} {base_nll[split]:.4f}, {test} {base_nll[test]:.4f} nats/token ({n} windows of {T})")
+    log(f"base: {split} {base_nll[split]:.4f}, {test} {base_nll[test]:.4f} {nll_unit(data.tokenizer)} ({n} windows of {T})")
     grid = []
     for sched in a.schedules:
         t0 = time.time()

@@ -528,3 +528,20 @@ def test_claims_say_when_their_means_are_over_unequal_seed_counts(tmp_path):
     shutil.rmtree(tmp_path / "stdlib" / "gau-K4-s3")
     assert ("\n**Seeds**: the claims compare means over unequal numbers of seeds, 3 per cell except stdlib K = 4: gau 2; "
         "stdlib K = 16: every model 1.\n") in sweep_report.grid_report(str(tmp_path))
+
+
+def test_reports_give_nats_per_char_for_character_runs(tmp_path):
+    """The NLL unit follows the runs' tokenizer (summary.json, else args.json or the log): nats/char
+    when every run of the table is on characters, nats/token otherwise or when unknown."""
+    fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] == 4})
+    assert "nats/token" in sweep_report.report(str(tmp_path)) and "nats/char" not in sweep_report.grid_report(str(tmp_path))
+    runs = sorted(tmp_path.glob("stdlib/*/summary.json"))
+    for i, p in enumerate(runs):
+        if i % 2:  # half say so in summary.json, half in args.json
+            p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer": "char"}))
+        else:
+            (p.parent / "args.json").write_text(json.dumps({"tokenizer": "char"}))
+    assert "unigram entropy of dev 5.000 nats/char" in sweep_report.report(str(tmp_path))
+    assert "(nats/char, mean ± sample std" in sweep_report.grid_report(str(tmp_path))
+    (runs[0].parent / "args.json").write_text(json.dumps({"tokenizer": "gpt2"}))
+    assert "nats/char" not in sweep_report.grid_report(str(tmp_path))

@@ -16,7 +16,7 @@ import sys
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UsageError, not_a_command
+from common import UsageError, nll_unit, not_a_command
 
 
 def log_records(run):
@@ -78,6 +78,20 @@ def mean_std(xs):
 SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params", "test_split")
 
 
+def unit_of(runs):
+    """The NLL unit of runs (summaries with "_dir"): nats/char when every run is known to be on
+    characters (summary.json's tokenizer, else the run folder's args.json or log), else nats/token."""
+    def tokenizer(s):
+        if "tokenizer" in s or "_dir" not in s:
+            return s.get("tokenizer")
+        path = os.path.join(s["_dir"], "args.json")
+        if os.path.exists(path):
+            return read_json(path).get("tokenizer")
+        start = [r for r in log_records(s["_dir"]) if r.get("event") == "start"]
+        return start[-1].get("args", {}).get("tokenizer") if start else None
+    return nll_unit("char" if runs and all(tokenizer(s) == "char" for s in runs) else None)
+
+
 def run_settings(run, summary):
     """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
     from harness.checkpoint import MACHINE_FLAGS
@@ -121,7 +135,7 @@ def report(root):
         metrics += [("tok_per_s_median_last100", "tokens/s", None)]
         test_split = rows[keys[0]][0].get("test_split", "test")
         out.append(f"\n**{ds}** (test split: `{test_split}`; unigram entropy of dev "
-                   f"{rows[keys[0]][0]['unigram_dev']:.3f} nats/token)\n")
+                   f"{rows[keys[0]][0]['unigram_dev']:.3f} {unit_of([r for k in keys for r in rows[k]])})\n")
         out.append("| model | K | seeds | non-emb params | " + " | ".join(m[1] for m in metrics) + " |")
         out.append("|---|---|---|---|" + "---|" * len(metrics))
         values = {k: {m: [r[m] for r in rows[k] if r.get(m) is not None] for m, _, _ in metrics} for k in keys}
@@ -265,7 +279,7 @@ def grid_report(root):
         depths = sorted({k[2] for k in rows if k[0] == ds})
         held = [k for k in HELD_OUT if k in depths] or depths  # a grid without K = 4/8: test NLL at every depth
         runs = [r for k, v in rows.items() if k[0] == ds for r in v]
-        out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` (nats/token, mean ± sample std "
+        out.append(f"**{ds}**: test NLL on `{runs[0].get('test_split', 'test')}` ({unit_of(runs)}, mean ± sample std "
                    f"over seeds; unigram entropy of dev {runs[0]['unigram_dev']:.3f}); bold: the lowest NLL or highest "
                    "exact match of each column, extra rows included.\n")
         cols = [(f"non-emb params K={k}", k, "non_embedding_params", "{:,.0f}") for k in held[:1]]
@@ -316,7 +330,8 @@ def paired_differences(rows, datasets):
         if not depths:
             continue
         out += ["", f"**{ds}**: paired-seed differences, test NLL of each model minus TANGO's at the same seed "
-                    "(nats/token, mean ± sample std over seeds, n seeds; negative: lower than TANGO), and training "
+                    f"({unit_of([r for k, v in rows.items() if k[0] == ds for r in v])}, mean ± sample std over seeds, "
+                    "n seeds; negative: lower than TANGO), and training "
                     "throughput (tokens/s, median of the last 100 updates, mean over seeds).\n",
                 "| model | " + " | ".join(f"test NLL − TANGO K={k}" for k in depths)
                 + " | " + " | ".join(f"tokens/s K={k}" for k in depths) + " |",
@@ -507,8 +522,9 @@ def plot(root, out):
                     axes[row][j].plot([it * tpu / 1e3 for it in its], ys, color=color, label=m,
                                       marker="o" if key == "eval" else None, ms=3)
             axes[0][j].set_title(f"{ds}, K = {k}")
-            axes[0][j].set_ylabel("training loss (nats/token, 10-update mean)")
-            axes[1][j].set_ylabel("dev NLL (nats/token)")
+            unit = unit_of([r for m in models for r in rows.get((ds, m, k), [])])
+            axes[0][j].set_ylabel(f"training loss ({unit}, 10-update mean)")
+            axes[1][j].set_ylabel(f"dev NLL ({unit})")
             for row in (0, 1):
                 axes[row][j].set_xlabel("training tokens (thousands)")
                 axes[row][j].grid(alpha=0.3)
