@@ -119,7 +119,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         name = hf_data.folder_name(hf) + suffix + "-" + fp[:8]
         build = lambda tmp: hf_data.build(tmp, hf, **text)
     elif os.path.exists(dataset):
-        path = os.path.abspath(dataset)
+        path = os.path.realpath(dataset)  # one folder, one prepared copy, however the path is spelled
         if os.path.isdir(path):
             root, rels = path, _walk(path)
         else:

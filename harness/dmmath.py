@@ -21,7 +21,7 @@ DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 def source(data_dir=None):
     """(root, relative paths of its problem files, prepared folder name) of a dmmath folder
     (default: ../shared/data/dmmath next to this repo). UsageError unless the layout is there."""
-    root = os.path.abspath(data_dir or DEFAULT)
+    root = os.path.realpath(data_dir or DEFAULT)  # one folder, one fingerprint, however the path is spelled
     missing = [d for d in REQUIRED if not os.path.isdir(os.path.join(root, d))]
     if missing:
         raise UsageError(f"--data_dir {root}: not a DeepMind Mathematics folder; needs "

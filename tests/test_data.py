@@ -318,6 +318,25 @@ def test_unigram_baseline_on_an_unmasked_dataset(small):
     assert data.unigram_nll(small, "dev", starts, 8) == pytest.approx(plain_unigram_nll(small, "dev", starts, 8), rel=1e-12)
 
 
+def test_one_folder_is_prepared_once_however_its_path_is_spelled(tmp_path):
+    """dmmath's --data_dir and a text --dataset reached through a symlink or by their real path are
+    one source: the second prepare reuses the first's folder (same name, bins not rewritten)."""
+    fake_dmmath(tmp_path / "dm")
+    (tmp_path / "link").symlink_to(tmp_path / "dm")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text here\n" * 300)
+    (tmp_path / "tlink").symlink_to(tmp_path / "texts")
+    out = str(tmp_path / "out")
+    for first, second in ((dict(dataset="dmmath", data_dir=str(tmp_path / "link")),
+                           dict(dataset="dmmath", data_dir=str(tmp_path / "dm"))),
+                          (dict(dataset=str(tmp_path / "tlink"), tokenizer="char"),
+                           dict(dataset=str(tmp_path / "texts"), tokenizer="char"))):
+        a = data.prepare(out_root=out, **first)
+        stamp = os.stat(os.path.join(a, "train.bin")).st_mtime_ns
+        assert data.prepare(out_root=out, **second) == a
+        assert os.stat(os.path.join(a, "train.bin")).st_mtime_ns == stamp
+
+
 def test_dmmath_without_dev(tmp_path):
     made = fake_dmmath(tmp_path / "dm", n=300, dev=False)
     d = data.Data(data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out")))
