@@ -490,8 +490,8 @@ def fit_log(folder, dev_nll, sweep=None):
 
 @pytest.mark.parametrize("law, message", [
     ("depth", "depth law: no run has a depth_sweep event (train.py --eval_depths, e.g. 1,2,4,8,16)"),
-    ("all", "depth law: no run has a depth_sweep event (train.py --eval_depths, e.g. 1,2,4,8,16); training law: "
-            "1 points cannot determine 5 parameters; unified law: no run has a depth_sweep event (train.py "
+    ("all", "depth law: no run has a depth_sweep event (train.py --eval_depths, e.g. 1,2,4,8,16); tango: training "
+            "law: 1 points cannot determine 5 parameters; tango: unified law: no run has a depth_sweep event (train.py "
             "--eval_depths, e.g. 1,2,4,8,16)"),
 ])
 def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tmp_path, capsys):
@@ -502,7 +502,7 @@ def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tm
     with pytest.raises(SystemExit) as e:
         flops_fit.main([run, "--law", law, "--restarts", "1", "--out", str(tmp_path / "fits.json")])
     assert e.value.code == 2
-    assert capsys.readouterr() == ("", f"tools.flops_fit: error: nothing could be fit: {message}\n")
+    assert capsys.readouterr() == ("", f"tools.flops_fit: error: nothing could be fit (a law is fit per model): {message}\n")
     assert os.listdir(tmp_path) == ["run"]
 
 

@@ -277,7 +277,8 @@ def main(argv=None):
             check_output_file("--out", a.out)  # before the fits, not after them
         rows = fit_runs([read_run(r) for r in a.runs], a.law, a.restarts)
         if not any("params" in row for row in rows):  # nothing to print or write but the reasons
-            raise UsageError("nothing could be fit: " + "; ".join(dict.fromkeys(row["error"] for row in rows)))
+            raise UsageError("nothing could be fit (a law is fit per model): " + "; ".join(dict.fromkeys(
+                ("" if row["model"] == "-" else f"{row['model']}: ") + row["error"] for row in rows)))
     except UsageError as e:
         p.exit(2, f"tools.flops_fit: error: {e}\n")
     for row in rows:
