@@ -320,11 +320,6 @@ def compile_regions(model, **compile_kw):
     return model
 
 
-def compiled_region_names(model):
-    """Sorted qualified names of the compiled regions of a model (after compile_regions)."""
-    return sorted({f"{type(m).__name__}.{n}" for m in model.modules() for n in m.__dict__.get("_compiled_regions", {})})
-
-
 class LM(nn.Module):
     """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (MATH.md, "What every model shares").
 

@@ -211,10 +211,6 @@ class Augmented:
     def is_latent(self):
         return [t < 0 for t in self.tokens]
 
-    @property
-    def target_mask(self):
-        return [t >= 0 for t in self.targets]
-
     def __len__(self):
         return len(self.tokens)
 

@@ -16,9 +16,14 @@ import common
 import models
 import train
 from checks import ONE_BLOCK_PER_LOOP
-from common import ModelConfig, compile_regions, compiled_region_names
+from common import ModelConfig, compile_regions
 
 EVAL_AND_CHECKPOINT = train.eval_and_checkpoint
+
+
+def compiled_region_names(model):
+    """Sorted qualified names of the compiled regions of a model (after compile_regions)."""
+    return sorted({f"{type(m).__name__}.{n}" for m in model.modules() for n in m.__dict__.get("_compiled_regions", {})})
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,6 @@ def test_comma_prepend_append_increase():
     assert a.position_ids == [0, 1, 2, 3, 3, 3, 4, 5, 6, 6, 6]  # PREPEND: id of the next verbal token
     # only response targets; the item before a latent predicts nothing; the last latent predicts
     assert a.targets == [-1, -1, -1, -1, 6, 7, C, -1, -1, 8, -1]
-    assert a.target_mask == [t >= 0 for t in a.targets]
     ap = lt.augment(V1, Q1, pol("Comma_2"), "append")
     assert ap.tokens == a.tokens and ap.targets == a.targets
     assert ap.position_ids == [0, 1, 2, 2, 2, 3, 4, 5, 5, 5, 6]  # APPEND: id of the verbal token before
