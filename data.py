@@ -302,14 +302,23 @@ class Data:
         return self._enc
 
 
+def target_counts(data, split, chunk=1 << 24):
+    """How often each token id is a counted target of split (tokens 1..n-1; only mask==1 ones for
+    masked datasets), (vocab_size,) int64; read in chunks, so a split need not fit in memory."""
+    tok, mask = data.tokens(split), data.mask(split) if data.masked else None
+    counts = np.zeros(data.vocab_size, dtype=np.int64)
+    for i in range(1, len(tok), chunk):
+        part = np.asarray(tok[i:i + chunk])
+        counts += np.bincount(part if mask is None else part[np.asarray(mask[i:i + chunk]) == 1],
+                              minlength=data.vocab_size)
+    return counts
+
+
 def unigram_entropy(data, split="dev"):
     """Entropy (nats/token) of the split's own empirical unigram distribution over its counted
-    targets (tokens 1..n-1; only mask==1 ones for masked datasets): how predictable the whole split
-    is from token frequencies alone. The baseline for an NLL on evaluation windows is unigram_nll."""
-    tok = np.asarray(data.tokens(split)[1:])
-    if data.masked:
-        tok = tok[np.asarray(data.mask(split)[1:]) == 1]
-    counts = np.bincount(tok, minlength=data.vocab_size)
+    targets (target_counts): how predictable the whole split is from token frequencies alone.
+    The baseline for an NLL on evaluation windows is unigram_nll."""
+    counts = target_counts(data, split)
     p = counts[counts > 0] / max(1, counts.sum())
     return float(-(p * np.log(p)).sum())
 
@@ -320,12 +329,7 @@ def unigram_nll(data, split, starts, block_size, chunk=1 << 24):
     the baseline that NLL must beat. The unigram is fitted on train's counted targets, add-one
     smoothed over the vocabulary, so every token has a probability and the split is not peeked at.
     nan when the windows score no target."""
-    tok, mask = data.tokens("train"), data.mask("train") if data.masked else None
-    counts = np.zeros(data.vocab_size, dtype=np.int64)
-    for i in range(1, len(tok), chunk):  # in chunks: train may not fit in memory at once
-        part = np.asarray(tok[i:i + chunk])
-        counts += np.bincount(part if mask is None else part[np.asarray(mask[i:i + chunk]) == 1],
-                              minlength=data.vocab_size)
+    counts = target_counts(data, "train", chunk)
     log_p = np.log((counts + 1) / (counts.sum() + data.vocab_size))
     _, y = data.window_batch(split, starts, block_size)
     y = y.numpy()[y.numpy() != -1]

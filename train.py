@@ -521,6 +521,14 @@ def seed_random_draws(model, seed, update, micro_batch):
             m.rng_seed = s
 
 
+def unigram_baselines(data, args):
+    """The summary's unigram fields: the dev split's unigram entropy (unigram_dev) and train's
+    unigram NLL on the dev windows the dev NLL is measured on (unigram_dev_windows), nats/token."""
+    starts = data.eval_windows("dev", args.block_size, args.eval_windows)
+    return {"unigram_dev": data_mod.unigram_entropy(data, "dev"),
+            "unigram_dev_windows": data_mod.unigram_nll(data, "dev", starts, args.block_size)}
+
+
 def diagnostics(model, spectral, read=True):
     """The looped models' training diagnostics of the last forward (Parcae, RDM: recurrent state
     norm per step, max Abar, spectral norms when spectral=True), as {"diag": {...}} for the log;
@@ -557,9 +565,7 @@ def finish(r, rates):
                "width": r.cfg.width, "non_embedding_params": model.num_params(), "params": model.num_params(False),
                "best_iter": best["iter"], "dev_nll": best["dev_nll"], "test_split": data.test_split,
                "tokenizer": data.tokenizer,
-               "test_nll": test, "unigram_dev": data_mod.unigram_entropy(data, "dev"),
-               "unigram_dev_windows": data_mod.unigram_nll(
-                   data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows), args.block_size),
+               "test_nll": test, **unigram_baselines(data, args),
                "tokens": best["iter"] * tokens_per_update,
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "tok_per_s_updates": len(rates[-100:]),
@@ -610,9 +616,7 @@ def eval_only(args, given):
           "nothing written)"
           + overrides({k: v for k, v in changed.items() if k in EVAL_FLAGS})
           + (f"; not used without training: {', '.join('--' + k for k in unused)}" if unused else ""))
-    summary = {"non_embedding_params": model.num_params(), "unigram_dev": data_mod.unigram_entropy(data, "dev"),
-               "unigram_dev_windows": data_mod.unigram_nll(
-                   data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows), args.block_size),
+    summary = {"non_embedding_params": model.num_params(), **unigram_baselines(data, args),
                "best_iter": best["iter"], "dev_nll": dev, "test_nll": test, "tok_per_s_median_last100": None,
                "first_update_s": None}
     if curve is not None:
