@@ -57,13 +57,12 @@ def curves_of(run):
             "eval": pairs("eval", "dev_nll", 5), "train": pairs("train", "loss", 4)}
 
 
-def is_best(printed, column, lower):
-    """Whether a printed mean is the column's lowest (lower) or highest as printed, so that means
-    printed alike are bold alike; no bold when the whole column prints alike (e.g. 0 % everywhere)."""
-    key = lambda t: float(t.rstrip("%").replace(",", ""))
-    if len(set(column)) < 2:
-        return False
-    return key(printed) == (min if lower else max)(map(key, column))
+def is_best(mu, column, fmt, lower):
+    """Whether mean mu prints as the column's lowest (lower) or highest mean (column: the means),
+    so that means printed alike are bold alike; no bold when the whole column prints alike (e.g.
+    0 % everywhere). Rounding keeps order, so the best printed value is the best mean's."""
+    printed = {fmt.format(x) for x in column}
+    return len(printed) > 1 and fmt.format(mu) == fmt.format((min if lower else max)(column))
 
 
 def mean_std(xs):
@@ -139,18 +138,19 @@ def report(root):
         out.append("| model | K | seeds | non-emb params | " + " | ".join(m[1] for m in metrics) + " |")
         out.append("|---|---|---|---|" + "---|" * len(metrics))
         values = {k: {m: [r[m] for r in rows[k] if r.get(m) is not None] for m, _, _ in metrics} for k in keys}
+        stats = {k: {m: mean_std(v) for m, v in values[k].items()} for k in keys}
         for k in keys:
             cells = []
             for m, _, lower in metrics:
-                mu, sd = mean_std(values[k][m])
+                mu, sd = stats[k][m]
                 if mu is None:
                     cells.append("-")
                     continue
                 fmt = "{:.0f}" if m.startswith("tok") else "{:.2%}" if m.startswith("exact") else "{:.3f}"
-                same_depth = [fmt.format(mean_std(values[j][m])[0]) for j in keys if j[2] == k[2] and values[j][m]]
+                same_depth = [stats[j][m][0] for j in keys if j[2] == k[2] and stats[j][m][0] is not None]
                 n = len(values[k][m])
                 txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + (f" (n={n})" if n < len(rows[k]) else "")
-                cells.append(f"**{txt}**" if lower is not None and is_best(fmt.format(mu), same_depth, lower) else txt)
+                cells.append(f"**{txt}**" if lower is not None and is_best(mu, same_depth, fmt, lower) else txt)
             out.append(f"| {k[1]} | {k[2]} | {len(rows[k])} | {rows[k][0]['non_embedding_params']:,} | "
                        + " | ".join(cells) + " |")
     return "\n".join(out).lstrip("\n") + "\n"
@@ -258,10 +258,10 @@ def _table(rows, ds, models, cols):
             if metric == "non_embedding_params":  # a size, not a result: no spread, no bold
                 cells.append(fmt.format(mu))
                 continue
-            col = [fmt.format(stats[j, i][0]) for j in models if stats[j, i][0] is not None]
+            col = [stats[j, i][0] for j in models if stats[j, i][0] is not None]
             n = len(_values(rows, (ds, m, k), metric))
             txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == seeds else f" (n={n})")
-            cells.append(f"**{txt}**" if is_best(fmt.format(mu), col, not metric.startswith("exact")) else txt)
+            cells.append(f"**{txt}**" if is_best(mu, col, fmt, not metric.startswith("exact")) else txt)
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
 
