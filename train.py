@@ -413,11 +413,6 @@ def deferred_reads(r):
     return str(r.args.device).startswith("cuda")
 
 
-def wait_for_device(device):
-    """Block until every kernel queued on a CUDA `device` has finished (CPU work is already done)."""
-    synchronizer(device)()
-
-
 def read_updates(r, pending, tokens_per_update, since):
     """Log the pending updates [(it, lr, loss, grad_norm, seconds, diagnostics)] (device tensors
     when deferred: one host sync for all) and return their tokens/s; deferred, each gets the mean
@@ -426,7 +421,7 @@ def read_updates(r, pending, tokens_per_update, since):
     (with deferred reads the run stops at most READ_EVERY updates later)."""
     rates = []
     if deferred_reads(r):
-        wait_for_device(r.args.device)  # queued kernels (optimizer steps too) count before the clock stops
+        synchronizer(r.args.device)()  # queued kernels (optimizer steps too) count before the clock stops
         elapsed = time.time() - since
     for it, lr, loss, grad_norm, secs, diag in pending:
         if deferred_reads(r):

@@ -270,7 +270,7 @@ def test_deferred_reads_do_not_count_evaluation_as_training_time(mdm, data_root,
 
 
 def test_deferred_reads_count_the_work_still_queued_on_the_device(mdm, data_root, tmp_path, monkeypatch):
-    """Deferred, a read first waits for the device (wait_for_device: torch.cuda.synchronize), and
+    """Deferred, a read first waits for the device (common.synchronizer: torch.cuda.synchronize), and
     that wait is training time: made to take 50 s of a shifted clock at each of the 5 reads, the
     logged rates must add up to at least 5 x 50 s of updates (timed before the wait: ~0 s)."""
     import time as real_time
@@ -278,9 +278,11 @@ def test_deferred_reads_count_the_work_still_queued_on_the_device(mdm, data_root
     shift, waits = [0.0], []
     monkeypatch.setattr(train, "time", SimpleNamespace(time=lambda: real_time.time() + shift[0]))
     def slow_device(device):
-        waits.append(device)
-        shift[0] += 50.0
-    monkeypatch.setattr(train, "wait_for_device", slow_device)
+        def wait():
+            waits.append(device)
+            shift[0] += 50.0
+        return wait
+    monkeypatch.setattr(train, "synchronizer", slow_device)
     monkeypatch.setattr(train, "deferred_reads", lambda r: True)
     monkeypatch.setattr(train, "READ_EVERY", 5)
     _tiny_run(mdm, data_root, tmp_path / "deferred")
