@@ -31,10 +31,12 @@ def f64():
 
 def _write_mdm(root, n_train, n_extrapolate, n_eval=60):
     """A small dataset in the official DeepMind Mathematics layout under root (a pathlib.Path):
-    "What is a + b?" / answer lines, n_train problems in each train-* folder; returns root."""
+    "What is a + b?" / answer lines, n_train problems in each train-* folder, n_eval in dev and
+    n_eval + 25 in interpolate (the test split: other lengths give other evaluation windows, so
+    test NLL on dev's windows shows); returns root."""
     rng = np.random.default_rng(0)
     for folder, n in [("train-easy", n_train), ("train-medium", n_train), ("train-hard", n_train), ("dev", n_eval),
-                      ("interpolate", n_eval), ("extrapolate", n_extrapolate)]:
+                      ("interpolate", n_eval + 25), ("extrapolate", n_extrapolate)]:
         (root / folder).mkdir()
         lines = []
         for a, b, op in zip(rng.integers(0, 50, n), rng.integers(0, 50, n), rng.integers(0, 2, n)):

@@ -132,6 +132,8 @@ def test_top_k_draws_follow_the_softmax_of_the_k_largest_logits():
         want[top] = torch.softmax(z[top].double() / t, 0)
         assert set(draws.tolist()) == set(top)
         assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
+    torch.manual_seed(0)  # top_k = V - 1 drops the one smallest logit (index 4), never drawn
+    assert set(sample_next(z.expand(n, -1), temperature=5.0, top_k=7)[:, 0].tolist()) == set(range(8)) - {4}
 
 
 def test_generate_top_k_draws_from_the_models_k_most_likely_tokens():

@@ -102,9 +102,10 @@ def test_untied_gau_same_macs_as_tied():
 
 def test_limits_reduce_to_full_models():
     T = 40
-    assert flops.forward_macs(small("tango-windowed", window=T), T) == flops.forward_macs(small("tango"), T)
-    if "flash" in models.REGISTRY:  # one chunk: FLASH = GAU (MATH.md), no global part
-        assert flops.forward_macs(small("flash", chunk=T), T) == flops.forward_macs(small("gau"), T)
+    for extra in (0, 7):  # a window or chunk longer than the sequence is capped at T
+        assert flops.forward_macs(small("tango-windowed", window=T + extra), T) == flops.forward_macs(small("tango"), T)
+        if "flash" in models.REGISTRY:  # one chunk: FLASH = GAU (MATH.md), no global part
+            assert flops.forward_macs(small("flash", chunk=T + extra), T) == flops.forward_macs(small("gau"), T)
 
 
 def paper_cfg(name):

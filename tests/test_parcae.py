@@ -306,6 +306,9 @@ def test_forward_macs_and_effective_flops():
     n1 = (core + 2 * attn) * (5 - 3)  # mu_bwd = ceil(5 / 2) = 3
     n2 = rest + 2 * attn + (core + 2 * attn) * 3
     assert flops.parcae_train_flops(p, 1000) == (2 * n1 + 6 * n2) * 1000
+    # mu_bwd above mu_rec: every recurrence carries gradients (N1 = 0), never a negative N1
+    q = small("parcae", depth=5, mu_rec=2, mu_bwd=4)
+    assert flops.parcae_train_flops(q, 1000) == 6 * (rest + 2 * attn + (core + 2 * attn) * 2) * 1000
 
 
 def _rel_ok(fit, true, tol=0.02):

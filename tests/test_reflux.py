@@ -270,6 +270,7 @@ def test_router_parameters_and_blocks():
     assert r.edges == [(1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]
     assert sum(p.numel() for p in r.parameters()) == 64 * 8 + 8 * E + 2 * E == 572
     torch.testing.assert_close(r.alphas(), torch.full((E,), 0.2, dtype=torch.float64))
+    assert torch.equal(torch.sigmoid(r.c), torch.full((E,), 0.5, dtype=torch.float64))  # c = 0: soft gates 1/2
     r.train()  # soft gates
     zm = torch.randn(2, 7, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     g = r.row_gates({}, zm, 0)
@@ -340,6 +341,8 @@ def test_reflux_macs():
     assert flops.reflux_forward_macs(c, T, "base")["total"] == base["total"]
     m = flops.reflux_forward_macs(c, T, "stream", edges=3, targets=2, router=(64, 28, 16))
     assert m["router"] == 8 * (64 * 64 + 64 * 28) + T * d and m["write"] == T * d * (9 + 8)
+    m = flops.reflux_forward_macs(c, 130, "stream", router=(64, 28, 16))  # a last, partial block of 2 tokens
+    assert m["router"] == 9 * (64 * 64 + 64 * 28) + 130 * d
     assert 1.0 < m["ratio"] < 1.05
     with pytest.raises(UsageError, match="schedule 'loop'"):
         flops.reflux_forward_macs(c, T, "loop")

@@ -468,6 +468,8 @@ def test_endoftext_in_a_prompt_is_the_end_of_text_token():
     tok = sample.CheckpointTokenizer({"tokenizer": "char", "itos": itos}, "x")
     assert tok.encode(f"a{EOT_SYMBOL}b{EOT_SYMBOL}") == [1, 3, 2, 3] and tok.encode(EOT_SYMBOL) == [3]
     assert tok.decode(tok.encode(f"ab{EOT_SYMBOL}a")) == f"ab{EOT_SYMBOL}a"
+    with pytest.raises(sample.UsageError, match="not in the checkpoint's vocabulary"):
+        tok.encode("a\ufffd")  # the unknown id's symbol is no character of the vocabulary
     math = sample.CheckpointTokenizer({"tokenizer": "char", "itos": ["\n", "1", "<", "\ufffd"]}, "x")
     with pytest.raises(sample.UsageError, match="not in the checkpoint's vocabulary"):
         math.encode(EOT_SYMBOL)

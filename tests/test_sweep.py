@@ -81,6 +81,15 @@ def test_grid_report_tables_and_claims(tmp_path):
     assert c("TANGO has the lowest dev NLL at K = 16") == "1 of 1"
 
 
+def test_a_tie_is_not_lower(tmp_path):
+    """Loop Transformer++ at K = 4 with TANGO's exact test NLL at every seed (the same mean and
+    noise): TANGO is not lower there, neither in the mean nor with the same seed."""
+    fake_grid(str(tmp_path), {**TEST, ("loop", 4): TEST["tango", 4]}, DEV)
+    text = sweep_report.grid_report(str(tmp_path))
+    assert claims_line(text, "TANGO has the lowest mean test NLL") == "0 of 2"
+    assert claims_line(text, "TANGO is lower than every other model with the same seed") == "0 of 6"
+
+
 def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
     test = {key: v for key, v in TEST.items() if key[1] != 16}
     fake_grid(str(tmp_path), test, seeds=(1, 2), em=True, curves=False)

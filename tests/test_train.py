@@ -117,6 +117,9 @@ def test_lr_schedule_edges():
     for decay in (5, 10):
         assert train.lr_at(10, Sched(warm=10, total=20, decay=decay)) == pytest.approx(1e-4)
     assert [train.lr_at(i, Sched(warm=10, total=20, decay=11)) for i in (10, 11, 15)] == pytest.approx([1e-3, 1e-4, 1e-4])
+    # literal values: warmup (it + 1) / (warm + 1) of the peak, then the cosine from the peak
+    assert [train.lr_at(i, Sched(warm=3, total=7)) for i in range(8)] == pytest.approx(
+        [0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 0.775e-3, 0.325e-3, 0.1e-3, 0.1e-3])  # cos 0, pi/3, 2pi/3, pi
 
 
 def test_sample_starts_is_data_train_batch(data_root):
@@ -284,6 +287,7 @@ def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_pa
     assert snapshot(out)["ckpt_best.pt"] == before
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best_iter"] == best["iter"] and summary["dev_nll"] == 0.01
+    assert best["iter"] < 9 and summary["tokens"] == best["iter"] * 2 * 2 * 32  # the best's tokens, not the last's
     assert [r["iter"] for r in records(out, "train")] == list(range(1, 10))
     assert load(out / "ckpt_latest.pt")["best_dev"] == 0.01
 
