@@ -460,6 +460,18 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
 
 RECURRENT_MODELS = models.model_flags()["n_prelude"]  # prelude -> core -> coda: the models that read --n_prelude
 
+# The models whose training step is not one forward plus a backward of twice its matmuls: for them
+# train_flops (6 x forward MACs per token, the MFU's model FLOPs) is a nominal cost, not the work a
+# step runs (tests/test_flops.py counts a step with torch.utils.flop_counter), so their MFU is not
+# comparable with the other models'.
+TRAIN_FLOPS_NOMINAL = {
+    **dict.fromkeys(RECURRENT_MODELS, "a training step runs a random number of recurrences (the batch's "
+                                      "largest Poisson draw), with truncated backprop"),
+    "ponder": "training draws N in {2, 3} Jacobi refinements (--jacobi_random), the formula counts --jacobi",
+    **dict.fromkeys(("lrt", "lrt-think"), "the init pass's work that only its discarded output depends "
+                                          "on gets no backward"),
+}
+
 
 def recurrent_forward_macs(cfg: ModelConfig, T: int) -> dict:
     """Forward MACs (the convention above) of Parcae / RDM at cfg.depth recurrences (same keys as forward_macs)."""

@@ -582,11 +582,11 @@ def throughput_report(root):
     for m in models:
         out.append(f"| {m} | " + " | ".join(cell(by_depth[k].get(m), key, fmt) for _, key, fmt in cols for k in ks)
                    + " |")
-    from flops import RECURRENT_MODELS
-    drawn = [m for m in models if m in RECURRENT_MODELS]
-    if drawn:  # (tools.bench's MFU definition)
-        out += ["", f"{', '.join(drawn)}: MFU counted at K recurrences, but a training step runs a random number "
-                    "of them with truncated backprop; not comparable with the other rows."]
+    from flops import TRAIN_FLOPS_NOMINAL  # (tools.bench's MFU definition)
+    nominal = [m for m in models if m in TRAIN_FLOPS_NOMINAL]
+    if nominal:
+        out += [""] + [f"{m}: MFU from the forward formula, but {TRAIN_FLOPS_NOMINAL[m]}; not comparable with the "
+                       "other rows." for m in nominal]
     return "\n".join(out) + "\n"
 
 
