@@ -321,8 +321,8 @@ def budget_report(root):
 def paired_differences(rows, datasets):
     """Per dataset: each model's test NLL minus TANGO's at the same seed (mean ± std over the seeds
     both have, n = how many; negative = lower than TANGO) at every held-out depth, and each model's
-    training throughput (tokens/s, median of the last 100 updates, mean over seeds). [] without
-    TANGO runs."""
+    training throughput (tokens/s, median of the last 100 updates, mean over seeds, as the runs
+    measured it). [] without TANGO runs."""
     out = []
     for ds in datasets:
         models = _order({k[1] for k in rows if k[0] == ds})
@@ -332,7 +332,8 @@ def paired_differences(rows, datasets):
         out += ["", f"**{ds}**: paired-seed differences, test NLL of each model minus TANGO's at the same seed "
                     f"({unit_of([r for k, v in rows.items() if k[0] == ds for r in v])}, mean ± sample std over seeds, "
                     "n seeds; negative: lower than TANGO), and training "
-                    "throughput (tokens/s, median of the last 100 updates, mean over seeds).\n",
+                    "throughput (tokens/s, median of the last 100 updates, mean over seeds; as each run measured "
+                    "it, so runs that shared the machine with other work read low: tools.bench times models alone).\n",
                 "| model | " + " | ".join(f"test NLL − TANGO K={k}" for k in depths)
                 + " | " + " | ".join(f"tokens/s K={k}" for k in depths) + " |",
                 "|---|" + "---|" * (2 * len(depths))]
