@@ -866,6 +866,20 @@ def test_a_module_of_another_command_names_that_command(module, command, monkeyp
     assert err.startswith(f"error: {module} has no command line of its own; use {command}") and err.count("\n") == 1
 
 
+RESULTS_SCRIPTS = sorted(os.path.relpath(os.path.join(d, f), REPO) for d, _, fs in os.walk(os.path.join(REPO, "results"))
+                         for f in fs if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", RESULTS_SCRIPTS)
+def test_a_results_script_answers_help_without_running(script):
+    """python results/.../x.py --help prints its usage and exits 0 at once (not its benchmark or
+    its tables); an unknown flag exits 2."""
+    run = lambda *a: subprocess.run([sys.executable, script, *a], capture_output=True, text=True, cwd=REPO, timeout=60)
+    p = run("--help")
+    assert p.returncode == 0 and ("usage" in p.stdout or f"python {script}" in p.stdout), p.stdout + p.stderr
+    assert run("--no_such_flag").returncode == 2
+
+
 @pytest.fixture
 def text_file(tmp_path):
     (tmp_path / "text.txt").write_text("".join(f"line {i}: some text to tokenize\n" for i in range(400)))

@@ -2,6 +2,9 @@
 solved for untied K = 4), GPT-2 vocabulary, prompt 64, 32 timed tokens after 4 untimed, one thread.
 python results/lrt/decode_bench.py  (bench_decode.decode_row; prints markdown rows)"""
 import json, os, sys, torch
+if sys.argv[1:]:  # no flags: --help prints this docstring, anything else is refused
+    print(__doc__)
+    sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 torch.set_num_threads(1)
 from tools import bench
