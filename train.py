@@ -360,6 +360,10 @@ def open_outputs(r, resumed, changed):
             log.say(f"note: the learning-rate schedule ends at update {args.lr_decay_iters} (--lr_decay_iters); "
                     f"the updates after it, to --max_iters {args.max_iters}, run at its floor "
                     f"({args.min_lr_ratio} x --learning_rate); give --lr_decay_iters to lengthen it")
+    if args.warmup_iters >= args.max_iters:  # a short test run with the tier's warmup: say what it trains at
+        log.say(f"note: --warmup_iters {args.warmup_iters} >= --max_iters {args.max_iters}: the run ends inside the "
+                f"warmup, its last update at {lr_at(args.max_iters - 1, args) / args.learning_rate:.2f} x "
+                "--learning_rate (no decay)")
     log.emit(event="start", args=vars(args), config=r.cfg.to_dict(), non_embedding_params=n_params,
              unigram_dev=data_mod.unigram_entropy(r.data, "dev"), resumed_at=r.it, world_size=r.dist.world,
              resume_overrides=changed)

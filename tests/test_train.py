@@ -122,6 +122,16 @@ def test_lr_schedule_edges():
         [0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 0.775e-3, 0.325e-3, 0.1e-3, 0.1e-3])  # cos 0, pi/3, 2pi/3, pi
 
 
+def test_a_run_inside_its_warmup_says_so(mdm, data_root, tmp_path):
+    """--warmup_iters >= --max_iters: one note with the last update's fraction of the peak (3 of 5 + 1
+    warmup steps: 0.50), none otherwise."""
+    out = main_in_process(flags(mdm, data_root, tmp_path / "a", "--max_iters", "3", "--warmup_iters", "5"))
+    assert "note: --warmup_iters 5 >= --max_iters 3: the run ends inside the warmup, its last update at 0.50 x " \
+           "--learning_rate (no decay)" in out.splitlines()
+    out = main_in_process(flags(mdm, data_root, tmp_path / "b", "--max_iters", "3", "--warmup_iters", "2"))
+    assert "note:" not in out
+
+
 def test_sample_starts_is_data_train_batch(data_root):
     d = data_mod.Data(str(next(data_root.iterdir())))
     a, b = np.random.default_rng(5), np.random.default_rng(5)
