@@ -460,10 +460,7 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
 
 RECURRENT_MODELS = models.model_flags()["n_prelude"]  # prelude -> core -> coda: the models that read --n_prelude
 
-# The models whose training step is not one forward plus a backward of twice its matmuls: for them
-# train_flops (6 x forward MACs per token, the MFU's model FLOPs) is a nominal cost, not the work a
-# step runs (tests/test_flops.py counts a step with torch.utils.flop_counter), so their MFU is not
-# comparable with the other models'.
+# models whose step is not 3x the forward (tests/test_flops.py counts it), so train_flops and MFU are nominal
 TRAIN_FLOPS_NOMINAL = {
     **dict.fromkeys(RECURRENT_MODELS, "a training step runs a random number of recurrences (the batch's "
                                       "largest Poisson draw), with truncated backprop"),

@@ -505,10 +505,11 @@ def sample_starts(rng, n_tokens, batch_size, block_size):
 
 
 def step_seed(seed, update, micro_batch):
-    """The seed of the random draws (Parcae/RDM recurrence depths and initial states) of one
-    micro-batch: a function of the run's --seed, the update (0-based) and the micro-batch's global
-    index in the update only, so any world size or resume point draws the same. Another split of the
-    update (--batch_size x --gradient_accumulation_steps) makes other micro-batches, so other draws."""
+    """The seed of the random draws of one micro-batch (Parcae's and RDM's recurrence depths and
+    initial states, PonderLM-2's N): a function of the run's --seed, the update (0-based) and the
+    micro-batch's global index in the update only, so any world size or resume point draws the same.
+    Another split of the update (--batch_size x --gradient_accumulation_steps) makes other
+    micro-batches, so other draws."""
     return int(np.random.SeedSequence([seed, update, micro_batch]).generate_state(1, np.uint64)[0] >> 1)
 
 

@@ -166,6 +166,19 @@ def test_throughput_report_columns(tmp_path):
         sweep_report.throughput_report(str(tmp_path / "nothing"))
 
 
+def test_throughput_report_flags_every_model_whose_mfu_is_nominal(tmp_path):
+    """A row of each model in flops.TRAIN_FLOPS_NOMINAL gets one line with its reason; the others none."""
+    import flops
+    nominal = sorted(flops.TRAIN_FLOPS_NOMINAL)
+    assert {"parcae", "rdm", "ponder", "lrt", "lrt-think"} <= set(nominal)
+    rows = [{"model": m, "depth": 4, "tokens_per_s": 1.0, "peak_mem_mb": 1.0, "mfu_vs_ref": 1.0}
+            for m in ["loop", "tango", *nominal]]
+    (tmp_path / "bench_K4.json").write_text(json.dumps({"rows": rows}))
+    notes = [ln for ln in sweep_report.throughput_report(str(tmp_path)).splitlines() if "not comparable" in ln]
+    assert sorted(notes) == sorted(f"{m}: MFU from the forward formula, but {flops.TRAIN_FLOPS_NOMINAL[m]}; not "
+                                   "comparable with the other rows." for m in nominal)
+
+
 def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
     """The throughput table is `report --throughput` over the two bench JSONs; they measured the grid's shapes, with the models
     at the width the grid's runs trained (same non-embedding parameters)."""

@@ -201,8 +201,7 @@ def test_the_summed_nll_is_the_mean_times_the_scored_targets(name):
 
 # ----------------------------------------------------------------------------- initial values
 
-# the constants MATH.md and the model files give, per parameter name (the models' hand-computation
-# tests read these from the model, so only this test pins them)
+# documented initial constants per model (the hand-computation tests read them from the model)
 def _abar(body):
     return torch.exp(-F.softplus(body.dt_bias) * torch.exp(body.A_log))  # Abar = exp(Delta A), A = -exp(A_log)
 

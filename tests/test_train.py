@@ -128,6 +128,9 @@ def test_a_run_inside_its_warmup_says_so(mdm, data_root, tmp_path):
     out = main_in_process(flags(mdm, data_root, tmp_path / "a", "--max_iters", "3", "--warmup_iters", "5"))
     assert "note: --warmup_iters 5 >= --max_iters 3: the run ends inside the warmup, its last update at 0.50 x " \
            "--learning_rate (no decay)" in out.splitlines()
+    out = main_in_process(flags(mdm, data_root, tmp_path / "c", "--max_iters", "3", "--warmup_iters", "3"))
+    assert "note: --warmup_iters 3 >= --max_iters 3: the run ends inside the warmup, its last update at 0.75 x " \
+           "--learning_rate (no decay)" in out.splitlines()
     out = main_in_process(flags(mdm, data_root, tmp_path / "b", "--max_iters", "3", "--warmup_iters", "2"))
     assert "note:" not in out
 
