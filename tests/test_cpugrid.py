@@ -194,3 +194,24 @@ def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
                 (k, 256, 8, 416, 64, 2, "ok")
             for s in runs.get(("stdlib", r["model"], k), []):
                 assert (s["width"], s["non_embedding_params"]) == (r["width"], r["non_embedding_params"])
+
+
+def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_settings(monkeypatch):
+    """results/cpugrid_1200: its budget table is `report --budget` over its committed runs, byte for
+    byte, and each run was trained with the grid's settings but --max_iters 1200."""
+    monkeypatch.chdir(HERE)
+    root = "results/cpugrid_1200"
+    with open(os.path.join(root, "README.md")) as f:
+        doc = f.read()
+    assert block(doc, sweep_report.report_markers(root, "budget")) == sweep_report.budget_report(root)
+    rows = sweep_report.load_runs(root)
+    assert sorted(rows) == [("stdlib", "loop", 16), ("stdlib", "parcae", 8)]
+    for (ds, m, k), (s,) in rows.items():
+        with open(os.path.join(s["_dir"], "args.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(ROOT, ds, f"{m}-K{k}-s1", "args.json")) as f:
+            grid = json.load(f)
+        keys = set(saved) - set(MACHINE_FLAGS) - {"max_iters", "lr_decay_iters"}  # the schedule's length
+        assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
+        assert (saved["max_iters"], saved["lr_decay_iters"], grid["max_iters"], grid["lr_decay_iters"]) == \
+            (1200, 1200, 600, 600) and s["tokens"] == 1200 * 8 * 256
