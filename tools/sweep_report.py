@@ -71,6 +71,11 @@ def mean_std(xs):
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def mean_text(fmt, mu, sd, n, of):
+    """A table cell: mu (and "± sd" over n > 1 values) printed with fmt, "(n=N)" when n < of runs."""
+    return fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + (f" (n={n})" if n < of else "")
+
+
 # a run's settings, compared within a grid cell: these summary.json fields, the curves' tokens per
 # update, and (when the run folder has its log) every train.py flag but the seeds, machine flags and
 # the model flags its model does not read
@@ -148,8 +153,7 @@ def report(root):
                     continue
                 fmt = "{:.0f}" if m.startswith("tok") else "{:.2%}" if m.startswith("exact") else "{:.3f}"
                 same_depth = [stats[j][m][0] for j in keys if j[2] == k[2] and stats[j][m][0] is not None]
-                n = len(values[k][m])
-                txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + (f" (n={n})" if n < len(rows[k]) else "")
+                txt = mean_text(fmt, mu, sd, len(values[k][m]), len(rows[k]))
                 cells.append(f"**{txt}**" if lower is not None and is_best(mu, same_depth, fmt, lower) else txt)
             out.append(f"| {k[1]} | {k[2]} | {len(rows[k])} | {rows[k][0]['non_embedding_params']:,} | "
                        + " | ".join(cells) + " |")
@@ -259,8 +263,7 @@ def _table(rows, ds, models, cols):
                 cells.append(fmt.format(mu))
                 continue
             col = [stats[j, i][0] for j in models if stats[j, i][0] is not None]
-            n = len(_values(rows, (ds, m, k), metric))
-            txt = fmt.format(mu) + (" ± " + fmt.format(sd) if n > 1 else "") + ("" if n == seeds else f" (n={n})")
+            txt = mean_text(fmt, mu, sd, len(_values(rows, (ds, m, k), metric)), seeds)
             cells.append(f"**{txt}**" if is_best(mu, col, fmt, not metric.startswith("exact")) else txt)
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
