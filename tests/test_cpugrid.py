@@ -19,10 +19,11 @@ from test_chargrid import pinned, sweep_options
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/cpugrid"
+LR_ROOT = "results/cpugrid_lr"  # the same grid at peak learning rate 1e-3
 
 
-def readme():
-    with open(os.path.join(HERE, ROOT, "README.md")) as f:
+def readme(root=ROOT):
+    with open(os.path.join(HERE, root, "README.md")) as f:
         return f.read()
 
 
@@ -32,9 +33,9 @@ def block(doc, markers):
     return doc[i:doc.index(end, i)]
 
 
-def sweep_commands():
-    """The `python -m tools.sweep ...` lines of the README's commands block, as argv lists."""
-    doc = readme()
+def sweep_commands(root=ROOT):
+    """The `python -m tools.sweep ...` lines of root's README's commands block, as argv lists."""
+    doc = readme(root)
     start = doc.index("```\n", doc.index("<!-- cpugrid commands -->\n")) + 4
     cmds = []
     for line in doc[start:doc.index("```", start)].splitlines():
@@ -54,26 +55,29 @@ def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
 
 
-def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(monkeypatch):
+@pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3)])
+def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, monkeypatch):
     """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
     run` command resolves to at today's code (machine flags aside), so the printed commands
     continue the grid with the same settings."""
     monkeypatch.chdir(HERE)
-    runs = [c for c in sweep_commands() if c[0] == "run"]
-    assert len(runs) == 4
+    runs = [c for c in sweep_commands(root) if c[0] == "run"]
+    assert len(runs) == n_commands
     grids = [(sweep_options(argv), argv[argv.index("--") + 1:]) for argv in runs]
-    rows = sweep_report.load_runs(ROOT)
+    rows = sweep_report.load_runs(root)
+    assert rows
     for (ds, m, k), summaries in rows.items():
         for s in summaries:
             own, extra = next((o, e) for o, e in grids if m in o["--models"].split(",") and
                               str(k) in o["--depths"].split(",") and s["seed"] <= int(o["--seeds"]))
-            argv = sweep.train_argv("runs/cpugrid", ds, m, k, s["seed"], None, extra)
+            argv = sweep.train_argv("runs/grid", ds, m, k, s["seed"], None, extra)
             requested = vars(train.resolve_args(train.parse_args(argv + ["--device", "cpu"])))  # as they ran
             with open(os.path.join(s["_dir"], "args.json")) as f:
                 saved = json.load(f)
             keys = set(saved) - set(MACHINE_FLAGS) - unread_model_flags(m)
             assert {k_: saved[k_] for k_ in keys} == {k_: requested[k_] for k_ in keys}, s["_dir"]
             assert saved["max_iters"] == 600 and saved["block_size"] == 256 and saved["tokenizer"] == "char"
+            assert saved["learning_rate"] == lr
 
 
 def test_budget_report_arithmetic(tmp_path):
@@ -215,3 +219,25 @@ def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_setting
         assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
         assert (saved["max_iters"], saved["lr_decay_iters"], grid["max_iters"], grid["lr_decay_iters"]) == \
             (1200, 1200, 600, 600) and s["tokens"] == 1200 * 8 * 256
+
+
+def test_learning_rate_grid_blocks_are_its_summaries_and_the_grids_settings_at_1e_3(monkeypatch):
+    """results/cpugrid_lr: its budget and runs tables are `report --budget` and `report` over its
+    committed runs, byte for byte, and each run was trained with the settings of the grid's run of the same model, K and seed
+    but peak learning rate 1e-3 (the schedule's floor, min_lr_ratio x peak, follows it)."""
+    monkeypatch.chdir(HERE)
+    doc = readme(LR_ROOT)
+    assert block(doc, sweep_report.report_markers(LR_ROOT, "budget")) == sweep_report.budget_report(LR_ROOT)
+    assert block(doc, sweep_report.report_markers(LR_ROOT, "runs")) == sweep_report.report(LR_ROOT)
+    rows = sweep_report.load_runs(LR_ROOT)
+    assert ("stdlib", "loop", 16) in rows
+    for (ds, m, k), summaries in rows.items():
+        for s in summaries:
+            with open(os.path.join(s["_dir"], "args.json")) as f:
+                saved = json.load(f)
+            with open(os.path.join(ROOT, ds, f"{m}-K{k}-s{s['seed']}", "args.json")) as f:
+                grid = json.load(f)
+            keys = set(saved) - set(MACHINE_FLAGS) - {"learning_rate"}
+            assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
+            assert (saved["learning_rate"], grid["learning_rate"]) == (1e-3, 2e-3)
+            assert s["tokens"] == s["best_iter"] * 8 * 256 and s["seed"] == saved["seed"] == saved["data_seed"]
