@@ -223,8 +223,8 @@ def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_setting
 
 def test_learning_rate_grid_blocks_are_its_summaries_and_the_grids_settings_at_1e_3(monkeypatch):
     """results/cpugrid_lr: its budget and runs tables are `report --budget` and `report` over its
-    committed runs, byte for byte, and each run was trained with the settings of the grid's run of the same model, K and seed
-    but peak learning rate 1e-3 (the schedule's floor, min_lr_ratio x peak, follows it)."""
+    committed runs, byte for byte, and each run was trained with the settings of the grid's run of
+    the same model, K and seed but peak learning rate 1e-3 (the floor, min_lr_ratio x peak, follows)."""
     monkeypatch.chdir(HERE)
     doc = readme(LR_ROOT)
     assert block(doc, sweep_report.report_markers(LR_ROOT, "budget")) == sweep_report.budget_report(LR_ROOT)
