@@ -70,7 +70,7 @@ def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands,
         for s in summaries:
             own, extra = next((o, e) for o, e in grids if m in o["--models"].split(",") and
                               str(k) in o["--depths"].split(",") and s["seed"] <= int(o["--seeds"]))
-            argv = sweep.train_argv("runs/grid", ds, m, k, s["seed"], None, extra)
+            argv = sweep.train_argv("runs/" + os.path.basename(root), ds, m, k, s["seed"], None, extra)
             requested = vars(train.resolve_args(train.parse_args(argv + ["--device", "cpu"])))  # as they ran
             with open(os.path.join(s["_dir"], "args.json")) as f:
                 saved = json.load(f)
@@ -200,6 +200,14 @@ def test_cpugrid_throughput_block_is_the_bench_output(monkeypatch):
                 assert (s["width"], s["non_embedding_params"]) == (r["width"], r["non_embedding_params"])
 
 
+def args_beside_grid(s, ds, m, k):
+    """(a committed run's args.json, the args.json of the grid's run of the same model, K and seed)."""
+    with open(os.path.join(s["_dir"], "args.json")) as f:
+        saved = json.load(f)
+    with open(os.path.join(ROOT, ds, f"{m}-K{k}-s{s['seed']}", "args.json")) as f:
+        return saved, json.load(f)
+
+
 def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_settings(monkeypatch):
     """results/cpugrid_1200: its budget table is `report --budget` over its committed runs, byte for
     byte, and each run was trained with the grid's settings but --max_iters 1200."""
@@ -211,10 +219,8 @@ def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_setting
     rows = sweep_report.load_runs(root)
     assert sorted(rows) == [("stdlib", "loop", 16), ("stdlib", "parcae", 8)]
     for (ds, m, k), (s,) in rows.items():
-        with open(os.path.join(s["_dir"], "args.json")) as f:
-            saved = json.load(f)
-        with open(os.path.join(ROOT, ds, f"{m}-K{k}-s1", "args.json")) as f:
-            grid = json.load(f)
+        assert s["seed"] == 1, s["_dir"]
+        saved, grid = args_beside_grid(s, ds, m, k)
         keys = set(saved) - set(MACHINE_FLAGS) - {"max_iters", "lr_decay_iters"}  # the schedule's length
         assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
         assert (saved["max_iters"], saved["lr_decay_iters"], grid["max_iters"], grid["lr_decay_iters"]) == \
@@ -233,10 +239,7 @@ def test_learning_rate_grid_blocks_are_its_summaries_and_the_grids_settings_at_1
     assert ("stdlib", "loop", 16) in rows
     for (ds, m, k), summaries in rows.items():
         for s in summaries:
-            with open(os.path.join(s["_dir"], "args.json")) as f:
-                saved = json.load(f)
-            with open(os.path.join(ROOT, ds, f"{m}-K{k}-s{s['seed']}", "args.json")) as f:
-                grid = json.load(f)
+            saved, grid = args_beside_grid(s, ds, m, k)
             keys = set(saved) - set(MACHINE_FLAGS) - {"learning_rate"}
             assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
             assert (saved["learning_rate"], grid["learning_rate"]) == (1e-3, 2e-3)
