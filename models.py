@@ -189,6 +189,25 @@ def check_flag_ranges(cfg: ModelConfig):
             raise UsageError(msg)
 
 
+def checkpoint_config(saved, where) -> ModelConfig:
+    """The ModelConfig a checkpoint stores (saved: its "config" entry), held to what train.py's flags
+    allow: its fields known, vocab_size, block_size and width ints >= 1, the model's own checks
+    (build_model on the meta device) and its flag ranges (check_flag_ranges). UsageError
+    "<where>: not a readable model config (...)" otherwise: a damaged or hand-edited file, so the
+    message names the file, not a flag."""
+    try:
+        cfg = ModelConfig.from_dict(saved)
+        for name in ("vocab_size", "block_size", "width"):
+            v = getattr(cfg, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} {v!r}: must be an int >= 1")
+        build_model(cfg, device="meta")
+        check_flag_ranges(cfg)
+    except (TypeError, AttributeError, KeyError, ValueError, UsageError) as e:
+        raise UsageError(f"{where}: not a readable model config ({e})") from None
+    return cfg
+
+
 def count_params(cfg: ModelConfig) -> int:
     """Non-embedding parameter count of cfg, built on the meta device (no memory, no time)."""
     return build_model(cfg, device="meta").num_params()

@@ -23,12 +23,12 @@ import sys
 
 import torch
 
-from common import ModelConfig, UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command
+from common import UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
 from harness.token_files import EOT, EOT_SYMBOL, gpt2_encoder
-from models import build_model
+from models import build_model, checkpoint_config
 
 SEPARATOR = "-" * 15  # between samples, as nanoGPT prints them
 CKPT_FILES = {"best": BEST, "latest": LATEST}
@@ -41,7 +41,8 @@ def build_parser():
     p.add_argument("--ckpt", default="best", choices=list(CKPT_FILES),
                    help="ckpt_best.pt (lowest dev NLL) or ckpt_latest.pt (the last evaluation)")
     p.add_argument("--start", default="", help='the prompt text, or FILE:path to read it from a file; '
-                   '"": a new document (the end-of-text token); <|endoftext|> in it is that token')
+                   '"": a new document (the end-of-text token); <|endoftext|> in it is that token where '
+                   'the vocabulary has that symbol (GPT-2, text datasets; not dmmath)')
     p.add_argument("--num_samples", type=int, default=10, help="samples to draw (one batch)")
     p.add_argument("--max_new_tokens", type=int, default=500, help="tokens sampled after the prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy")
@@ -99,11 +100,12 @@ class CheckpointTokenizer:
 
 
 def read_prompt(start):
-    """--start: the text itself, or the UTF-8 text of the file after FILE:; UsageError if unreadable."""
+    """--start: the text itself, or the UTF-8 text of the file after FILE: as it is (line endings
+    kept: "\r" is a symbol of text vocabularies); UsageError if unreadable."""
     if not start.startswith("FILE:"):
         return start
     try:
-        with open(start[5:], encoding="utf-8") as f:
+        with open(start[5:], encoding="utf-8", newline="") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
@@ -126,11 +128,7 @@ def check_args(args):
 
 def load_model(ck, path, device):
     """The checkpoint's model (models.build_model from its config, its weights) on device, in eval mode."""
-    try:  # a damaged config is the file's fault, not a flag's: say so (the builders name train.py's flags)
-        cfg = ModelConfig.from_dict(ck["config"])
-        model = build_model(cfg, device=device)
-    except (TypeError, AttributeError, KeyError, ValueError, UsageError) as e:
-        raise UsageError(f"{path}: not a readable model config ({e})") from None
+    model = build_model(checkpoint_config(ck["config"], path), device=device)
     load_weights(ck, path, model)
     return model.eval()
 

@@ -48,9 +48,9 @@ import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from harness.checkpoint import (BEST, LATEST, check_compatible, check_resume, check_unfinished, eval_only_args,
-                        load_checkpoint, load_weights, remove_stale, restore, resume_args, save_checkpoints,
-                        strip_prefixes)
+from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, check_resume, check_unfinished,
+                                eval_only_args, load_checkpoint, load_weights, remove_stale, restore, resume_args,
+                                save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command, synchronizer
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
@@ -152,7 +152,7 @@ def build_parser(suppress_defaults=False):
     a("--out_dir", default="out", help="folder of log.jsonl, summary.json and the checkpoints")
     a("--resume", action="store_true", help="continue from <out_dir>/ckpt_latest.pt (default: a fresh run)")
     a("--eval_only", action="store_true", help="no training: evaluate <out_dir>/ckpt_best.pt on dev and test as the "
-      "end of training does (the run's flags from the checkpoint) and print the report; writes nothing to --out_dir")
+      "end of training does (the run's flags from the checkpoints) and print the report; writes nothing to --out_dir")
     a("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N "
       "(under torchrun: cuda:LOCAL_RANK)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -327,9 +327,6 @@ def lr_at(it, args):
         return peak * args.min_lr_ratio
     progress = min(1.0, (it - warm) / max(1, total - 1 - warm))
     return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-EVAL_FLAGS = ("eval_batch_size", "em_samples", "eval_depths")  # the flags --eval_only reads beyond the run's own
 
 
 def overrides(changed):
@@ -553,18 +550,26 @@ def finish(r, rates):
     test_starts = data.eval_windows(data.test_split, args.block_size, args.eval_windows)
     test = evaluate(model, data, data.test_split, test_starts, args.block_size, args.eval_batch_size,
                     args.device, r.ctx, r.dist)
+    dev_nll = lambda: evaluate(model, data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows),
+                               args.block_size, args.eval_batch_size, args.device, r.ctx, r.dist)
+    # a best checkpoint written before a resume with another --dtype recorded its dev NLL in that
+    # dtype: recompute it in this one, so dev and test share the dtype --eval_only uses (the last run's)
+    was = [best["args"].get("dtype") if best is not None and isinstance(best.get("args"), dict) else None]
+    if r.dist.ddp:
+        tdist.broadcast_object_list(was, 0)
+    dev = best["dev_nll"] if best is not None else None
+    if was[0] not in (None, args.dtype):
+        dev = dev_nll()
     curve = None
     if args.depth_list:  # --eval_depths: dev NLL of the best checkpoint at other recurrence counts
-        dev_starts = data.eval_windows("dev", args.block_size, args.eval_windows)
-        curve = depth_sweep(model, args.depth_list, lambda: evaluate(
-            model, data, "dev", dev_starts, args.block_size, args.eval_batch_size, args.device, r.ctx, r.dist))
+        curve = depth_sweep(model, args.depth_list, dev_nll)
         r.log.emit(event="depth_sweep", depths=args.depth_list, dev_nll=curve)
     if not r.dist.main:
         return None
     tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
     summary = {"model": args.model, "depth": args.depth, "size": args.size, "dataset": args.dataset,
                "width": r.cfg.width, "non_embedding_params": model.num_params(), "params": model.num_params(False),
-               "best_iter": best["iter"], "dev_nll": best["dev_nll"], "test_split": data.test_split,
+               "best_iter": best["iter"], "dev_nll": dev, "test_split": data.test_split,
                "tokenizer": data.tokenizer,
                "test_nll": test, **unigram_baselines(data, args),
                "tokens": best["iter"] * tokens_per_update,
@@ -589,9 +594,10 @@ def finish(r, rates):
 def eval_only(args, given):
     """--eval_only: the end of training's evaluation of <out_dir>/ckpt_best.pt without training: dev
     and test NLL (nats/token) by evaluate on the same windows, exact match and --eval_depths as in
-    finish, the run's flags from the checkpoint (explicit ones override, as under --resume). Prints
-    the report (dev NLL recomputed, not read from the checkpoint); writes nothing to --out_dir.
-    One process (not under torchrun). Returns the summary; UsageError on bad input."""
+    finish, the run's flags from the checkpoints (eval_only_args; explicit ones override, as under
+    --resume), so it prints the dev and test NLL the run printed. Prints the report (dev NLL
+    recomputed, not read from the checkpoint); writes nothing to --out_dir. One process (not under
+    torchrun). Returns the summary; UsageError on bad input."""
     t_start, dist = time.time(), Dist()
     if args.resume:
         raise UsageError("--eval_only: evaluates the run's best checkpoint without training; drop --resume")
@@ -602,7 +608,8 @@ def eval_only(args, given):
     data = load_data(args, dist)
     cfg, _ = model_config(args, data.vocab_size)
     path = os.path.join(args.out_dir, BEST)
-    check_compatible(best, path, cfg, data)
+    check_compatible(best, path, cfg, data, fix="its model config and its flags disagree (a damaged checkpoint, or one "
+                     "another version of train.py wrote)")
     model = build_model(cfg, device=args.device)
     load_weights(best, path, model)
     if args.compile:  # the training run's evaluations ran compiled

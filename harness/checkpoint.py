@@ -22,7 +22,7 @@ import random
 import torch
 
 import data as data_mod
-from common import UsageError
+from common import ModelConfig, UsageError
 from harness.datacheck import data_signature, same_data
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
@@ -43,6 +43,9 @@ IDENTITY_FLAGS += ("lrt_src", "lrt_tgt", "lrt_kv", "lrt_subsets", "lrt_detach_in
 DATA_FLAGS = ("dataset", "tokenizer", "max_tokens", "hf_split", "hf_text_field", "hf_split_key", "hf_data_files")
 IDENTITY_FLAGS += DATA_FLAGS
 MACHINE_FLAGS = ("out_dir", "data_root", "num_proc", "resume", "eval_only", "quiet", "device", "compile")
+# the flags of the end-of-training evaluation that a resumed run may change: --eval_only reads them
+# from the last run (ckpt_latest.pt), whose report it repeats, and lets explicit ones override
+EVAL_FLAGS = ("dtype", "eval_batch_size", "em_samples", "eval_depths")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -172,8 +175,9 @@ def load_checkpoint(path, keys=("model", "config"), flag="--resume"):
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file
-        raise UsageError(f"{path}: not a readable checkpoint ({type(e).__name__}); "
-                         "it may be truncated or corrupted") from None
+        why = ("it holds objects that torch.load(weights_only=True) refuses (not written by train.py)"
+               if "Weights only load failed" in str(e) else "it may be truncated or corrupted")
+        raise UsageError(f"{path}: not a readable checkpoint ({type(e).__name__}); {why}") from None
     if not isinstance(ck, dict) or any(k not in ck for k in keys):
         have = sorted(ck) if isinstance(ck, dict) else type(ck).__name__
         raise UsageError(f"{path}: not a training checkpoint of this train.py (needs {', '.join(keys)}; has {have})")
@@ -209,13 +213,28 @@ def check_sequences_per_update(args, saved):
 
 def eval_only_args(args, given):
     """--eval_only: load <out_dir>/ckpt_best.pt and fill args from the flags it was trained with, as
-    --resume does (explicit flags override, IDENTITY_FLAGS must agree). Returns (checkpoint, the
-    explicit overrides); UsageError for a bad file or a conflicting identity flag."""
-    path = os.path.join(args.out_dir, BEST)
+    --resume does (explicit flags override, IDENTITY_FLAGS must agree), the EVAL_FLAGS from
+    ckpt_latest.pt where it exists: the last run's, which its report used (a resumed run may change
+    them after the best checkpoint was written). Returns (the best checkpoint, the explicit
+    overrides); UsageError for a bad file, a latest checkpoint of another model or a conflicting
+    identity flag."""
+    path, latest = os.path.join(args.out_dir, BEST), os.path.join(args.out_dir, LATEST)
     ckpt = load_checkpoint(path, keys=("format", "model", "config", "data", "iter", "dev_nll", "args"),
                            flag="--eval_only")
-    return ckpt, merge_resume_args(args, given, saved_args(ckpt, path), path=path, action="evaluate it",
-                                   config=ckpt["config"])
+    saved = saved_args(ckpt, path)
+    if os.path.exists(latest):
+        last = load_checkpoint(latest, keys=("config", "args"), flag="--eval_only")
+        if _live(last["config"]) != _live(ckpt["config"]):
+            raise UsageError(f"{latest}: another model than {path}; --eval_only reads the run's "
+                             "evaluation flags from it (move it away to use the best checkpoint's)")
+        saved.update({k: v for k, v in saved_args(last, latest).items() if k in EVAL_FLAGS})
+    changed = merge_resume_args(args, given, saved, path=path, action="evaluate it", config=ckpt["config"])
+    return ckpt, changed
+
+
+def _live(config):
+    """A saved model config without ModelConfig.DEAD_FIELDS (written by an older train.py)."""
+    return {k: v for k, v in config.items() if k not in ModelConfig.DEAD_FIELDS} if isinstance(config, dict) else config
 
 
 def saved_args(ckpt, path):
@@ -316,14 +335,14 @@ def check_unfinished(ckpt, args):
                          "to train it further")
 
 
-def check_compatible(ck, path, cfg, data):
+def check_compatible(ck, path, cfg, data, fix="use a fresh --out_dir"):
     """UsageError unless the checkpoint holds this model config and was trained on this data
-    (ModelConfig.DEAD_FIELDS of older checkpoints are ignored)."""
+    (ModelConfig.DEAD_FIELDS of older checkpoints are ignored); fix ends the model message."""
     saved = ck["config"] if isinstance(ck["config"], dict) else {}
     saved = {k: v for k, v in saved.items() if k not in cfg.DEAD_FIELDS}
     if not isinstance(ck["config"], dict) or saved != cfg.to_dict():
         diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
-        raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; use a fresh --out_dir")
+        raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; {fix}")
     if not same_data(ck["data"], data):
         saved = ck["data"] if isinstance(ck["data"], dict) else {}
         raise UsageError(f"{path}: trained on other data ({saved.get('tokenizer')} tokenizer, vocab "

@@ -17,7 +17,7 @@ import inspect
 import torch
 
 from harness.checkpoint import load_checkpoint, load_weights
-from common import LM, ModelConfig, UsageError
+from common import LM, UsageError
 from harness.tasks import CharTokenizer, Tokenizer
 
 
@@ -141,11 +141,8 @@ def load_base(path):
     if path.startswith("hf:"):
         return load_hf_base(path[3:])
     ck = load_checkpoint(path, flag="--base")
-    try:
-        cfg = ModelConfig.from_dict(ck["config"])
-    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the config is unusable
-        raise UsageError(f"--base {path}: not a readable checkpoint ({type(e).__name__})") from None
-    from models import build_model
+    from models import build_model, checkpoint_config
+    cfg = checkpoint_config(ck["config"], f"--base {path}")
     model = build_model(cfg)
     load_weights(ck, f"--base {path}", model)
     info = ck.get("data", {})

@@ -84,7 +84,7 @@ def run(args):
         print(f"  {'ID ' if lv in task.id_levels else 'OOD'} {lv:6s} {task.metric}: {v:.4f}")
     print(f"  ({time.time() - t0:.0f} s)")
     if args.save:
-        torch.save(latent_params(llm), make_parent(args.save))
+        save_atomic(latent_params(llm), make_parent(args.save))
     if args.json:
         with open(make_parent(args.json), "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -114,8 +114,10 @@ def task_rows(cycle, n, tok, rng):
 
 def pretrain(args):
     """Train a small base on the tasks' in-distribution data; write the task mix as text (train.txt:
-    the token stream; meta.json: tokenizer kind and itos) and ckpt_best.pt in train.py's format
-    (its "data" entry also holds itos). Returns the checkpoint's path.
+    the token stream; meta.json: tokenizer kind and itos) and ckpt_best.pt with train.py's model,
+    config and data entries (its "data" entry also holds itos), which --base reads (latent_bases.load_base);
+    not a full train.py checkpoint (no format, args or task-tokenizer support), so sample.py and
+    train.py --eval_only refuse it. Returns the checkpoint's path.
 
     Rows are single samples (beginning token, query, response, ending token where the task has
     one), loss on every token; train.make_optimizer (AdamW, train.py's decay groups), cosine_lr

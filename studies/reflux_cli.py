@@ -23,7 +23,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
-from common import (ModelConfig, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
+from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
                     make_parent, nll_unit, run_command)
 from harness.datacheck import check_data, data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
@@ -37,17 +37,14 @@ def load(path, data_root=None):
     The dataset is found (or prepared) from the checkpoint's data flags; data_root overrides the
     folder it was cached in. UsageError for anything unusable."""
     ck = load_checkpoint(path, keys=("model", "config", "data"), flag="--base")
-    try:
-        cfg = ModelConfig.from_dict(ck["config"])
-    except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the config is unusable
-        raise UsageError(f"--base {path}: not a readable checkpoint config ({type(e).__name__})") from None
+    from models import build_model, checkpoint_config
+    cfg = checkpoint_config(ck["config"], f"--base {path}")
     if cfg.model not in ("untied", "loop"):
         raise UsageError(f"--base {path}: ReFlux needs a Transformer++ checkpoint (untied or loop), not '{cfg.model}'")
     saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
     if "dataset" not in saved:  # e.g. latent_tokens.py pretrain's base: its data would be taken for stdlib
         raise UsageError(f"--base {path}: not a train.py checkpoint (it records no --dataset, so the data it was "
                          "trained on is unknown); ReFlux evaluates a train.py run's ckpt_best.pt")
-    from models import build_model
     base = build_model(cfg)
     load_weights(ck, f"--base {path}", base)
     base.eval()

@@ -214,6 +214,27 @@ def test_resume_and_eval_only_keep_the_checkpoints_dtype(text_data, tmp_path, ca
     assert "; --dtype bfloat16 -> float32" in capsys.readouterr().out
 
 
+def test_eval_only_repeats_a_resumed_runs_report_in_its_dtype(text_data, tmp_path, capsys):
+    """A run resumed with another --dtype after its best checkpoint was written: its report gives
+    dev and test NLL in the resumed run's dtype (the dev NLL recomputed), and --eval_only, which
+    reads the evaluation flags from ckpt_latest.pt, prints the same numbers bit for bit."""
+    text_dir, data_root = text_data
+    out = tmp_path / "out"
+    base = ["--model", "loop", "--depth", "2", "--device", "cpu", "--size", "tiny", "--eval_interval", "2",
+            "--block_size", "32", "--batch_size", "2", "--eval_windows", "2", "--eval_batch_size", "2",
+            "--sample_tokens", "0", "--dataset", str(text_dir), "--data_root", str(data_root),
+            "--out_dir", str(out), "--quiet"]
+    first = train.run(train.parse_args(base + ["--max_iters", "4", "--dtype", "bfloat16"]))
+    argv = ["--resume", "--out_dir", str(out), "--max_iters", "6", "--dtype", "float32", "--learning_rate", "3"]
+    resumed = train.run(train.parse_args(argv), train.given_flags(argv))
+    assert resumed["best_iter"] == 4  # the steps at rate 3 made dev worse: the bfloat16 best stays
+    assert resumed["dev_nll"] != first["dev_nll"]  # recomputed in float32
+    capsys.readouterr()
+    evaluated = train.eval_only(train.parse_args(["--eval_only", "--out_dir", str(out)]), {"eval_only", "out_dir"})
+    assert (evaluated["dev_nll"], evaluated["test_nll"]) == (resumed["dev_nll"], resumed["test_nll"])
+    assert "; cpu float32; --eval_only" in capsys.readouterr().out
+
+
 def test_bfloat16_on_a_gpu_without_it_is_a_usage_error(monkeypatch):
     """--dtype bfloat16 (given, or a resumed checkpoint's) on a GPU without bfloat16: one line
     naming the flag and the way out, before anything runs (simulated CUDA device)."""

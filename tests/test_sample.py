@@ -4,6 +4,7 @@ tier with a 32-token context, one per registered model, on the mini DeepMind Mat
 tests/conftest.py (a 22-symbol character vocabulary), and on a small text folder (char and GPT-2
 tokenizers); train.main and sample.run are called in this process.
 """
+import argparse
 import contextlib
 import io
 import os
@@ -267,11 +268,25 @@ def test_damaged_checkpoint_is_one_line_exit_2(ckpts, tmp_path, capsys):
     assert err == (f"error: {tmp_path / 'ckpt_best.pt'}: not a readable checkpoint (RuntimeError); "
                    "it may be truncated or corrupted\n")
     ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
-    for key, value in (("model", "nope"), ("depth", 0)):  # a damaged config names the file, not a flag
-        torch.save({**ck, "config": {**ck["config"], key: value}}, tmp_path / "ckpt_best.pt")
+    windowed = load_checkpoint(ckpts["tango-windowed"] / "ckpt_best.pt")
+    for base, key, value, why in (  # a damaged config names the file, not a flag
+            (ck, "model", "nope", "--model: unknown model 'nope'"), (ck, "depth", 0, "--depth 0"),
+            (ck, "depth", "2", "'<' not supported"), (ck, "block_size", -1, "block_size -1: must be an int >= 1"),
+            (ck, "width", 0, "width 0: must be an int >= 1"), (windowed, "window", 0, "--window 0")):
+        torch.save({**base, "config": {**base["config"], key: value}}, tmp_path / "ckpt_best.pt")
         code, out, err = call_main(["--out_dir", tmp_path], capsys)
         assert (code, out, err.count("\n")) == (2, "", 1)
-        assert err.startswith(f"error: {tmp_path / 'ckpt_best.pt'}: not a readable model config ("), err
+        assert err.startswith(f"error: {tmp_path / 'ckpt_best.pt'}: not a readable model config ({why}"), err
+    torch.save({**ck, "args": argparse.Namespace(**ck["args"])}, tmp_path / "ckpt_best.pt")  # whole, but refused
+    assert call_main(["--out_dir", tmp_path], capsys) == (2, "", (
+        f"error: {tmp_path / 'ckpt_best.pt'}: not a readable checkpoint (UnpicklingError); it holds objects that "
+        "torch.load(weights_only=True) refuses (not written by train.py)\n"))
+
+
+def test_a_prompt_file_is_read_as_it_is(tmp_path):
+    """--start FILE:path: the file's text with its line endings ("\r" is a symbol of text vocabularies)."""
+    (tmp_path / "p.txt").write_bytes("a\r\nb\rc\n\u00e9".encode())
+    assert sample.read_prompt(f"FILE:{tmp_path / 'p.txt'}") == "a\r\nb\rc\n\u00e9"
 
 
 # ----------------------------------------------------------------------------- train.py --eval_only
@@ -393,10 +408,11 @@ def test_eval_only_width_is_the_solved_width(ckpts, mdm_flags, capsys):
 
 def test_eval_only_names_the_flags_it_does_not_use(ckpts, mdm_flags, capsys):
     code, out, _ = eval_only_call(["--out_dir", ckpts["loop"], "--max_iters", "20", "--learning_rate", "0.1",
-                                   "--eval_depths", "1,2", "--data_root", mdm_flags[-1]], capsys)
+                                   "--eval_depths", "1,2", "--dtype", "bfloat16", "--data_root", mdm_flags[-1]], capsys)
     head = next(line for line in out.splitlines() if line.startswith("evaluating "))
-    assert code == 0 and head.endswith("; --eval_depths (none) -> 1,2; not used without training: --learning_rate, "
-                                       "--max_iters")
+    assert code == 0 and "; cpu bfloat16; " in head  # --dtype is an evaluation flag: used, not "not used"
+    assert head.endswith("; --eval_depths (none) -> 1,2; --dtype float32 -> bfloat16; not used without training: "
+                         "--learning_rate, --max_iters")
 
 
 def test_a_path_dataset_is_found_from_another_folder(text_folder, tmp_path, monkeypatch, capsys):
@@ -429,6 +445,25 @@ def test_nan_weights_are_a_damaged_file_for_sample_and_eval_only(ckpts, tmp_path
     assert call_main(["--out_dir", tmp_path], capsys) == (2, "", message)
     code, out, err = eval_only_call(["--out_dir", tmp_path], capsys)
     assert (code, err) == (2, message)
+
+
+def test_eval_only_damaged_folders(ckpts, mdm_flags, tmp_path, capsys):
+    """A best checkpoint whose config disagrees with its own flags is damaged (not "use a fresh
+    --out_dir": nothing is trained); a latest checkpoint of another model than the best is named."""
+    ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
+    width = ck["config"]["width"]
+    torch.save({**ck, "config": {**ck["config"], "width": width + 8}}, tmp_path / "ckpt_best.pt")
+    code, out, err = eval_only_call(["--out_dir", tmp_path, "--data_root", mdm_flags[-1]], capsys)
+    assert (code, out) == (2, "")
+    assert err == (f"error: {tmp_path / 'ckpt_best.pt'}: another model: width {width + 8} (now {width}); its model "
+                   "config and its flags disagree (a damaged checkpoint, or one another version of train.py wrote)\n")
+    torch.save(ck, tmp_path / "ckpt_best.pt")
+    torch.save(load_checkpoint(ckpts["tango"] / "ckpt_latest.pt"), tmp_path / "ckpt_latest.pt")
+    code, out, err = eval_only_call(["--out_dir", tmp_path, "--data_root", mdm_flags[-1]], capsys)
+    assert (code, out) == (2, "")
+    assert err == (f"error: {tmp_path / 'ckpt_latest.pt'}: another model than {tmp_path / 'ckpt_best.pt'}; "
+                   "--eval_only reads the run's evaluation flags from it (move it away to use the best "
+                   "checkpoint's)\n")
 
 
 def test_a_given_auto_is_the_checkpoints_choice(tmp_path):
