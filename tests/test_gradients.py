@@ -86,8 +86,8 @@ def test_every_parameter_gets_a_gradient_at_every_setting(name):
     assert not missing, missing
 
 
-def test_the_cases_of_the_fault_have_no_idle_parameters():
-    """The issue's LoopFold (depth 4, f = 1) and PLT at N = 1: the parameters nothing uses are not
+def test_single_loop_stages_have_no_idle_parameters():
+    """LoopFold with one loop per stage (depth 4, f = 1) and PLT at N = 1: the parameters nothing uses are not
     created, so the model is the loop stack (LoopFold) / plain blocks (PLT) with the same names."""
     cfg = ModelConfig(model="loopfold", **{**BASE, "depth": 4, "fold": 1})
     names = {n for n, _ in build_model(cfg).named_parameters()}

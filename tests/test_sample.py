@@ -203,7 +203,7 @@ def test_gpt2_checkpoint_samples_start_with_the_prompt(gpt2_bpe, text_folder, tm
 
 
 def test_the_nanogpt_command_line_in_a_real_process(ckpts):
-    """The issue's command, verbatim but for the prompt (the mini dataset has no 'f')."""
+    """nanoGPT's sample command line, verbatim but for the prompt (the mini dataset has no 'f')."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--out_dir", str(ckpts["tango"]),
                         "--start", "What ", "--num_samples", "3", "--max_new_tokens", "200", "--temperature", "0.8",

@@ -316,7 +316,7 @@ def main(argv=None):
                    help="comma-separated train.py --dataset values (default: %(default)s)")
     r.add_argument("--lrs", default="", help="comma-separated peak learning rates (a learning-rate sweep)")
     r.add_argument("--jobs", type=int, default=1, help="train.py processes at once (threads split between them)")
-    c = sub.add_parser("collect", help="copy each run's summary and curves into a folder small enough to commit")
+    c = sub.add_parser("collect", help="copy each run's summary, curves and flags into a folder small enough to commit")
     c.add_argument("--root", required=True, help="the runs' folder (of sweep.py run)")
     c.add_argument("--to", required=True, help="destination folder")
     g = sub.add_parser("plot", help="loss-curve PNGs (needs matplotlib)")
