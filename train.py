@@ -341,6 +341,8 @@ def open_outputs(r, resumed, changed):
         os.makedirs(args.out_dir, exist_ok=True)
         if not resumed:
             remove_stale(args.out_dir)
+        elif os.path.exists(os.path.join(args.out_dir, "summary.json")):  # an extended finished run
+            os.remove(os.path.join(args.out_dir, "summary.json"))  # unfinished until finish writes its own
     r.log = log = Log(args.out_dir, r.dist, resumed_at=r.it if resumed else None, quiet=args.quiet,
                       total=args.max_iters, desc=args.model)
     n_params, err = r.model.num_params(), r.model.num_params() / r.target - 1

@@ -366,11 +366,16 @@ def load_weights(ck, path, model):
 
 
 def restore(ck, path, model, optimizer, rng, device):
-    """Load the training state of a checkpoint (weights, optimizer, RNG states); UsageError if its
-    tensors do not fit or its weights are not finite."""
+    """Load the training state of a checkpoint (weights, optimizer moments, RNG states); the
+    optimizer keeps this run's hyperparameters (--weight_decay given on --resume, the fused kernel
+    of this device), not the checkpoint's. UsageError if its tensors do not fit or its weights are
+    not finite."""
     load_weights(ck, path, model)
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict(ck["optimizer"])  # moves the state to the parameters' device
+        for group, hyper in zip(optimizer.param_groups, mine, strict=True):
+            group.update(hyper)  # load_state_dict brings back the saved groups' settings too
         random.setstate(_tuplify(ck["rng"]["python"]))
         rng.bit_generator.state = ck["rng"]["numpy"]
         torch.set_rng_state(ck["rng"]["torch"])

@@ -305,6 +305,37 @@ def test_resumed_run_never_overwrites_a_better_best(runs, mdm, data_root, tmp_pa
     assert load(out / "ckpt_latest.pt")["best_dev"] == 0.01
 
 
+def test_a_resume_trains_with_its_own_weight_decay(runs, mdm, data_root, tmp_path):
+    """--weight_decay given on --resume is the one the optimizer uses (load_state_dict would bring
+    back the checkpoint's), with the checkpoint's moments; without it, the checkpoint's value."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    saved = load(out / "ckpt_latest.pt")["optimizer"]
+    for extra, decay in (([], 0.1), (["--weight_decay", "0.02"], 0.02)):
+        argv = flags(mdm, data_root, out, "--resume", "--max_iters", "7", *extra)
+        r, _, changed = train.setup(train.parse_args(argv), train.given_flags(argv))
+        assert [g["weight_decay"] for g in r.optimizer.param_groups] == [decay, 0.0]
+        assert changed == ({"max_iters": [6, 7]} | ({"weight_decay": [0.1, 0.02]} if extra else {}))
+        moments = r.optimizer.state_dict()["state"]
+        assert all(torch.equal(moments[i][k], saved["state"][i][k]) for i in saved["state"] for k in saved["state"][i])
+
+
+def test_an_extended_run_is_unfinished_until_it_finishes(runs, mdm, data_root, tmp_path, monkeypatch):
+    """A finished run resumed with a larger --max_iters and stopped before its end has no
+    summary.json (tools.sweep counts a folder with one as done; it held the old best's numbers)."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    assert (out / "summary.json").exists()
+
+    def stop(r):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "train_loop", stop)
+    argv = flags(mdm, data_root, out, "--resume", "--max_iters", "9")
+    with pytest.raises(KeyboardInterrupt):
+        train.run(train.parse_args(argv), train.given_flags(argv))
+    assert not (out / "summary.json").exists() and (out / "ckpt_latest.pt").exists()
+
+
 def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
     """What a CUDA run saves (a CUDA RNG state, device/dtype/compile args, here also old-style
     _orig_mod. names) resumes on a CPU-only machine: machine flags (--device, --compile) are not
