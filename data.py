@@ -46,6 +46,18 @@ def is_path(dataset):
     return dataset not in ("stdlib", "dmmath") and not dataset.startswith("hf:")
 
 
+def check_outside_dataset(dataset, flag, folder):
+    """UsageError when folder (--data_root, --out_dir) is the --dataset folder or inside it: every
+    file under a dataset folder is training text, so a run's logs and prepared bins would become
+    training data (and change the data a checkpoint records)."""
+    if not (is_path(dataset) and os.path.isdir(dataset)):
+        return
+    inside, outer = os.path.realpath(folder), os.path.realpath(dataset)
+    if os.path.commonpath([inside, outer]) == outer:
+        raise UsageError(f"--{flag} {folder}: inside --dataset {dataset}, whose every file is training text; "
+                         f"give a --{flag} outside it")
+
+
 def check_dataset(dataset):
     """UsageError for a --dataset that is none of stdlib, dmmath, hf:NAME[:CONFIG] or a path that
     exists here; cheap (reads nothing), so a command can check its datasets before any work."""
@@ -119,6 +131,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         name = hf_data.folder_name(hf) + suffix + "-" + fp[:8]
         build = lambda tmp: hf_data.build(tmp, hf, **text)
     elif os.path.exists(dataset):
+        check_outside_dataset(dataset, "data_root", out_root)
         path = os.path.realpath(dataset)  # one folder, one prepared copy, however the path is spelled
         if os.path.isdir(path):
             root, rels = path, _walk(path)
@@ -126,7 +139,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
             root, rels = os.path.dirname(path), [os.path.basename(path)]
         if not rels:
             raise UsageError(f"--dataset {dataset}: no files in this folder")
-        name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(path.encode()).hexdigest()[:8] + suffix
+        name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(os.fsencode(path)).hexdigest()[:8] + suffix
         fp = _fingerprint(root, rels, "path", tokenizer, max_tokens)
         build = lambda tmp: text_data._build_text(tmp, text_data._file_docs(root, rels), path, BY_FILE, by_key_only=False, **text)
     else:

@@ -109,6 +109,8 @@ def resolve_args(args, dist=None, reads_out_dir=False):
                          "keeps its checkpoint's dtype unless given); use --dtype float32")
     check_values(args, dist)
     check_paths(args, ("data_root",) if reads_out_dir else ("out_dir", "data_root"))
+    if not reads_out_dir:
+        data_mod.check_outside_dataset(args.dataset, "out_dir", args.out_dir)
     check_model(args)
     return args
 

@@ -28,7 +28,7 @@ def source(data_dir=None):
                          f"{', '.join(REQUIRED)} (+ optional dev), missing {', '.join(missing)}")
     rels = token_files._walk(root, keep=lambda r: r.endswith(".txt") and r.split(os.sep)[0] in REQUIRED + ("dev",))
     default = os.path.samefile(root, DEFAULT) if os.path.isdir(DEFAULT) else False
-    return root, rels, "dmmath" if default else "dmmath-" + hashlib.sha256(root.encode()).hexdigest()[:8]
+    return root, rels, "dmmath" if default else "dmmath-" + hashlib.sha256(os.fsencode(root)).hexdigest()[:8]
 
 
 def _read_problems(path):

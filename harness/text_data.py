@@ -23,8 +23,14 @@ from harness.token_files import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtyp
 
 
 def _read_text(path):
-    with open(path, "rb") as f:
-        raw = f.read()
+    """A file's text (invalid UTF-8 read as U+FFFD), None for a binary file (a NUL byte);
+    UsageError naming a file that cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UsageError(f"--dataset: cannot read {path} ({e.strerror or type(e).__name__}); "
+                         "make it readable or move it out of the dataset") from None
     return None if b"\0" in raw else raw.decode("utf-8", errors="replace")  # NUL byte: binary
 
 

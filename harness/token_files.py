@@ -105,23 +105,27 @@ def read_bin(path, dtype, n=None):
 
 def split_of(relpath, dev=90, test=95):
     """Stable split of a document by its relative path: ~90% train, 5% dev, 5% test."""
-    h = int(hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:8], 16) % 100
+    h = int(hashlib.sha256(os.fsencode(relpath)).hexdigest()[:8], 16) % 100  # a name's bytes, UTF-8 or not
     return "train" if h < dev else "dev" if h < test else "test"
 
 
 def _fingerprint(root, relpaths, *extra):
     """Hash of (path, size, mtime) of the sources: a reused folder must match it."""
-    h = hashlib.sha256(repr((FORMAT, os.path.abspath(root)) + extra).encode())
+    h = hashlib.sha256(repr((FORMAT, os.path.abspath(root)) + extra).encode("utf-8", "surrogateescape"))
     for rel in relpaths:
         st = os.stat(os.path.join(root, rel))
-        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(os.fsencode(rel) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
 def _walk(root, keep=lambda rel: True, skip_dir=lambda name: False):
-    """Sorted relative paths of the regular, non-hidden files under root."""
+    """Sorted relative paths of the regular, non-hidden files under root; UsageError naming a
+    folder under it that cannot be listed (os.walk would skip it, and its files, silently)."""
+    def unreadable(e):
+        raise UsageError(f"--dataset: cannot list the folder {e.filename} ({e.strerror}); "
+                         "make it readable or move it out of the dataset")
     out = []
-    for d, dirs, files in os.walk(root):
+    for d, dirs, files in os.walk(root, onerror=unreadable):
         dirs[:] = [x for x in dirs if not x.startswith(".") and not skip_dir(x)]
         for f in files:
             rel = os.path.relpath(os.path.join(d, f), root)

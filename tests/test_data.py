@@ -546,3 +546,62 @@ def test_cli_refuses_a_data_root_that_is_a_file(tmp_path, monkeypatch, capsys):
             data.main(["--dataset", "stdlib", "--data_root", root])
         assert e.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
     assert os.listdir(tmp_path) == ["afile"]
+
+
+def test_a_dataset_folder_holds_neither_the_runs_outputs_nor_the_prepared_data(tmp_path, capsys):
+    """--dataset FOLDER reads every file under it: a --data_root or --out_dir inside it is refused
+    (a second run, or a resume, would have read the first run's log and bins as training text)."""
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    with pytest.raises(UsageError, match=re.escape(f"--data_root {tmp_path / 'src' / 'data'}: inside --dataset "
+                                                   f"{tmp_path / 'src'}, whose every file is training text; give a "
+                                                   "--data_root outside it")):
+        data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "src" / "data"), tokenizer="char")
+    assert sorted(os.listdir(tmp_path / "src")) == [f"f{i}.txt" for i in sorted(range(30), key=str)]
+    import train
+    for out_dir, ok in ((tmp_path / "src", False), (tmp_path / "src" / "sub" / "out", False),
+                        (tmp_path / "src-out", True)):  # a sibling whose name starts with the folder's
+        argv = ["--dataset", str(tmp_path / "src"), "--tokenizer", "char", "--size", "tiny", "--out_dir", str(out_dir),
+                "--data_root", str(tmp_path / "data")]
+        if ok:
+            train.check_flags(train.parse_args(argv), set())
+        else:
+            with pytest.raises(UsageError, match=r"^--out_dir .*: inside --dataset .*; give a --out_dir outside it$"):
+                train.check_flags(train.parse_args(argv), set())
+
+
+def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeypatch):
+    """A file name that is not UTF-8 is a file like any other (its bytes choose its split); a file
+    or folder that cannot be read is one line naming it, not a traceback nor a silent skip."""
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    odd = os.path.join(os.fsencode(tmp_path / "src"), b"caf\xe9.txt")
+    with open(odd, "wb") as f:
+        f.write(b"the odd one\n")
+    d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0}
+    rel = os.fsdecode(b"caf\xe9.txt")
+    assert data.split_of(rel) in ("train", "dev", "test")
+    assert "the odd one" in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
+
+    (tmp_path / "src" / "sub").mkdir()
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", scandir)
+        with pytest.raises(UsageError, match=re.escape(f"--dataset: cannot list the folder {tmp_path / 'src' / 'sub'} "
+                                                       "(Permission denied); make it readable or move it out of the "
+                                                       "dataset")):
+            data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out2"), tokenizer="char")
+
+    def unreadable(path, *a, **k):  # the dataset's files only (the bins are written with open too)
+        if os.fspath(path).startswith(str(tmp_path / "src")):
+            raise PermissionError(13, "Permission denied", path)
+        return open(path, *a, **k)
+    monkeypatch.setattr(text_data, "open", unreadable, raising=False)
+    with pytest.raises(UsageError, match=r"^--dataset: cannot read " + re.escape(str(tmp_path / "src")) +
+                       r"/\S+ \(Permission denied\); make it readable or move it out of the dataset$"):
+        data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out3"), tokenizer="char")
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
