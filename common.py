@@ -16,8 +16,10 @@ import functools
 import inspect
 import numbers
 import os
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, asdict, fields
 from typing import ClassVar
 
@@ -55,18 +57,34 @@ class ExitParser(WholeFlagParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, `timeout`, torchrun stopping its workers), raised by
+    run_command's handler: it unwinds as Ctrl-C does, so temporary files and folders are removed."""
+
+
+def _on_sigterm(main_pid, signum, frame):
+    if os.getpid() != main_pid:  # a forked worker (data preparation's pool): end as SIGTERM would
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    raise Terminated
+
+
 def run_command(main):
     """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
     the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
     BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE"). Sizes
     this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback;
-    Ctrl-C ends in one line ("interrupted", with what the command says of its state) and exit code 130."""
+    Ctrl-C ends in one line ("interrupted", with what the command says of its state) and exit code
+    130, SIGTERM the same way ("terminated", exit code 143 = 128 + SIGTERM)."""
+    if threading.current_thread() is threading.main_thread():  # (signal handlers: main thread only)
+        signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid()))
     try:
         code = main()
         sys.stdout.flush()
     except KeyboardInterrupt as e:
-        print("interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
-        code = 130
+        term = isinstance(e, Terminated)
+        print(("terminated" if term else "interrupted") + (f": {e}" if str(e) else ""), file=sys.stderr)
+        code = 143 if term else 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail too
         code = 1

@@ -241,10 +241,9 @@ def run(args, given=frozenset()):
     open_outputs(r, resumed=ckpt is not None, changed=changed)
     try:
         rates = train_loop(r)
-    except KeyboardInterrupt:  # Ctrl-C: say what is left and how to go on (common.run_command prints it)
-        raise KeyboardInterrupt(f"stopped after update {r.it}; {r.checkpoint_note()}"
-                                + ("" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues "
-                                   "from it")) from None
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say what is left and how to go on (run_command prints it)
+        raise type(e)(f"stopped after update {r.it}; {r.checkpoint_note()}" + (
+            "" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues from it")) from None
     summary = finish(r, rates)
     r.log.close()
     return summary

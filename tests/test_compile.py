@@ -312,16 +312,20 @@ def test_deferred_reads_log_each_update_s_own_diagnostics(mdm, data_root, tmp_pa
         assert isinstance(a["abar_max"], float) and isinstance(a["state_norm_max"], float)
 
 
-def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume_from(mdm, data_root, tmp_path, monkeypatch, capsys):
-    """Ctrl-C in training: KeyboardInterrupt carrying the update and the checkpoint left (or that
-    there is none); common.run_command prints it on one line and exits 130, not a traceback."""
+@pytest.mark.parametrize("signal_error,word,code", [(KeyboardInterrupt, "interrupted", 130),
+                                                    (common.Terminated, "terminated", 143)])
+def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume_from(mdm, data_root, tmp_path, monkeypatch, capsys,
+                                                                signal_error, word, code):
+    """Ctrl-C (or SIGTERM, common.Terminated) in training: the exception carries the update and the
+    checkpoint left (or that there is none); common.run_command prints it on one line and exits
+    130 (143), not a traceback."""
     loop = train.train_loop
     def interrupted_after_8(r):
         monkeypatch.setattr(r.args, "max_iters", 8)  # train 8 updates (checkpoints at 6 and 8), then Ctrl-C
         loop(r)
-        raise KeyboardInterrupt
+        raise signal_error
     monkeypatch.setattr(train, "train_loop", interrupted_after_8)
-    with pytest.raises(KeyboardInterrupt) as e:
+    with pytest.raises(signal_error) as e:
         _tiny_run(mdm, data_root, tmp_path / "run")
     assert str(e.value) == (f"stopped after update 8; the last good checkpoint is {tmp_path / 'run' / 'ckpt_latest.pt'} "
                             f"(update 8); --resume --out_dir {tmp_path / 'run'} continues from it")
@@ -329,7 +333,7 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume_from(mdm, data_root,
         raise e.value
     with pytest.raises(SystemExit) as done:
         common.run_command(main)
-    assert done.value.code == 130 and capsys.readouterr().err == f"interrupted: {e.value}\n"
+    assert done.value.code == code and capsys.readouterr().err == f"{word}: {e.value}\n"
 
 
 def test_deferred_reads_still_stop_on_a_non_finite_loss(mdm, data_root, tmp_path, monkeypatch):

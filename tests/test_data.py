@@ -605,3 +605,25 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
                        r"/\S+ \(Permission denied\); make it readable or move it out of the dataset$"):
         data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out3"), tokenizer="char")
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_sigterm_while_preparing_leaves_nothing(tmp_path):
+    """SIGTERM (a scheduler's stop) during a preparation with worker processes: one line, exit code
+    143, and neither the temporary folder nor the --data_root it created is left behind."""
+    import signal
+    import subprocess
+    import sys
+    root = tmp_path / "root"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "data.py", "--dataset", "stdlib", "--tokenizer", "char", "--num_proc", "2",
+                          "--data_root", str(root)], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (root.exists() and os.listdir(root)) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # until the temporary folder exists: the preparation has started
+    assert p.poll() is None, p.communicate()
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and err.splitlines()[-1] == "terminated" and "Traceback" not in err, err
+    assert not root.exists(), list(root.iterdir())

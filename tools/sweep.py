@@ -340,7 +340,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.cmd == "run":
         check_run_flags(args, extra)
-        return cmd_run(args, extra)
+        try:
+            return cmd_run(args, extra)
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: common.run_command prints this, exit 130 / 143
+            raise type(e)("run the same command again to skip finished runs and resume the rest") from None
     if args.cmd == "report" and args.into and args.mode == "lr":
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
@@ -373,7 +376,3 @@ if __name__ == "__main__":
     except UsageError as e:  # bad flags, an empty root, no GPT-2 vocabulary while preparing data
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("sweep.py: interrupted; run the same command again to skip finished runs and resume the rest",
-              file=sys.stderr)
-        sys.exit(130)
