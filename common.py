@@ -12,11 +12,15 @@ embedding, the tied head, the loss, cached generation and parameter counting liv
     model.num_params()                             # non-embedding parameters
 """
 import argparse
+import contextlib
 import functools
 import inspect
 import numbers
 import os
+import re
+import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -55,6 +59,43 @@ class ExitParser(WholeFlagParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def owner_tag():
+    """'<host>-<pid>' of this process, in the names of the temporary files and folders it writes
+    (checkpoints, prepared data), so remove_orphans can tell a live writer's from a dead one's."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_orphans(folder, prefix):
+    """Remove the entries of folder named prefix + owner_tag() + ... whose process on this host has
+    ended: what a kill -9 or a power loss left half-written (SIGTERM and Ctrl-C clean up after
+    themselves). Another host's (a shared file system) and a live process's are kept."""
+    head = re.escape(prefix + socket.gethostname() + "-") + r"(\d+)(?!\d)"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = re.match(head, name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: nothing sent, only whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (PermissionError), or a platform without signal 0
+        return True
+    return True
 
 
 class Terminated(KeyboardInterrupt):

@@ -30,7 +30,7 @@ import tempfile
 import numpy as np
 import torch
 
-from common import UsageError, UsageParser, check_output_folder, run_command
+from common import UsageError, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, EOT, _download_gpt2, _fingerprint, _try, _walk, bin_dtype, gpt2_encoder, read_bin,
@@ -152,7 +152,9 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         return folder
     created = _first_missing(out_root)
     os.makedirs(out_root, exist_ok=True)
-    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out_root), None
+    for kind in ("tmp", "old"):  # what a killed preparation of this folder left
+        remove_orphans(out_root, f".{name}.{kind}-")
+    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-{owner_tag()}-", dir=out_root), None
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
     try:
         meta = build(tmp)
@@ -163,7 +165,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         if os.path.exists(folder):
-            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=out_root)
+            old = tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
             os.replace(folder, os.path.join(old, name))
         os.replace(tmp, folder)
     except BaseException:

@@ -22,7 +22,7 @@ import random
 import torch
 
 import data as data_mod
-from common import ModelConfig, UsageError
+from common import ModelConfig, UsageError, owner_tag, remove_orphans
 from harness.datacheck import data_signature, same_data
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
@@ -65,8 +65,10 @@ def save_checkpoints(r, dev, improved):
 
 def save_atomic(obj, path):
     """torch.save to a temporary file beside path, flushed to disk, then os.replace: a crash or an
-    error at any point leaves the previous file at path whole (and no temporary file behind)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    error at any point leaves the previous file at path whole (and no temporary file behind; one
+    that a killed process left is removed by the next save, common.remove_orphans)."""
+    remove_orphans(os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".tmp-")
+    tmp = f"{path}.tmp-{owner_tag()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
