@@ -552,5 +552,82 @@ def test_reports_give_nats_per_char_for_character_runs(tmp_path):
             (p.parent / "args.json").write_text(json.dumps({"tokenizer": "char"}))
     assert "unigram entropy of dev 5.000 nats/char" in sweep_report.report(str(tmp_path))
     assert "(nats/char, mean ± sample std" in sweep_report.grid_report(str(tmp_path))
-    (runs[0].parent / "args.json").write_text(json.dumps({"tokenizer": "gpt2"}))
+    (runs[0].parent / "args.json").unlink()  # one run whose tokenizer is unknown
     assert "nats/char" not in sweep_report.grid_report(str(tmp_path))
+    (runs[0].parent / "args.json").write_text(json.dumps({"tokenizer": "gpt2"}))  # runs of a cell on two tokenizers
+    with pytest.raises(UsageError, match="has --tokenizer gpt2, .* has --tokenizer char; a cell averages runs"):
+        sweep_report.grid_report(str(tmp_path))
+
+
+def test_collected_runs_are_checked_by_their_args_json(tmp_path):
+    """A collected root has no logs: its runs' args.json is what the cell check and the recipe
+    check compare (a seed at another rate, or a model at another rate, was averaged or compared
+    silently); a non-finite NLL is one line naming the file."""
+    fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] == 4})
+    args = lambda lr: json.dumps({"learning_rate": lr, "max_iters": 600})
+    for p in tmp_path.glob("stdlib/*/"):
+        (p / "args.json").write_text(args(0.002))
+    sweep_report.grid_report(str(tmp_path))  # one recipe
+    (tmp_path / "stdlib" / "tango-K4-s2" / "args.json").write_text(args(0.001))
+    with pytest.raises(UsageError, match=r"^stdlib/tango/4: .*tango-K4-s1 has --learning_rate 0.002, .*tango-K4-s2 has "
+                                         r"--learning_rate 0.001; a cell averages runs that differ only in the seed$"):
+        sweep_report.report(str(tmp_path))
+    (tmp_path / "stdlib" / "tango-K4-s2" / "args.json").write_text(args(0.002))
+    for s in (1, 2, 3):
+        (tmp_path / "stdlib" / f"loop-K4-s{s}" / "args.json").write_text(args(0.001))
+    with pytest.raises(UsageError, match=r"^stdlib: .* has --learning_rate 0.002, .*loop-K4-s1 has --learning_rate "
+                                         r"0.001; the models of a report share one recipe"):
+        sweep_report.grid_report(str(tmp_path))
+    for s in (1, 2, 3):
+        (tmp_path / "stdlib" / f"loop-K4-s{s}" / "args.json").write_text(args(0.002))
+    p = tmp_path / "stdlib" / "gau-K4-s1" / "summary.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), "test_nll": float("nan")}))
+    with pytest.raises(UsageError, match=re.escape(f"{p}: test_nll nan: depth and seed must be integers, dev_nll and "
+                                                   "test_nll finite numbers")):
+        sweep_report.report(str(tmp_path))
+
+
+def test_run_refuses_a_copied_in_run_of_other_settings(tmp_path):
+    """Continuing a grid from committed results (no log, an args.json): a run trained with other
+    settings is refused, not skipped as done."""
+    import train
+    out = tmp_path / "stdlib" / "tango-K2-s1"
+    out.mkdir(parents=True)
+    argv = sweep.train_argv(str(tmp_path), "stdlib", "tango", 2, 1, None, ["--size", "tiny", "--max_iters", "6"])
+    resolved = vars(train.check_flags(train.parse_args(argv), train.given_flags(argv)))
+    (out / "args.json").write_text(json.dumps({**resolved, "max_iters": 4}))
+    with pytest.raises(UsageError, match="trained with --max_iters 4, this sweep asks for --max_iters 6"):
+        sweep.check_existing_run(str(out), argv)
+    (out / "args.json").write_text(json.dumps(resolved))
+    sweep.check_existing_run(str(out), argv)
+
+
+def test_collect_reads_everything_first_keeps_args_and_merges_the_output(tmp_path):
+    root, to = tmp_path / "runs", tmp_path / "res"
+    fake_grid(str(root), {("tango", 4): 3.0, ("loop", 4): 3.1}, seeds=(1,), curves=False)
+    (root / "stdlib" / "tango-K4-s1" / "args.json").write_text(json.dumps({"tokenizer": "char"}))  # copied in
+    (root / "sweep-output.txt").write_text("a\n")
+    sweep.cmd_collect(str(root), str(to))
+    assert sorted(os.listdir(to / "stdlib" / "tango-K4-s1")) == ["args.json", "summary.json"]  # no curves made up
+    assert json.loads((to / "stdlib" / "tango-K4-s1" / "args.json").read_text()) == {"tokenizer": "char"}
+    for text, kept in (("a\nb\n", "a\nb\n"), ("c\n", "a\nb\nc\n"), ("c\n", "a\nb\nc\n")):
+        (root / "sweep-output.txt").write_text(text)  # the same root later: replaced; another clone's: appended
+        sweep.cmd_collect(str(root), str(to))
+        assert (to / "sweep-output.txt").read_text() == kept
+    (root / "stdlib" / "loop-K4-s1" / "summary.json").write_text("")
+    with pytest.raises(UsageError, match="loop-K4-s1/summary.json: not a readable JSON file"):
+        sweep.cmd_collect(str(root), str(tmp_path / "res2"))
+    assert not (tmp_path / "res2").exists()  # nothing copied before the bad file was found
+
+
+def test_lrs_with_a_trailing_comma_and_an_lr_report_under_a_dash_lr_path(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    monkeypatch.setattr(sweep, "prepare_data", lambda ds, extra: None)
+    root = tmp_path / "my-lr-K9"
+    assert sweep.main(["run", "--root", str(root), "--models", "tango", "--depths", "2", "--lrs", "1e-3,",
+                       "--", "--size", "tiny"]) == 0
+    assert [c[c.index("--out_dir") + 1] for c in calls] == [str(root / "stdlib" / "tango-K2-s1-lr1e-3")]
+    os.makedirs(root / "stdlib" / "loop-K2-s1-lr2e-3")
+    table = sweep_report.lr_report(str(root))
+    assert "| loop | 2 | 2e-3 |" in table and "| tango | 2 | 1e-3 |" in table

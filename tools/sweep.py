@@ -44,7 +44,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UsageError, UsageParser, check_output_file, check_output_folder, make_parent, run_command
-from tools.sweep_report import curves_of, log_records, read_json
+from tools.sweep_report import curves_of, log_records, read_json, run_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
 _print_lock = threading.Lock()
@@ -65,7 +65,7 @@ def run_dir(root, dataset, model, depth, seed, lr=None):
 
 
 def cmd_run(args, extra):
-    lrs = args.lrs.split(",") if args.lrs else [None]
+    lrs = list(filter(None, args.lrs.split(","))) or [None]  # (as check_run_flags reads --lrs)
     grid = [(ds, m, int(k), int(s), lr) for k in args.depths.split(",") for ds in args.datasets.split(",")
             for m in args.models.split(",") for lr in lrs for s in range(1, args.seeds + 1)]
     grid = list({run_dir(args.root, *g): g for g in grid}.values())  # a repeated entry would race on one folder
@@ -139,9 +139,10 @@ def train_argv(root, ds, m, k, s, lr, extra):
 def check_existing_run(out, argv):
     """train.py's own checks of one grid run's flags argv (train.check_flags: a bad value such as
     --max_iters 0, a flag the run ignores), then a UsageError naming the flag and both values when
-    the run folder out already holds a run (its log's last start event) whose train.py settings
-    differ from those argv asks for, after train.py's own defaults are filled in (machine flags
-    such as --out_dir or --device aside): skipping or resuming it would mix settings in one grid cell."""
+    the run folder out already holds a run (its log's last start event, or the args.json of a run
+    copied in from collected results: run_args) whose train.py settings differ from those argv
+    asks for, after train.py's own defaults are filled in (machine flags such as --out_dir or
+    --device aside): skipping or resuming it would mix settings in one grid cell."""
     import train
     from harness.checkpoint import MACHINE_FLAGS
     from harness.config import unread_model_flags
@@ -149,10 +150,7 @@ def check_existing_run(out, argv):
         requested = vars(train.check_flags(train.parse_args(argv), train.given_flags(argv)))
     except UsageError as e:  # the run it would fail (a model may refuse a value the others take)
         raise UsageError(f"{out}: {e}") from None
-    start = [r for r in log_records(out) if r.get("event") == "start"]
-    if not start:
-        return
-    saved = start[-1].get("args", {})
+    saved = run_args(out)
     unread = unread_model_flags(requested["model"])  # flags this model ignores are not compared
     for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
@@ -206,36 +204,53 @@ def train_flags(extra):
 
 def cmd_collect(root, to):
     """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
-    (curves_of) and args.json (train.py's resolved flags, from the log's last start), small enough
-    to commit, and <root>/sweep-output.txt (the run commands' output). A summary of a resumed run
-    written before train.py recorded resumes gets the log's resumed_at and wall_s_this_process_only."""
-    n = 0
+    (curves_of: a collected run's own, else from its log) and args.json (train.py's resolved
+    flags: run_args), small enough to commit; a run with neither log nor curves gets no
+    curves.json. <root>/sweep-output.txt (the run commands' output) replaces <to>'s when it
+    continues it (a later collect of the same root), else is appended to it (another clone's).
+    Every run is read before anything is written, so a bad file leaves <to> as it was. A summary
+    of a resumed run written before train.py recorded resumes gets the log's resumed_at and
+    wall_s_this_process_only."""
     check_output_folder("--to", to)
     if os.path.isdir(to) and os.path.samefile(root, to):  # every copy would be its own source
         raise UsageError(f"--to {to}: the same folder as --root; collect copies the runs into another folder")
-    if os.path.exists(os.path.join(root, "sweep-output.txt")):
-        os.makedirs(to, exist_ok=True)
-        shutil.copyfile(os.path.join(root, "sweep-output.txt"), os.path.join(to, "sweep-output.txt"))
+    runs = []
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         run = os.path.dirname(path)
-        dest = os.path.join(to, os.path.relpath(run, root))
-        os.makedirs(dest, exist_ok=True)
         start = [r for r in log_records(run) if r.get("event") == "start"]
         summary = read_json(path, ("model", "depth", "seed"))
-        if "resumed_at" not in summary and start and start[-1].get("resumed_at"):
-            # trained by a train.py that did not record a resume: its wall_s is the last process's only
+        rewrite = "resumed_at" not in summary and start and start[-1].get("resumed_at")
+        if rewrite:  # trained by a train.py that did not record a resume: its wall_s is the last process's only
             summary.update(resumed_at=start[-1]["resumed_at"], wall_s_this_process_only=True)
+        has_curves = os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl"))
+        runs.append((path, os.path.join(to, os.path.relpath(run, root)), summary if rewrite else None,
+                     curves_of(run) if has_curves else None, run_args(run)))
+    output = os.path.join(root, "sweep-output.txt")
+    if os.path.exists(output):
+        with open(output, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        os.makedirs(to, exist_ok=True)
+        kept = os.path.join(to, "sweep-output.txt")
+        if os.path.exists(kept):
+            with open(kept, encoding="utf-8", errors="replace") as f:
+                old = f.read()
+            text = text if text.startswith(old) else old if text in old else old + text
+        with open(kept, "w", encoding="utf-8") as f:
+            f.write(text)
+    for path, dest, summary, curves, args in runs:
+        os.makedirs(dest, exist_ok=True)
+        if summary is not None:
             with open(os.path.join(dest, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
         else:
             shutil.copyfile(path, os.path.join(dest, "summary.json"))
-        with open(os.path.join(dest, "curves.json"), "w") as f:
-            json.dump(curves_of(run), f, separators=(",", ":"))
-        if start:  # train.py's resolved flags, so a committed run's settings can be checked
+        if curves is not None:
+            with open(os.path.join(dest, "curves.json"), "w") as f:
+                json.dump(curves, f, separators=(",", ":"))
+        if args:  # train.py's resolved flags, so a committed run's settings can be checked
             with open(os.path.join(dest, "args.json"), "w") as f:
-                json.dump(start[-1]["args"], f, indent=0, sort_keys=True)
-        n += 1
-    print(f"collected {n} runs from {root} into {to}")
+                json.dump(args, f, indent=0, sort_keys=True)
+    print(f"collected {len(runs)} runs from {root} into {to}")
     return 0
 
 

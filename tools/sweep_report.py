@@ -8,6 +8,7 @@ UsageError (one line, exit code 2).
 """
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -82,33 +83,60 @@ def mean_text(fmt, mu, sd, n, of):
 SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params", "test_split")
 
 
+def run_args(run):
+    """train.py's resolved flags of a run folder: its log's last start record, else the args.json
+    that collect wrote from it; {} when it has neither."""
+    start = [r for r in log_records(run) if r.get("event") == "start"]
+    if start:
+        return start[-1].get("args", {})
+    path = os.path.join(run, "args.json")
+    return read_json(path) if os.path.exists(path) else {}
+
+
 def unit_of(runs):
     """The NLL unit of runs (summaries with "_dir"): nats/char when every run is known to be on
-    characters (summary.json's tokenizer, else the run folder's args.json or log), else nats/token."""
+    characters (summary.json's tokenizer, else the run folder's flags, run_args), else nats/token."""
     def tokenizer(s):
         if "tokenizer" in s or "_dir" not in s:
             return s.get("tokenizer")
-        path = os.path.join(s["_dir"], "args.json")
-        if os.path.exists(path):
-            return read_json(path).get("tokenizer")
-        start = [r for r in log_records(s["_dir"]) if r.get("event") == "start"]
-        return start[-1].get("args", {}).get("tokenizer") if start else None
+        return run_args(s["_dir"]).get("tokenizer")
     return nll_unit("char" if runs and all(tokenizer(s) == "char" for s in runs) else None)
 
 
 def run_settings(run, summary):
-    """{setting: value} of a finished run folder (see SUMMARY_SETTINGS)."""
+    """{setting: value} of a finished run folder (see SUMMARY_SETTINGS; its train.py flags as
+    "--flag", from run_args: a collected run's args.json as a raw run's log)."""
     from harness.checkpoint import MACHINE_FLAGS
     from harness.config import unread_model_flags
     out = {k: summary[k] for k in SUMMARY_SETTINGS if k in summary}
     if os.path.exists(os.path.join(run, "curves.json")) or os.path.exists(os.path.join(run, "log.jsonl")):
         out["tokens_per_update"] = curves_of(run)["tokens_per_update"]
-    start = [r for r in log_records(run) if r.get("event") == "start"]
-    if start:
-        args = start[-1].get("args", {})
-        skip = set(MACHINE_FLAGS) | {"seed", "data_seed"} | unread_model_flags(args.get("model"))
-        out.update({f"--{k}": v for k, v in args.items() if k not in skip})
+    args = run_args(run)
+    skip = set(MACHINE_FLAGS) | {"seed", "data_seed"} | unread_model_flags(args.get("model"))
+    out.update({f"--{k}": v for k, v in args.items() if k not in skip})
     return out
+
+
+# the flags of the training recipe: every model of a report's dataset must share them (check_recipe)
+RECIPE = ("size", "tokenizer", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
+          "lr_decay_iters", "warmup_iters", "learning_rate", "min_lr_ratio", "weight_decay", "grad_clip",
+          "eval_interval", "eval_windows", "max_tokens", "dtype")
+
+
+def check_recipe(rows):
+    """UsageError when two runs of one dataset (rows: load_runs's cells) were trained with another
+    recipe (RECIPE's flags, from run_settings): a table or claim compares models, so its models
+    must share the schedule, the budget and the rate (a learning-rate sweep has report --lr)."""
+    first = {}
+    for key in sorted(rows, key=str):
+        for r in rows[key]:
+            settings = run_settings(r["_dir"], r)
+            ref_dir, ref = first.setdefault(key[0], (r["_dir"], settings))
+            for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]:
+                if k in ref and k in settings and ref[k] != settings[k]:
+                    raise UsageError(f"{key[0]}: {ref_dir} has {k} {ref[k]}, {r['_dir']} has {k} {settings[k]}; "
+                                     "the models of a report share one recipe (another rate or budget: another "
+                                     "--root; a learning-rate sweep: report --lr)")
 
 
 def check_cell(key, runs):
@@ -167,7 +195,9 @@ def lr_report(root):
     diverged."""
     out = ["| model | K | peak lr | final train loss | best dev NLL | max state norm | max Abar | "
            "spectral norm (Parcae: diag(Delta) B, RDM: W_1) | status |", "|---|---|---|---|---|---|---|---|---|"]
-    runs = sorted(glob.glob(os.path.join(root, "*", "*-lr*")), key=lambda p: (p.split("-K")[0], float(p.split("-lr")[1])))
+    name_of = lambda p: os.path.basename(p)  # (a root's own path may hold "-lr" or "-K")
+    runs = sorted(glob.glob(os.path.join(root, "*", "*-lr*")),
+                  key=lambda p: (os.path.dirname(p), name_of(p).split("-K")[0], float(name_of(p).split("-lr")[1])))
     if not any(os.path.isdir(d) for d in runs):
         raise UsageError(f"--root {root}: no learning-rate sweep runs (<root>/<dataset>/<run>-lr<LR>/, sweep.py run --lrs)")
     for d in runs:
@@ -213,13 +243,21 @@ def read_json(path, keys=()):
 def load_runs(root):
     """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
     (learning-rate sweep runs, named ...-lr<LR>, are left out; each summary gets "_dir", its run's
-    folder). UsageError naming the folders for two runs of a cell with the same seed, and when the
-    runs of a cell differ in a setting other than the seed (check_cell)."""
+    folder). UsageError naming the folders for two runs of a cell with the same seed, when the runs
+    of a cell differ in a setting other than the seed (check_cell), when a dataset's cells differ
+    in the recipe (check_recipe), and for a summary whose depth or seed is not an integer or whose
+    dev or test NLL is not a finite number."""
     rows = {}
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         if "-lr" in os.path.basename(os.path.dirname(path)):
             continue
-        s = read_json(path, ("model", "depth", "seed"))
+        s = read_json(path, ("model", "depth", "seed", "dev_nll"))
+        bad = [k for k in ("depth", "seed") if not isinstance(s[k], int) or isinstance(s[k], bool)]
+        bad += [k for k in ("dev_nll", "test_nll") if k in s and s[k] is not None
+                and not (isinstance(s[k], (int, float)) and math.isfinite(s[k]))]
+        if bad:
+            raise UsageError(f"{path}: {', '.join(f'{k} {s[k]!r}' for k in bad)}: depth and seed must be integers, "
+                             "dev_nll and test_nll finite numbers")
         s["_dir"] = os.path.dirname(path)
         rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
     for key, v in rows.items():
@@ -230,6 +268,7 @@ def load_runs(root):
                 raise UsageError(f"--root {root}: {first} and {second} are both {key[1]} at K = {key[2]}, "
                                  f"seed {a['seed']}; keep one")
         check_cell(key, v)
+    check_recipe(rows)
     return rows
 
 
