@@ -251,7 +251,7 @@ def load_runs(root):
     for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
         if "-lr" in os.path.basename(os.path.dirname(path)):
             continue
-        s = read_json(path, ("model", "depth", "seed", "dev_nll"))
+        s = read_json(path, ("model", "depth", "seed", "dev_nll", "test_nll", "unigram_dev", "non_embedding_params"))
         bad = [k for k in ("depth", "seed") if not isinstance(s[k], int) or isinstance(s[k], bool)]
         bad += [k for k in ("dev_nll", "test_nll") if k in s and s[k] is not None
                 and not (isinstance(s[k], (int, float)) and math.isfinite(s[k]))]
