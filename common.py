@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, asdict, fields
 from typing import ClassVar
 
@@ -62,30 +63,44 @@ class ExitParser(WholeFlagParser):
 
 
 def owner_tag():
-    """'<host>-<pid>' of this process, in the names of the temporary files and folders it writes
+    """'<pid>-<host>' of this process, in the names of the temporary files and folders it writes
     (checkpoints, prepared data), so remove_orphans can tell a live writer's from a dead one's."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+    return f"{os.getpid()}-{socket.gethostname()}"
 
 
-def remove_orphans(folder, prefix):
-    """Remove the entries of folder named prefix + owner_tag() + ... whose process on this host has
-    ended: what a kill -9 or a power loss left half-written (SIGTERM and Ctrl-C clean up after
-    themselves). Another host's (a shared file system) and a live process's are kept."""
-    head = re.escape(prefix + socket.gethostname() + "-") + r"(\d+)(?!\d)"
+def remove_orphans(folder, prefix, random_suffix=False, min_age=3600):
+    """Remove the entries of folder named prefix + owner_tag() (+ "-" and mkdtemp's 8 random
+    characters with random_suffix) whose process on this host has ended and that nothing has
+    changed for min_age seconds: what a kill -9 or a power loss left half-written (SIGTERM and
+    Ctrl-C clean up after themselves). Another host's (a shared file system), a live process's and
+    a recent one's (a writer in another pid namespace of the same host name) are kept."""
+    name_re = re.compile(re.escape(prefix) + r"(\d{1,9})-" + re.escape(socket.gethostname())
+                         + (r"-[a-z0-9_]{8}" if random_suffix else "") + "$")
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
-        m = re.match(head, name)
-        if not m or _alive(int(m.group(1))):
-            continue
+        m = name_re.match(name)
         path = os.path.join(folder, name)
+        if not m or _alive(int(m.group(1))) or time.time() - _last_change(path) < min_age:
+            continue
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+
+def _last_change(path):
+    """The newest modification time of path and, for a folder, of the files in it."""
+    try:
+        times = [os.lstat(path).st_mtime]
+        if os.path.isdir(path) and not os.path.islink(path):
+            times += [e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path)]
+        return max(times)
+    except OSError:
+        return time.time()  # (gone or unreadable: not removed)
 
 
 def _alive(pid):
@@ -117,8 +132,8 @@ def run_command(main):
     this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback;
     Ctrl-C ends in one line ("interrupted", with what the command says of its state) and exit code
     130, SIGTERM the same way ("terminated", exit code 143 = 128 + SIGTERM)."""
-    if threading.current_thread() is threading.main_thread():  # (signal handlers: main thread only)
-        signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid()))
+    main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers: main thread only)
+    previous = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid())) if main_thread else None
     try:
         code = main()
         sys.stdout.flush()
@@ -136,6 +151,9 @@ def run_command(main):
         print(f"error: out of memory ({first}); give smaller sizes (--batch_size, --block_size, --width, --depth, "
               "--num_samples, ...)", file=sys.stderr)
         code = 2
+    finally:
+        if previous is not None:  # (a caller in this process, a test, keeps its own handling)
+            signal.signal(signal.SIGTERM, previous)
     sys.exit(code)
 
 

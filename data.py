@@ -153,8 +153,8 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     created = _first_missing(out_root)
     os.makedirs(out_root, exist_ok=True)
     for kind in ("tmp", "old"):  # what a killed preparation of this folder left
-        remove_orphans(out_root, f".{name}.{kind}-")
-    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-{owner_tag()}-", dir=out_root), None
+        remove_orphans(out_root, f".{name}.{kind}-", random_suffix=True)
+    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-{owner_tag()}-", dir=out_root), None  # (remove_orphans)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private
     try:
         meta = build(tmp)

@@ -375,9 +375,11 @@ def restore(ck, path, model, optimizer, rng, device):
     load_weights(ck, path, model)
     mine = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
-        optimizer.load_state_dict(ck["optimizer"])  # moves the state to the parameters' device
-        for group, hyper in zip(optimizer.param_groups, mine, strict=True):
-            group.update(hyper)  # load_state_dict brings back the saved groups' settings too
+        saved = ck["optimizer"]
+        # this run's settings go in before loading: load_state_dict would bring back the saved
+        # groups' ones, and it places each state tensor by them (fused: the step counts on the GPU)
+        groups = [{**g, **hyper} for g, hyper in zip(saved["param_groups"], mine, strict=True)]
+        optimizer.load_state_dict({**saved, "param_groups": groups})  # moves the state to the parameters' device
         random.setstate(_tuplify(ck["rng"]["python"]))
         rng.bit_generator.state = ck["rng"]["numpy"]
         torch.set_rng_state(ck["rng"]["torch"])

@@ -631,8 +631,9 @@ def test_sigterm_while_preparing_leaves_nothing(tmp_path):
 
 def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):
     """What kill -9 leaves (a preparation's temporary folder, a checkpoint's temporary file, named
-    after host and pid) is removed by the next preparation of that folder / save of that file; a
-    live process's and another host's are kept."""
+    after pid and host) is removed by the next preparation of that folder / save of that file once
+    unchanged for an hour; a live process's, a recent one's and another host's are kept (a host
+    whose name extends this one's too)."""
     import socket
     import subprocess
     import sys
@@ -641,23 +642,31 @@ def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a pid whose process has ended
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    old = time.time() - 7200
     try:
         host = socket.gethostname()
         write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
         out = tmp_path / "out"
         name = os.path.basename(data.prepare(str(tmp_path / "src"), out_root=str(out), tokenizer="char"))
-        dead, live, other = (f".{name}.tmp-{host}-{gone.pid}-x1", f".{name}.tmp-{host}-{alive.pid}-x2",
-                             f".{name}.old-otherhost-{gone.pid}-x3")
-        for d in (dead, live, other):
+        dead, recent, live, other, longer = (
+            f".{name}.tmp-{gone.pid}-{host}-abcd1234", f".{name}.tmp-{gone.pid}-{host}-recent12",
+            f".{name}.tmp-{alive.pid}-{host}-efgh5678", f".{name}.old-{gone.pid}-otherhost-ijkl9012",
+            f".{name}.tmp-{gone.pid}-{host}-7-mnop3456")
+        for d in (dead, recent, live, other, longer):
             (out / d).mkdir()
             (out / d / "train.cp").write_bytes(b"\0" * 64)
+            if d != recent:
+                os.utime(out / d / "train.cp", (old, old))
+                os.utime(out / d, (old, old))
         os.utime(tmp_path / "src" / "f0.txt", ns=(1, 1))  # the sources changed: prepared again
         data.prepare(str(tmp_path / "src"), out_root=str(out), tokenizer="char")
-        assert sorted(os.listdir(out)) == sorted([name, live, other])
-        leftovers = [f"ckpt_latest.pt.tmp-{host}-{gone.pid}", f"ckpt_latest.pt.tmp-{host}-{alive.pid}"]
+        assert sorted(os.listdir(out)) == sorted([name, recent, live, other, longer])
+        leftovers = [f"ckpt_latest.pt.tmp-{gone.pid}-{host}", f"ckpt_latest.pt.tmp-{alive.pid}-{host}",
+                     f"ckpt_latest.pt.tmp-{gone.pid}-{host}-7"]
         for n in leftovers:
             (tmp_path / n).write_bytes(b"half")
+            os.utime(tmp_path / n, (old, old))
         save_atomic({"x": torch.ones(2)}, str(tmp_path / "ckpt_latest.pt"))
-        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == ["ckpt_latest.pt", leftovers[1]]
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == sorted(["ckpt_latest.pt", *leftovers[1:]])
     finally:
         alive.kill()

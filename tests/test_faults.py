@@ -555,7 +555,7 @@ def test_sweep_run_refuses_a_run_trained_with_other_flags(tmp_path, monkeypatch,
               "--size", "tiny", "--window", "8"], dict(SUMMARY, seed=1))
     started = []
     monkeypatch.setattr(sweep, "prepare_data", lambda *a: started.append("prepare"))
-    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    monkeypatch.setattr(sweep, "run_process", lambda cmd, stdout, env: started.append(cmd) or 0)
     argv = ["run", "--root", str(root), "--models", "tango-windowed", "--depths", "2", "--datasets", "dmmath"]
     with pytest.raises(UsageError) as e:
         sweep.main([*argv, "--seeds", "2", "--", "--size", "tiny", "--window", "16"])
@@ -1035,7 +1035,7 @@ def test_sweep_resumes_a_root_whose_runs_got_flags_their_model_ignores(tmp_path,
              dict(SUMMARY, model="loop", seed=1))
     started = []
     monkeypatch.setattr(sweep, "prepare_data", lambda *a: started.append("prepare"))
-    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: started.append(cmd) or 0)
+    monkeypatch.setattr(sweep, "run_process", lambda cmd, stdout, env: started.append(cmd) or 0)
     assert sweep.main(["run", "--root", str(root), "--models", "loop,tango-windowed", "--depths", "2", "--datasets",
                        "dmmath", "--", "--size", "tiny", "--window", "16"]) == 0
     assert started[0] == "prepare" and len(started) == 2  # the loop run is done; tango-windowed trains, with --window

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -257,7 +258,7 @@ def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
     calls, lock = [], threading.Lock()
     barrier = threading.Barrier(2, timeout=10)  # the first two runs must be in flight at the same time
 
-    def fake_call(cmd, stdout, stderr, env):
+    def fake_call(cmd, stdout, env):
         with lock:
             calls.append((cmd, env.get("OMP_NUM_THREADS")))
             first_two = len(calls) <= 2
@@ -268,7 +269,7 @@ def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
             f.write("{}")
         return 0 if "loop" not in cmd else 3
 
-    monkeypatch.setattr(sweep.subprocess, "call", fake_call)
+    monkeypatch.setattr(sweep, "run_process", fake_call)
     prepared = []
     monkeypatch.setattr(sweep, "prepare_data", lambda ds, extra: prepared.append((ds, extra)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -457,7 +458,7 @@ def no_runs(monkeypatch):
     def fail(*a, **kw):
         raise AssertionError("the sweep started work")
     monkeypatch.setattr(sweep, "prepare_data", fail)
-    monkeypatch.setattr(sweep.subprocess, "call", fail)
+    monkeypatch.setattr(sweep, "run_process", fail)
 
 
 @pytest.mark.parametrize("datasets, extra, message", [
@@ -622,7 +623,7 @@ def test_collect_reads_everything_first_keeps_args_and_merges_the_output(tmp_pat
 
 def test_lrs_with_a_trailing_comma_and_an_lr_report_under_a_dash_lr_path(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(sweep.subprocess, "call", lambda cmd, **kw: calls.append(cmd) or 0)
+    monkeypatch.setattr(sweep, "run_process", lambda cmd, stdout, env: calls.append(cmd) or 0)
     monkeypatch.setattr(sweep, "prepare_data", lambda ds, extra: None)
     root = tmp_path / "my-lr-K9"
     assert sweep.main(["run", "--root", str(root), "--models", "tango", "--depths", "2", "--lrs", "1e-3,",
@@ -631,3 +632,40 @@ def test_lrs_with_a_trailing_comma_and_an_lr_report_under_a_dash_lr_path(tmp_pat
     os.makedirs(root / "stdlib" / "loop-K2-s1-lr2e-3")
     table = sweep_report.lr_report(str(root))
     assert "| loop | 2 | 2e-3 |" in table and "| tango | 2 | 1e-3 |" in table
+
+
+def test_a_stopped_sweep_passes_sigterm_on_and_starts_nothing_new(tmp_path):
+    """SIGTERM reaches the sweep alone (Ctrl-C the whole process group): stop_runs passes it on to
+    the running train.py, waits for it to exit, and no run starts after it."""
+    import threading
+    from common import Terminated
+    child = tmp_path / "child.py"
+    child.write_text("import signal, sys, time\n"
+                     "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(143)))\n"
+                     "print('started', flush=True)\ntime.sleep(60)\n")
+    out = tmp_path / "stdout.txt"
+    rcs = []
+    try:
+        with open(out, "w") as f:
+            t = threading.Thread(target=lambda: rcs.append(sweep.run_process([sys.executable, str(child)], f, None)))
+            t.start()
+            while "started" not in out.read_text():
+                time.sleep(0.05)
+            sweep.stop_runs(Terminated(), grace=30)
+            t.join(30)
+            assert rcs == [143] and out.read_text() == "started\ngot SIGTERM\n"
+            assert sweep.run_process([sys.executable, str(child)], f, None) is None  # nothing new starts
+    finally:
+        sweep._runs["stopping"] = False  # (as the next sweep in this process starts)
+
+
+def test_collect_keeps_each_line_of_the_sweep_outputs_once():
+    """Clone A collected, clone B collected part-way and again when done, A again after it ran on:
+    every line once, in the order collected (report --grid sums the wall times it prints)."""
+    a, b_part, b_rest, a_more = "[1/2] a\n", "[1/2] b\n", "sweep: 2 runs, 0 failed, wall time 9 s\n", "[2/2] a\n"
+    kept = sweep.merge_output("", a)
+    kept = sweep.merge_output(kept, b_part)
+    kept = sweep.merge_output(kept, b_part + b_rest)
+    assert kept == a + b_part + b_rest
+    assert sweep.merge_output(kept, a) == kept
+    assert sweep.merge_output(kept, a + a_more) == kept + a_more

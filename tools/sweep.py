@@ -43,7 +43,8 @@ import time
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UsageError, UsageParser, check_output_file, check_output_folder, make_parent, run_command
+from common import (Terminated, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
+                    run_command)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
@@ -97,7 +98,9 @@ def cmd_run(args, extra):
         say(f"[{i}/{len(grid)}] " + " ".join(["train.py", *cmd[2:]]), log)  # no path of this machine in the log
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "stdout.txt"), "a") as f:  # a resumed run keeps the earlier output
-            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            rc = run_process(cmd, f, env)
+        if rc is None:  # the sweep is stopping: not started
+            return rc
         if rc != 0:
             say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt", log)
         return rc
@@ -105,17 +108,19 @@ def cmd_run(args, extra):
     prepare_data(args.datasets.split(","), extra)  # once, here: parallel runs never prepare the same folder
     os.makedirs(args.root, exist_ok=True)  # only now: a sweep refused above leaves no folder
     log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
-    if args.jobs > 1:
-        pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
-        try:
-            futures = [pool.submit(one, i, *g) for i, g in enumerate(grid, 1)]
-            rcs = [f.result() for f in futures]
-        except KeyboardInterrupt:  # Ctrl-C: start nothing new (the running train.py got the signal too)
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        pool.shutdown()
-    else:
-        rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
+    _runs["stopping"] = False
+    try:
+        if args.jobs > 1:
+            pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
+            try:
+                rcs = [f.result() for f in [pool.submit(one, i, *g) for i, g in enumerate(grid, 1)]]
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)  # (stopped: the queued runs never start)
+        else:
+            rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the running train.py processes end as they would alone
+        stop_runs(e)
+        raise
     failed = sum(rc != 0 for rc in rcs)
     say(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", log)
     return 1 if failed else 0
@@ -127,6 +132,43 @@ SWEEP_SET_FLAGS = ("--model", "--depth", "--dataset", "--seed", "--data_seed", "
 # train.py flags a sweep cannot use: every grid run trains (the flag -> what to do instead)
 SWEEP_REFUSED_FLAGS = {"--eval_only": "a sweep trains every run; evaluate a finished one with "
                                       "python train.py --eval_only --out_dir RUN"}
+
+
+_runs = {"procs": set(), "stopping": False}  # the train.py processes running now; whether the sweep stops
+_runs_lock = threading.Lock()
+
+
+def run_process(cmd, stdout, env):
+    """Run one train.py (cmd; its output to the file stdout) to its end and return its exit code;
+    None, without starting it, once the sweep is stopping (stop_runs)."""
+    with _runs_lock:
+        if _runs["stopping"]:
+            return None
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env)
+        _runs["procs"].add(p)
+    rc = p.wait()  # the sweep's Ctrl-C or SIGTERM, raised here (one job), leaves p to stop_runs
+    with _runs_lock:
+        _runs["procs"].discard(p)
+    return rc
+
+
+def stop_runs(signal_error, grace=120):
+    """The sweep was stopped (signal_error: KeyboardInterrupt, or common.Terminated for SIGTERM):
+    start no new run, pass SIGTERM on to the running train.py processes (a terminal's Ctrl-C reached
+    them already; a SIGTERM went to the sweep alone) and wait for each to exit, SIGKILL after grace
+    seconds, so each ends as it would alone: its note in stdout.txt, resumable from its checkpoint."""
+    with _runs_lock:
+        _runs["stopping"] = True
+        procs = list(_runs["procs"])
+    for p in procs:
+        if isinstance(signal_error, Terminated):
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def train_argv(root, ds, m, k, s, lr, extra):
@@ -207,7 +249,7 @@ def cmd_collect(root, to):
     (curves_of: a collected run's own, else from its log) and args.json (train.py's resolved
     flags: run_args), small enough to commit; a run with neither log nor curves gets no
     curves.json. <root>/sweep-output.txt (the run commands' output) replaces <to>'s when it
-    continues it (a later collect of the same root), else is appended to it (another clone's).
+    continues it, else is appended to it (merge_output).
     Every run is read before anything is written, so a bad file leaves <to> as it was. A summary
     of a resumed run written before train.py recorded resumes gets the log's resumed_at and
     wall_s_this_process_only."""
@@ -233,8 +275,7 @@ def cmd_collect(root, to):
         kept = os.path.join(to, "sweep-output.txt")
         if os.path.exists(kept):
             with open(kept, encoding="utf-8", errors="replace") as f:
-                old = f.read()
-            text = text if text.startswith(old) else old if text in old else old + text
+                text = merge_output(f.read(), text)
         with open(kept, "w", encoding="utf-8") as f:
             f.write(text)
     for path, dest, summary, curves, args in runs:
@@ -252,6 +293,20 @@ def cmd_collect(root, to):
                 json.dump(args, f, indent=0, sort_keys=True)
     print(f"collected {len(runs)} runs from {root} into {to}")
     return 0
+
+
+def merge_output(old, new):
+    """The sweep output kept when a root's sweep-output.txt (new) is collected where one is (old):
+    old, then the lines of new past its longest beginning that old already holds (a later collect
+    of the same root or clone continues its earlier text; another clone's output is appended)."""
+    lines = new.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    held = "\n" + old if old.endswith("\n") or not old else "\n" + old + "\n"
+    for k in range(len(lines), 0, -1):
+        if "\n" + "".join(lines[:k]) in held:  # (at a line start: every line ends with a newline)
+            return held[1:] + "".join(lines[k:])
+    return held[1:] + "".join(lines)
 
 
 def check_outputs(out, into):
