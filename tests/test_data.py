@@ -667,6 +667,7 @@ def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):
             (tmp_path / n).write_bytes(b"half")
             os.utime(tmp_path / n, (old, old))
         save_atomic({"x": torch.ones(2)}, str(tmp_path / "ckpt_latest.pt"))
-        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == sorted(["ckpt_latest.pt", *leftovers[1:]])
+        kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt"))
+        assert kept == sorted(["ckpt_latest.pt", *leftovers[1:]])
     finally:
         alive.kill()
