@@ -551,8 +551,9 @@ def finish(r, rates):
     test_starts = data.eval_windows(data.test_split, args.block_size, args.eval_windows)
     test = evaluate(model, data, data.test_split, test_starts, args.block_size, args.eval_batch_size,
                     args.device, r.ctx, r.dist)
-    dev_nll = lambda: evaluate(model, data, "dev", data.eval_windows("dev", args.block_size, args.eval_windows),
-                               args.block_size, args.eval_batch_size, args.device, r.ctx, r.dist)
+    dev_starts = data.eval_windows("dev", args.block_size, args.eval_windows)
+    dev_nll = lambda: evaluate(model, data, "dev", dev_starts, args.block_size, args.eval_batch_size, args.device,
+                               r.ctx, r.dist)
     # a best checkpoint written before a resume with another --dtype recorded its dev NLL in that
     # dtype: recompute it in this one, so dev and test share the dtype --eval_only uses (the last run's)
     was = [best["args"].get("dtype") if best is not None and isinstance(best.get("args"), dict) else None]

@@ -340,8 +340,7 @@ def check_unfinished(ckpt, args):
 def check_compatible(ck, path, cfg, data, fix="use a fresh --out_dir"):
     """UsageError unless the checkpoint holds this model config and was trained on this data
     (ModelConfig.DEAD_FIELDS of older checkpoints are ignored); fix ends the model message."""
-    saved = ck["config"] if isinstance(ck["config"], dict) else {}
-    saved = {k: v for k, v in saved.items() if k not in cfg.DEAD_FIELDS}
+    saved = _live(ck["config"]) if isinstance(ck["config"], dict) else {}
     if not isinstance(ck["config"], dict) or saved != cfg.to_dict():
         diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
         raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; {fix}")

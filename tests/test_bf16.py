@@ -187,16 +187,21 @@ def test_train_bf16_cpu_tiny_every_model(name, text_data, tmp_path):
     assert s["model"] == name and np.isfinite(s["dev_nll"]) and np.isfinite(s["test_nll"])
 
 
+def loop_run_flags(text_data, out):
+    """train.py flags of a tiny Loop Transformer++ run on the text folder, evaluated every 2 updates."""
+    text_dir, data_root = text_data
+    return ["--model", "loop", "--depth", "2", "--device", "cpu", "--size", "tiny", "--eval_interval", "2",
+            "--block_size", "32", "--batch_size", "2", "--eval_windows", "2", "--eval_batch_size", "2",
+            "--sample_tokens", "0", "--dataset", str(text_dir), "--data_root", str(data_root),
+            "--out_dir", str(out), "--quiet"]
+
+
 def test_resume_and_eval_only_keep_the_checkpoints_dtype(text_data, tmp_path, capsys):
     """A bfloat16 run resumed or evaluated without --dtype keeps bfloat16 (the machine's auto would
     give float32 on a CPU): --eval_only prints the dev and test NLL the training run printed, bit
     for bit; an explicit --dtype float32 is an override, printed and logged."""
-    text_dir, data_root = text_data
     out = tmp_path / "out"
-    base = ["--model", "loop", "--depth", "2", "--device", "cpu", "--size", "tiny", "--eval_interval", "2",
-            "--block_size", "32", "--batch_size", "2", "--eval_windows", "2", "--eval_batch_size", "2",
-            "--sample_tokens", "0", "--dataset", str(text_dir), "--data_root", str(data_root),
-            "--out_dir", str(out), "--quiet"]
+    base = loop_run_flags(text_data, out)
     trained = train.run(train.parse_args(base + ["--max_iters", "2", "--dtype", "bfloat16"]))
     capsys.readouterr()
     evaluated = train.eval_only(train.parse_args(["--eval_only", "--out_dir", str(out)]), {"eval_only", "out_dir"})
@@ -218,12 +223,8 @@ def test_eval_only_repeats_a_resumed_runs_report_in_its_dtype(text_data, tmp_pat
     """A run resumed with another --dtype after its best checkpoint was written: its report gives
     dev and test NLL in the resumed run's dtype (the dev NLL recomputed), and --eval_only, which
     reads the evaluation flags from ckpt_latest.pt, prints the same numbers bit for bit."""
-    text_dir, data_root = text_data
     out = tmp_path / "out"
-    base = ["--model", "loop", "--depth", "2", "--device", "cpu", "--size", "tiny", "--eval_interval", "2",
-            "--block_size", "32", "--batch_size", "2", "--eval_windows", "2", "--eval_batch_size", "2",
-            "--sample_tokens", "0", "--dataset", str(text_dir), "--data_root", str(data_root),
-            "--out_dir", str(out), "--quiet"]
+    base = loop_run_flags(text_data, out)
     first = train.run(train.parse_args(base + ["--max_iters", "4", "--dtype", "bfloat16"]))
     argv = ["--resume", "--out_dir", str(out), "--max_iters", "6", "--dtype", "float32", "--learning_rate", "3"]
     resumed = train.run(train.parse_args(argv), train.given_flags(argv))

@@ -123,28 +123,30 @@ RECIPE = ("size", "tokenizer", "block_size", "batch_size", "gradient_accumulatio
           "eval_interval", "eval_windows", "max_tokens", "dtype")
 
 
-def check_recipe(rows):
-    """UsageError when two runs of one dataset (rows: load_runs's cells) were trained with another
-    recipe (RECIPE's flags, from run_settings): a table or claim compares models, so its models
-    must share the schedule, the budget and the rate (a learning-rate sweep has report --lr)."""
+def check_recipe(rows, settings):
+    """UsageError when two runs of one dataset (rows: load_runs's cells; settings: {run folder:
+    run_settings}) were trained with another recipe (RECIPE's flags): a table or claim compares
+    models, so its models must share the schedule, the budget and the rate (a learning-rate sweep
+    has report --lr)."""
     first = {}
     for key in sorted(rows, key=str):
         for r in rows[key]:
-            settings = run_settings(r["_dir"], r)
-            ref_dir, ref = first.setdefault(key[0], (r["_dir"], settings))
+            ref_dir, ref = first.setdefault(key[0], (r["_dir"], settings[r["_dir"]]))
             for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]:
-                if k in ref and k in settings and ref[k] != settings[k]:
-                    raise UsageError(f"{key[0]}: {ref_dir} has {k} {ref[k]}, {r['_dir']} has {k} {settings[k]}; "
+                mine = settings[r["_dir"]]
+                if k in ref and k in mine and ref[k] != mine[k]:
+                    raise UsageError(f"{key[0]}: {ref_dir} has {k} {ref[k]}, {r['_dir']} has {k} {mine[k]}; "
                                      "the models of a report share one recipe (another rate or budget: another "
                                      "--root; a learning-rate sweep: report --lr)")
 
 
-def check_cell(key, runs):
-    """UsageError unless the runs of one table cell (dicts with "_dir", a summary each) differ in
-    nothing but the seed: a mean over seeds of different settings is no result."""
-    ref = run_settings(runs[0]["_dir"], runs[0])
+def check_cell(key, runs, settings):
+    """UsageError unless the runs of one table cell (dicts with "_dir", a summary each; settings:
+    {run folder: run_settings}) differ in nothing but the seed: a mean over seeds of different
+    settings is no result."""
+    ref = settings[runs[0]["_dir"]]
     for r in runs[1:]:
-        other = run_settings(r["_dir"], r)
+        other = settings[r["_dir"]]
         for k in sorted(set(ref) & set(other)):
             if ref[k] != other[k]:
                 raise UsageError(f"{'/'.join(map(str, key))}: {runs[0]['_dir']} has {k} {ref[k]}, {r['_dir']} has "
@@ -260,6 +262,7 @@ def load_runs(root):
                              "dev_nll and test_nll finite numbers")
         s["_dir"] = os.path.dirname(path)
         rows.setdefault((os.path.basename(os.path.dirname(s["_dir"])), s["model"], s["depth"]), []).append(s)
+    settings = {}
     for key, v in rows.items():
         v.sort(key=lambda s: s["seed"])
         for a, b in zip(v, v[1:]):
@@ -267,8 +270,9 @@ def load_runs(root):
                 first, second = sorted((a["_dir"], b["_dir"]))
                 raise UsageError(f"--root {root}: {first} and {second} are both {key[1]} at K = {key[2]}, "
                                  f"seed {a['seed']}; keep one")
-        check_cell(key, v)
-    check_recipe(rows)
+        settings.update((s["_dir"], run_settings(s["_dir"], s)) for s in v)  # read once, for both checks
+        check_cell(key, v, settings)
+    check_recipe(rows, settings)
     return rows
 
 
