@@ -588,6 +588,30 @@ def test_collected_runs_are_checked_by_their_args_json(tmp_path):
         sweep_report.report(str(tmp_path))
 
 
+def test_a_run_resumed_with_another_setting_is_not_its_cells_equal(tmp_path):
+    """run_args reads every start record of a run's log, not its last: a seed trained at one rate
+    and resumed at another shows both, so the cell check, collect's args.json and the sweep's
+    check of an existing run see it (with the last start alone it passed as the cell's equal);
+    machine flags such as --resume and --out_dir may change between starts."""
+    fake_grid(str(tmp_path), {("tango", 4): 3.0}, curves=False)
+    start = lambda lr, resume: json.dumps({"event": "start", "args": {
+        "learning_rate": lr, "max_iters": 600, "resume": resume, "out_dir": "x" if resume else "y"}})
+    for s in (1, 2, 3):
+        (tmp_path / "stdlib" / f"tango-K4-s{s}" / "log.jsonl").write_text(
+            start(0.002, False) + "\n" + start(0.002, True) + "\n")
+    sweep_report.report(str(tmp_path))  # a resume at the same settings is the same run
+    run = tmp_path / "stdlib" / "tango-K4-s2"
+    (run / "log.jsonl").write_text(start(0.002, False) + "\n" + start(0.001, True) + "\n" + start(0.001, True) + "\n")
+    assert sweep_report.run_args(str(run)) == {"learning_rate": "0.002 -> 0.001", "max_iters": 600, "resume": True,
+                                               "out_dir": "x"}
+    with pytest.raises(UsageError, match=r"tango-K4-s1 has --learning_rate 0.002, .*tango-K4-s2 has --learning_rate "
+                                         r"0.002 -> 0.001; a cell averages runs that differ only in the seed$"):
+        sweep_report.report(str(tmp_path))
+    sweep.cmd_collect(str(tmp_path), str(tmp_path / "res"))
+    assert json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s2" / "args.json").read_text())["learning_rate"] \
+        == "0.002 -> 0.001"
+
+
 def test_run_refuses_a_copied_in_run_of_other_settings(tmp_path):
     """Continuing a grid from committed results (no log, an args.json): a run trained with other
     settings is refused, not skipped as done."""

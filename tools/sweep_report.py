@@ -84,13 +84,25 @@ SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params"
 
 
 def run_args(run):
-    """train.py's resolved flags of a run folder: its log's last start record, else the args.json
-    that collect wrote from it; {} when it has neither."""
-    start = [r for r in log_records(run) if r.get("event") == "start"]
-    if start:
-        return start[-1].get("args", {})
-    path = os.path.join(run, "args.json")
-    return read_json(path) if os.path.exists(path) else {}
+    """train.py's resolved flags of a run folder: its log's start records (one per start; a resumed
+    run has several), else the args.json that collect wrote from them; {} when it has neither. A
+    flag whose value changed between starts reads "A -> B" (a seed trained at one rate and resumed
+    at another is no longer its cell's equal); machine flags (--out_dir, --resume, ...) are the
+    last start's."""
+    from harness.checkpoint import MACHINE_FLAGS
+    starts = [r.get("args", {}) for r in log_records(run) if r.get("event") == "start"]
+    if not starts:
+        path = os.path.join(run, "args.json")
+        return read_json(path) if os.path.exists(path) else {}
+    out = dict(starts[-1])
+    for k in set(out) - set(MACHINE_FLAGS):
+        seen = []
+        for a in starts:
+            if k in a and a[k] not in seen:
+                seen.append(a[k])
+        if len(seen) > 1:
+            out[k] = " -> ".join(map(str, seen))
+    return out
 
 
 def unit_of(runs):
