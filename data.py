@@ -115,11 +115,13 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
             raise UsageError(f"--{flag}: only used with --dataset hf:NAME")
     suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")
     text = dict(tokenizer=tokenizer, max_tokens=max_tokens, num_proc=num_proc)
+    not_utf8 = []  # the files read with bytes that are not UTF-8 (_file_docs)
     if dataset == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         rels = _walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
         name, fp = "stdlib" + suffix, _fingerprint(root, rels, dataset, tokenizer, max_tokens)
-        build = lambda tmp: text_data._build_text(tmp, text_data._file_docs(root, rels), "stdlib", BY_FILE, by_key_only=True, **text)
+        build = lambda tmp: text_data._build_text(tmp, text_data._file_docs(root, rels, not_utf8), "stdlib", BY_FILE,
+                                                  by_key_only=True, not_utf8=not_utf8, **text)
     elif dataset == "dmmath":
         from harness import dmmath
         root, rels, name = dmmath.source(data_dir)
@@ -141,7 +143,8 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
             raise UsageError(f"--dataset {dataset}: no files in this folder")
         name = os.path.basename(path.rstrip(os.sep)) + "-" + hashlib.sha256(os.fsencode(path)).hexdigest()[:8] + suffix
         fp = _fingerprint(root, rels, "path", tokenizer, max_tokens)
-        build = lambda tmp: text_data._build_text(tmp, text_data._file_docs(root, rels), path, BY_FILE, by_key_only=False, **text)
+        build = lambda tmp: text_data._build_text(tmp, text_data._file_docs(root, rels, not_utf8), path, BY_FILE,
+                                                  by_key_only=False, not_utf8=not_utf8, **text)
     else:
         check_dataset(dataset)
 

@@ -23,34 +23,44 @@ from harness.token_files import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtyp
 
 
 def _read_text(path):
-    """A file's text (invalid UTF-8 read as U+FFFD), None for a binary file (a NUL byte);
-    UsageError naming a file that cannot be read."""
+    """(text, valid): a file's text and whether it was valid UTF-8 (invalid bytes read as U+FFFD);
+    text None for a binary file (a NUL byte). UsageError naming a file that cannot be read."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
         raise UsageError(f"--dataset: cannot read {path} ({e.strerror or type(e).__name__}); "
                          "make it readable or move it out of the dataset") from None
-    return None if b"\0" in raw else raw.decode("utf-8", errors="replace")  # NUL byte: binary
+    if b"\0" in raw:  # binary
+        return None, True
+    try:
+        return raw.decode("utf-8"), True
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), False
 
 
-def _file_docs(root, rels):
-    """(relative path, text) per readable file: the path decides the split."""
+def _file_docs(root, rels, not_utf8):
+    """(relative path, text) per file: the path decides the split. The relative paths of files
+    with bytes that are not UTF-8 (read as U+FFFD) are appended to the list not_utf8."""
     for rel in rels:
-        yield rel, _read_text(os.path.join(root, rel))
+        text, valid = _read_text(os.path.join(root, rel))
+        if not valid:
+            not_utf8.append(rel)
+        yield rel, text
 
 
 # ----------------------------------------------------------------------------- text datasets
 
 def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files",
-                unit="files", empty="binary or empty"):
+                unit="files", empty="binary or empty", not_utf8=None):
     """Tokenize documents ``(split_key, text)`` in order into train/dev/test bins under ``tmp``.
 
     A document whose text is None or "" is dropped (a binary or empty file; a row whose text is
     null or empty, `empty` says which). The documents read, kept and dropped are printed
     ("SOURCE: read N UNIT, kept K, dropped D (EMPTY)") and recorded as meta[unit] =
     {"read", "kept", "dropped"} (read: taken from the source; with max_tokens, reading stops about
-    a batch after the last token written).
+    a batch after the last token written). not_utf8: the list that _file_docs fills with the files
+    whose bytes are not all UTF-8; their number is printed and recorded as meta[unit]["not_utf8"].
 
     Each document is followed by an end-of-text token and goes whole into split_of(split_key)
     (the text itself when split_key is None). With max_tokens, writing stops at exactly that many
@@ -91,6 +101,11 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
                 break
     print(f"{source}: read {seen['read']:,} {unit}, kept {seen['kept']:,}, dropped {seen['dropped']:,} ({empty})",
           flush=True)
+    if not_utf8:
+        print(f"{source}: {len(not_utf8):,} of them not valid UTF-8 (those bytes read as U+FFFD), "
+              f"e.g. {not_utf8[0]}", flush=True)
+    if not_utf8 is not None:
+        seen["not_utf8"] = len(not_utf8)
     if not total:
         raise UsageError(f"--dataset {source}: no readable text ({seen['read']:,} {unit} read, all {empty})")
     if min(n_docs.values()) == 0 and not by_key_only:

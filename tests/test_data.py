@@ -369,7 +369,7 @@ def test_stdlib_split_by_file(gpt2_bpe, tmp_path):
     root = sysconfig.get_paths()["stdlib"]
     rels = data._walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
     assert rels and not any("site-packages" in r for r in rels)
-    texts = {r: text_data._read_text(os.path.join(root, r)) for r in rels}
+    texts = {r: text_data._read_text(os.path.join(root, r))[0] for r in rels}
     enc = data.gpt2_encoder()
     for s in ("train", "dev", "test"):
         mine = [r for r in rels if data.split_of(r) == s and texts[r]]
@@ -505,7 +505,7 @@ def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
     assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary or empty)" in capsys.readouterr().out
-    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2}
+    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2, "not_utf8": 0}
 
 
 def test_a_split_left_empty_is_refused_and_nothing_is_written(tmp_path, capsys):
@@ -569,18 +569,27 @@ def test_a_dataset_folder_holds_neither_the_runs_outputs_nor_the_prepared_data(t
                 train.check_flags(train.parse_args(argv), set())
 
 
-def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeypatch):
-    """A file name that is not UTF-8 is a file like any other (its bytes choose its split); a file
-    or folder that cannot be read is one line naming it, not a traceback nor a silent skip."""
+def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeypatch, capsys):
+    """A file name that is not UTF-8 is a file like any other (its bytes choose its split); bytes
+    that are not UTF-8 read as U+FFFD, and the files that hold them are counted (printed and in
+    meta.json); a file or folder that cannot be read is one line naming it, not a traceback nor a
+    silent skip."""
     write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
     odd = os.path.join(os.fsencode(tmp_path / "src"), b"caf\xe9.txt")
     with open(odd, "wb") as f:
         f.write(b"the odd one\n")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0}
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 0}
+    assert "not valid UTF-8" not in capsys.readouterr().out
     rel = os.fsdecode(b"caf\xe9.txt")
     assert data.split_of(rel) in ("train", "dev", "test")
     assert "the odd one" in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
+    with open(os.path.join(os.fsencode(tmp_path / "src"), b"f3.txt"), "wb") as f:
+        f.write(b"latin-1 caf\xe9\n")
+    d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 1}
+    assert ": 1 of them not valid UTF-8 (those bytes read as U+FFFD), e.g. f3.txt\n" in capsys.readouterr().out
+    assert "latin-1 caf\ufffd\n" in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
 
     (tmp_path / "src" / "sub").mkdir()
     real_scandir = os.scandir
