@@ -13,7 +13,9 @@ unknown id).
 ``prepare`` writes ``<out_root>/<name>/``: one ``<split>.bin`` per split (raw uint16 token ids,
 uint32 if the vocabulary is larger than 65536), ``meta.json`` and, for masked datasets,
 ``<split>.mask.bin`` (uint8, 1 = the token counts as a target) and ``<split>.problems.npy``.
-``Data`` memory-maps such a folder. Bad input raises ``common.UsageError`` (one line, exit 2).
+``Data`` memory-maps such a folder and ``check_data`` checks it against its meta.json (train.py
+and this command run it on every folder they use). Bad input raises ``common.UsageError`` (one
+line, exit 2).
 Text documents become token files in text_data.py (reading, tokenizing in worker processes, the
 char vocabulary), shared by the stdlib, local-path and Hugging Face datasets.
 """
@@ -320,6 +322,54 @@ class Data:
         return self._enc
 
 
+def check_data(data, chunk=1 << 24):
+    """UsageError unless the prepared files agree with meta.json: the splits train, dev and the test
+    split exist, each split's bin has meta.json's SHA-256 (a byte changed after preparation), every
+    token id is < vocab_size, masks are 0/1, problem offsets lie inside their split. Reads every
+    token twice (the hash, the id range: about 0.5 GB/s together)."""
+    meta, where = data.meta, os.path.join(data.folder, "meta.json")
+    again = f"delete {data.folder} to prepare it again"
+    splits = meta["splits"]
+    needed = ["train", "dev", data.test_split] + list(meta.get("em_splits", []))
+    missing = [s for s in needed if s not in splits]
+    if missing:
+        raise UsageError(f"{where}: no split {', '.join(missing)} (it has {', '.join(splits)}); {again}")
+    if data.tokenizer == "char" and len(meta.get("itos", [])) != data.vocab_size:
+        raise UsageError(f"{where}: itos has {len(meta.get('itos', []))} symbols, vocab_size is {data.vocab_size}")
+    digests = meta.get("sha256", {})  # (folders prepared before it was recorded have none)
+    for s, n in splits.items():
+        path = os.path.join(data.folder, s + ".bin")
+        if s in digests and sha256_file(path) != digests[s]:
+            raise UsageError(f"{path}: its SHA-256 is not meta.json's (the file changed after it was prepared); {again}")
+        tok = data.tokens(s)
+        top = max((int(tok[i:i + chunk].max()) for i in range(0, n, chunk)), default=-1)
+        if top >= data.vocab_size:
+            raise UsageError(f"{os.path.join(data.folder, s + '.bin')}: token id {top} >= vocab_size "
+                             f"{data.vocab_size} of meta.json; {again}")
+        mask = data.mask(s)
+        if mask is not None and max((int(mask[i:i + chunk].max()) for i in range(0, n, chunk)), default=0) > 1:
+            raise UsageError(f"{os.path.join(data.folder, s + '.mask.bin')}: values other than 0/1; {again}")
+        check_problems(data, s, n, again)
+
+
+def check_problems(data, split, n, again):
+    """UsageError unless <split>.problems.npy (if any) holds (question, answer, end) offsets
+    0 <= q <= a <= e <= n."""
+    path = os.path.join(data.folder, f"{split}.problems.npy")
+    if not os.path.exists(path):
+        return
+    try:
+        p = data.problems(split)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is bad input
+        raise UsageError(f"{path}: unreadable ({type(e).__name__}); {again}") from None
+    ok = p.ndim == 2 and p.shape[1] == 3 and np.issubdtype(p.dtype, np.integer)
+    if ok and len(p):
+        ok = bool((p[:, 0] >= 0).all() and (p[:, 0] <= p[:, 1]).all() and (p[:, 1] <= p[:, 2]).all()
+                  and (p[:, 2] <= n).all())
+    if not ok:
+        raise UsageError(f"{path}: problem offsets do not fit the split's {n} tokens; {again}")
+
+
 def target_counts(data, split, chunk=1 << 24):
     """How often each token id is a counted target of split (tokens 1..n-1; only mask==1 ones for
     masked datasets), (vocab_size,) int64; read in chunks, so a split need not fit in memory."""
@@ -412,6 +462,7 @@ def main(argv=None):
         args = p.parse_args(argv)
         check_output_folder("--data_root", args.data_root)  # before any tokenizing
         d = Data(prepare(args.dataset, args.data_dir, args.data_root, **flag_options(args), allow_empty_splits=False))
+        check_data(d)  # a folder prepared earlier may have changed since
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

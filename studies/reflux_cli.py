@@ -25,7 +25,7 @@ import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
 from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
                     make_parent, nll_unit, run_command)
-from harness.datacheck import check_data, data_signature, same_data
+from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
 from sample import CheckpointTokenizer
@@ -58,7 +58,7 @@ def load(path, data_root=None):
     if data_root is not None:
         dargs.data_root = data_root
     data = data_mod.Data(data_mod.prepare(dargs.dataset, dargs.data_dir, dargs.data_root, **data_mod.flag_options(dargs)))
-    check_data(data)
+    data_mod.check_data(data)
     if not same_data(ck["data"], data):
         raise UsageError(f"--base {path}: trained on other data than {data.folder} (tokenizer, vocabulary, "
                          f"split sizes or tokens differ); give --data_root where its dataset was prepared")

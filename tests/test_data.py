@@ -497,6 +497,27 @@ def test_cli_help_and_errors(tmp_path, capsys):
     assert data._count("1.5e9") == 1_500_000_000 and data._count("1_000") == 1000
 
 
+def test_cli_checks_a_folder_prepared_earlier(tmp_path, capsys):
+    """python data.py on a folder prepared earlier checks its files against meta.json, as train.py
+    does (check_data): a byte changed since is one line naming the file, exit code 2."""
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    argv = ["--dataset", str(tmp_path / "src"), "--tokenizer", "char", "--data_root", str(tmp_path / "out")]
+    data.main(argv)
+    folder = re.search(r"^(\S+): char vocab", capsys.readouterr().out, re.M).group(1)
+    data.main(argv)  # found prepared and unchanged
+    assert capsys.readouterr().out.startswith(folder + ": char vocab")
+    dev = os.path.join(folder, "dev.bin")
+    a = np.fromfile(dev, np.uint8)
+    i = int(np.flatnonzero(a[:-1] != a[1:])[0])
+    a[i], a[i + 1] = a[i + 1], a[i]  # every id stays in the vocabulary: only the hash can tell
+    a.tofile(dev)
+    with pytest.raises(SystemExit) as e:
+        data.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"error: {dev}: its SHA-256 is not meta.json's (the file changed after it "
+                                         f"was prepared); delete {folder} to prepare it again"]
+
+
 def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     """A folder source drops binary and empty files: the files read, kept and dropped are printed and
     recorded in meta.json (as Hugging Face rows are), not dropped without a word."""
