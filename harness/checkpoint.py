@@ -169,13 +169,14 @@ def trim_log(path, it):
 
 # ----------------------------------------------------------------------------- reading and resuming
 
-def load_checkpoint(path, keys=("model", "config"), flag="--resume"):
+def load_checkpoint(path, keys=("model", "config"), flag="--resume", mmap=False):
     """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing (naming
-    flag), unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys."""
+    flag), unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys. mmap: map the
+    file instead of reading it, for a caller that reads a few entries of a large checkpoint."""
     if not os.path.isfile(path):
         raise UsageError(f"{flag}: no checkpoint at {path}")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file
         why = ("it holds objects that torch.load(weights_only=True) refuses (not written by train.py)"
                if "Weights only load failed" in str(e) else "it may be truncated or corrupted")
@@ -225,7 +226,8 @@ def eval_only_args(args, given):
                            flag="--eval_only")
     saved = saved_args(ckpt, path)
     if os.path.exists(latest):
-        last = load_checkpoint(latest, keys=("config", "args"), flag="--eval_only")
+        # mapped: its args are read, not its optimizer state
+        last = load_checkpoint(latest, keys=("config", "args"), flag="--eval_only", mmap=True)
         if _live(last["config"]) != _live(ckpt["config"]):
             raise UsageError(f"{latest}: another model than {path}; --eval_only reads the run's "
                              "evaluation flags from it (move it away to use the best checkpoint's)")

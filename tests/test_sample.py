@@ -449,7 +449,8 @@ def test_nan_weights_are_a_damaged_file_for_sample_and_eval_only(ckpts, tmp_path
 
 def test_eval_only_damaged_folders(ckpts, mdm_flags, tmp_path, capsys):
     """A best checkpoint whose config disagrees with its own flags is damaged (not "use a fresh
-    --out_dir": nothing is trained); a latest checkpoint of another model than the best is named."""
+    --out_dir": nothing is trained); a latest checkpoint of another model than the best, or a
+    truncated one, is named."""
     ck = load_checkpoint(ckpts["loop"] / "ckpt_best.pt")
     width = ck["config"]["width"]
     torch.save({**ck, "config": {**ck["config"], "width": width + 8}}, tmp_path / "ckpt_best.pt")
@@ -464,6 +465,12 @@ def test_eval_only_damaged_folders(ckpts, mdm_flags, tmp_path, capsys):
     assert err == (f"error: {tmp_path / 'ckpt_latest.pt'}: another model than {tmp_path / 'ckpt_best.pt'}; "
                    "--eval_only reads the run's evaluation flags from it (move it away to use the best "
                    "checkpoint's)\n")
+    latest = tmp_path / "ckpt_latest.pt"  # read mapped (its args, not its optimizer state): damage is still one line
+    latest.write_bytes((ckpts["loop"] / "ckpt_latest.pt").read_bytes()[:5000])
+    code, out, err = eval_only_call(["--out_dir", tmp_path, "--data_root", mdm_flags[-1]], capsys)
+    assert (code, out) == (2, "")
+    assert re.fullmatch(f"error: {re.escape(str(latest))}: not a readable checkpoint \\(\\w+\\); it may be truncated or "
+                        "corrupted\n", err)
 
 
 def test_a_given_auto_is_the_checkpoints_choice(tmp_path):
