@@ -394,20 +394,26 @@ def reflux_forward_macs(cfg: ModelConfig, T: int, schedule: str, edges: int = 1,
 
 # ============================================================================= LRT, LRT with thought tokens
 # LRT (latent_recurrence.py): S = (n + 1) T slot rows (n = cfg.n_thoughts for lrt-think, 0 for
-# lrt). The init pass runs Transformer++ over all S rows; the k refinement passes together run it
-# once more over every row, each subset's n_j queries scoring all S buffered keys (a full n_j x S
+# lrt). The init pass runs Transformer++ over all S rows, but for the last block's attention and MLP
+# (only its keys and values are read; unless that block is the memory's source); the k refinement
+# passes together run it once more over every row, each subset's n_j queries scoring all S buffered keys (a full n_j x S
 # product: sum_j n_j S = S^2). The memory map W_m (d^2) is applied once per refined row; with
 # lrt_kv, W_km and W_vm (2 d^2) too, and every row's private key/value costs d more score and d more
 # mix MACs per block in both passes. Only the T scored rows reach the head.
 
 def lrt_forward_macs(cfg: ModelConfig, T: int) -> dict:
-    """Forward MACs (MATH.md, Cost) of LRT / LRT with thought tokens (same keys as forward_macs):
-    linear 2 S K (4d^2 + 3dF) + S d^2 (+ 2 S d^2), scores = mix = 2 S^2 d K (+ 2 S d K), head V d T."""
+    """Forward MACs (MATH.md, Cost) of LRT / LRT with thought tokens (same keys as forward_macs), with
+    A = 2K - 1 block attentions (2K when the last block is the memory's source, K <= 3 by default):
+    linear 2 S K (4d^2 + 3dF) - (2K - A) S (d^2 + 3dF) + S d^2 (+ 2 S d^2), scores = mix = A S^2 d
+    (+ A S d), head V d T."""
+    from latent_recurrence import source_block
     d, F, K = cfg.n_embd, cfg.width, cfg.depth
     S = (cfg.n_thoughts + 1 if cfg.model == "lrt-think" else 1) * T
     kv = 1 if cfg.lrt_kv else 0
-    out = {"linear": 2 * S * K * (4 * d * d + 3 * d * F) + (1 + 2 * kv) * S * d * d,
-           "scores": 2 * S * S * d * K + kv * 2 * S * d * K, "mix": 2 * S * S * d * K + kv * 2 * S * d * K,
+    A = 2 * K - (source_block(cfg) != K - 1)  # block attentions: the init pass skips its last unless it is the source
+    out = {"linear": 2 * S * K * (4 * d * d + 3 * d * F) - (2 * K - A) * S * (d * d + 3 * d * F)
+           + (1 + 2 * kv) * S * d * d,
+           "scores": A * S * S * d + kv * A * S * d, "mix": A * S * S * d + kv * A * S * d,
            "head": cfg.vocab_size * d * T}
     out["total"] = sum(out.values())
     return out
@@ -465,8 +471,6 @@ TRAIN_FLOPS_NOMINAL = {
     **dict.fromkeys(RECURRENT_MODELS, "a training step runs a random number of recurrences (the batch's "
                                       "largest Poisson draw), with truncated backprop"),
     "ponder": "training draws N in {2, 3} Jacobi refinements (--jacobi_random), the formula counts --jacobi",
-    **dict.fromkeys(("lrt", "lrt-think"), "the init pass's work that only its discarded output depends "
-                                          "on gets no backward"),
 }
 
 

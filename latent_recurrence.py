@@ -23,7 +23,8 @@ input). The exact model is sequential in the slots (slot i needs z_src(i-1), whi
 that is `sequential_reference` and cached decoding (one slot per pass).
 
 Training and the full forward: interleaved parallel refinement (k = cfg.lrt_subsets):
-  1. init pass: all S slots with m = 0; keep every block's keys/values (after RoPE) and z_src;
+  1. init pass: all S slots with m = 0; keep every block's keys/values (after RoPE) and z_src
+     (its output z_{K-1} is not used: the last block's attention and MLP are skipped);
   2. for j = 0..k-1, the rows P_j = {i : i mod k = j}: recompute them with m_i from the kept
      z_src(i-1); in each block their queries attend to the kept keys/values with P_j's rows
      replaced by the fresh ones; write the fresh keys/values and z_src back;
@@ -42,7 +43,9 @@ on the prompt's slots.
 
 Parameters: K (4d^2 + 3dF + 2d) + d (final norm) + d^2 + d (W_m, RMSNorm_m) [+ 2 d^2 with lrt_kv]
 [+ n d: e_θ,k for lrt-think]. Forward MACs (flops.py): both passes over S rows, 2 S K (4d^2 + 3dF)
-+ S d^2 (W_m) [+ 2 S d^2], scores and mix 2 S^2 d K each [+ 2 S d K with lrt_kv], head V d T.
++ S d^2 (W_m) [+ 2 S d^2], scores and mix 2 S^2 d K each [+ 2 S d K with lrt_kv], head V d T, less
+the init pass's last-block attention and MLP (only z_{K-1} needs them; kept when that block is the
+source): S (d^2 + 3dF) linear, S^2 d [+ S d] scores and as much mix.
 """
 import math
 from contextlib import nullcontext
@@ -102,6 +105,11 @@ class LRTBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def source_block(cfg):
+    """The block whose output z_src feeds the memory: cfg.lrt_src, or floor(2K/3) for -1."""
+    return cfg.lrt_src if cfg.lrt_src != -1 else (2 * cfg.depth) // 3
+
+
 class LatentRecurrence(nn.Module):
     """LRT body (think=False) or LRT with n = cfg.n_thoughts thought slots per token (think=True).
     forward(x (B, T, d), cos, sin, cache) -> (B, T, d): the last slot's z_{K-1} of every token.
@@ -110,7 +118,7 @@ class LatentRecurrence(nn.Module):
     def __init__(self, cfg, think):
         super().__init__()
         K, d = cfg.depth, cfg.n_embd
-        self.src = cfg.lrt_src if cfg.lrt_src != -1 else (2 * K) // 3
+        self.src = source_block(cfg)
         self.tgt = cfg.lrt_tgt
         if not 0 <= self.src < K:
             raise UsageError(f"--lrt_src {cfg.lrt_src}: must be -1 (floor(2K/3)) or a block 0..{K - 1}")
@@ -152,11 +160,12 @@ class LatentRecurrence(nn.Module):
         """m_i = RMSNorm_m(z_src(i-1)) for i = 0..S (a row of zeros before slot 0): (B, S, d) -> (B, S + 1, d)."""
         return self.mem_norm(F.pad(src, (0, 0, 1, 0)))
 
-    def rows(self, x, cos, sin, m=None, kv=None, rows=None, cache=None):
+    def rows(self, x, cos, sin, m=None, kv=None, rows=None, cache=None, need_out=True):
         """The K blocks on n slot rows x: (B, n, d) with their RoPE rows; m: their memories (B, n, d)
         or None (m = 0). kv: None (the rows are the whole sequence), or one (K, V) per block,
         (B, H, S, 32): with rows (LongTensor (n,)) the rows' entries are replaced, without rows the
-        fresh ones are appended (decoding). Returns z_{K-1} (B, n, d), z_src (B, n, d), the (K, V) per block."""
+        fresh ones are appended (decoding). Returns z_{K-1} (B, n, d), z_src (B, n, d), the (K, V) per block;
+        need_out=False (the init pass) skips what only z_{K-1} needs and returns None for it."""
         mem = None
         if self.w_km is not None:
             if m is None:
@@ -178,8 +187,10 @@ class LatentRecurrence(nn.Module):
                     k, v = torch.cat((K0, k), 2), torch.cat((V0, v), 2)
                 else:
                     k, v = K0.index_copy(2, rows, k), V0.index_copy(2, rows, v)
-            x = blk.finish(x, q, k, v, mask, mem, cache)
             out_kv.append((k, v))
+            if not need_out and l == len(self.blocks) - 1 and l != self.src:
+                return None, src, out_kv  # the last block's attention and MLP would only make z_{K-1}
+            x = blk.finish(x, q, k, v, mask, mem, cache)
             if l == self.src:
                 src = x
         return x, src, out_kv
@@ -190,7 +201,7 @@ class LatentRecurrence(nn.Module):
         B, S, d = x.shape
         k = min(self.subsets, S)
         with torch.no_grad() if self.detach_init and torch.is_grad_enabled() else nullcontext():
-            _, src, kv = self.rows(x, cos, sin, cache=cache)  # init pass, m = 0
+            _, src, kv = self.rows(x, cos, sin, cache=cache, need_out=False)  # init pass, m = 0
         out = None
         for j in range(k):
             rows = torch.arange(j, S, k, device=x.device)
