@@ -658,6 +658,23 @@ def test_lrs_with_a_trailing_comma_and_an_lr_report_under_a_dash_lr_path(tmp_pat
     assert "| loop | 2 | 2e-3 |" in table and "| tango | 2 | 1e-3 |" in table
 
 
+def test_lr_report_of_collected_runs_reads_their_curves(tmp_path):
+    """A collected learning-rate run has curves.json, not its log: its final training loss (mean of
+    the last 10) and best dev NLL come from the curves ("-" before), its diagnostics stay "-"."""
+    root = tmp_path / "runs"
+    run = root / "dmmath" / "parcae-K4-s1-lr1e-3"
+    run.mkdir(parents=True)
+    recs = [{"event": "start", "args": {"batch_size": 2, "block_size": 8, "gradient_accumulation_steps": 1}}]
+    recs += [{"event": "train", "iter": i, "loss": 3.0 - i / 100, "diag": {"state_norm_max": 5.0}} for i in range(1, 21)]
+    recs += [{"event": "eval", "iter": i, "dev_nll": v, "diag": {"abar_max": 0.5}} for i, v in ((10, 2.9), (20, 2.7))]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "summary.json").write_text(json.dumps({"model": "parcae", "depth": 4, "seed": 1}))
+    raw = sweep_report.lr_report(str(root))
+    assert "| parcae | 4 | 1e-3 | 2.845 | 2.700 | 5.0 | 0.500 | - | finished |" in raw  # 3 - 15.5 / 100: updates 11-20
+    sweep.cmd_collect(str(root), str(tmp_path / "res"))
+    assert "| parcae | 4 | 1e-3 | 2.845 | 2.700 | - | - | - | finished |" in sweep_report.lr_report(str(tmp_path / "res"))
+
+
 def test_a_stopped_sweep_passes_sigterm_on_and_starts_nothing_new(tmp_path):
     """SIGTERM reaches the sweep alone (Ctrl-C the whole process group): stop_runs passes it on to
     the running train.py, waits for it to exit, and no run starts after it."""

@@ -206,7 +206,7 @@ def lr_report(root):
     """Learning-rate sweep table (runs named ...-lr<LR>): final training loss (mean of the last 10
     updates), best dev NLL, the largest recurrent-state norm seen in training and, from the last
     evaluation, max Abar (Parcae) or ||W_1||_2 (RDM). A run stopped by a non-finite loss shows as
-    diverged."""
+    diverged. A collected run (curves.json, no log) has its losses and dev NLLs, not the diagnostics."""
     out = ["| model | K | peak lr | final train loss | best dev NLL | max state norm | max Abar | "
            "spectral norm (Parcae: diag(Delta) B, RDM: W_1) | status |", "|---|---|---|---|---|---|---|---|---|"]
     name_of = lambda p: os.path.basename(p)  # (a root's own path may hold "-lr" or "-K")
@@ -220,6 +220,9 @@ def lr_report(root):
         recs = log_records(d)
         train = [r for r in recs if r["event"] == "train"]
         evals = [r for r in recs if r["event"] == "eval"]
+        if not recs and os.path.exists(os.path.join(d, "curves.json")):  # collected: its curves only
+            c = curves_of(d)
+            train, evals = [{"loss": v} for _, v in c["train"]], [{"dev_nll": v} for _, v in c["eval"]]
         done = os.path.exists(os.path.join(d, "summary.json"))
         name = os.path.basename(d)
         model, depth = name.split("-K")[0], name.split("-K")[1].split("-")[0]
