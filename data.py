@@ -169,10 +169,15 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         meta["sha256"] = {s: sha256_file(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        if os.path.exists(folder):
-            old = tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
-            os.replace(folder, os.path.join(old, name))
-        os.replace(tmp, folder)
+        try:
+            os.replace(tmp, folder)  # fails when folder exists: a stale one, or one just prepared by another process
+        except OSError:
+            if _matches(folder, fp):  # another process prepared the same tokens meanwhile: keep its folder
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                old = tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
+                os.replace(folder, os.path.join(old, name))
+                os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not any(files for _, _, files in os.walk(created)):

@@ -518,6 +518,34 @@ def test_cli_checks_a_folder_prepared_earlier(tmp_path, capsys):
                                          f"was prepared); delete {folder} to prepare it again"]
 
 
+def test_two_preparations_of_one_folder_at_once(tmp_path, monkeypatch):
+    """Two processes that prepare the same data at once (two train.py started together on a new
+    --data_root): the one that finishes second finds the folder in place and keeps it, the first
+    one's files that it may be reading (it replaced them, or failed with "Directory not empty"
+    when the other finished between its check and its rename); a stale folder is still replaced."""
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    build, first = text_data._build_text, []
+
+    def other_process_first(*a, **k):  # the other preparation puts its folder in place meanwhile
+        if not first:
+            first.append(None)
+            first[0] = data.prepare(src, out_root=out, tokenizer="char")
+            first.append(os.stat(os.path.join(first[0], "meta.json")).st_ino)
+        return build(*a, **k)
+    monkeypatch.setattr(text_data, "_build_text", other_process_first)
+    folder = data.prepare(src, out_root=out, tokenizer="char")
+    assert first[0] == folder and sorted(os.listdir(out)) == [os.path.basename(folder)]
+    assert os.stat(os.path.join(folder, "meta.json")).st_ino == first[1]  # the first one's, which it may be reading
+    data.check_data(data.Data(folder))
+    monkeypatch.setattr(text_data, "_build_text", build)
+    os.utime(tmp_path / "src" / "f0.txt", ns=(1, 1))  # the sources changed: the folder is stale
+    (tmp_path / "src" / "f0.txt").write_text("new text\n")
+    assert data.prepare(src, out_root=out, tokenizer="char") == folder
+    assert "new text" in "".join(data.Data(folder).decode(data.Data(folder).tokens(s)) for s in ("train", "dev", "test"))
+    assert sorted(os.listdir(out)) == [os.path.basename(folder)]
+
+
 def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     """A folder source drops binary and empty files: the files read, kept and dropped are printed and
     recorded in meta.json (as Hugging Face rows are), not dropped without a word."""
