@@ -49,7 +49,7 @@ import torch.distributed as tdist
 
 import data as data_mod
 from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, check_resume, check_unfinished,
-                                eval_only_args, load_checkpoint, load_weights, remove_stale, restore, resume_args,
+                                eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command, synchronizer
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
@@ -334,14 +334,11 @@ def overrides(changed):
 
 
 def open_outputs(r, resumed, changed):
-    """Create out_dir and the log (rank 0), print the run's header and log its start event."""
+    """Open the log (rank 0; a fresh run's is written from its first update on, Log), print the run's
+    header and log its start event."""
     args = r.args
-    if r.dist.main:
-        os.makedirs(args.out_dir, exist_ok=True)
-        if not resumed:
-            remove_stale(args.out_dir)
-        elif os.path.exists(os.path.join(args.out_dir, "summary.json")):  # an extended finished run
-            os.remove(os.path.join(args.out_dir, "summary.json"))  # unfinished until finish writes its own
+    if r.dist.main and resumed and os.path.exists(os.path.join(args.out_dir, "summary.json")):  # an extended finished run
+        os.remove(os.path.join(args.out_dir, "summary.json"))  # unfinished until finish writes its own
     r.log = log = Log(args.out_dir, r.dist, resumed_at=r.it if resumed else None, quiet=args.quiet,
                       total=args.max_iters, desc=args.model)
     n_params, err = r.model.num_params(), r.model.num_params() / r.target - 1
@@ -431,6 +428,7 @@ def read_updates(r, pending, tokens_per_update, since):
             secs = elapsed / len(pending)
         rates.append(tokens_per_update / secs)
         if r.first_update_s is None:
+            r.log.start_writing()  # the run has trained: out_dir and its log from now on
             r.first_update_s = time.time() - r.t_start
             r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
                       + (", compile" if r.args.compile else "") + " included)")

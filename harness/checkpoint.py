@@ -135,13 +135,12 @@ def _tuplify(x):
 
 
 def remove_stale(out_dir):
-    """A fresh run replaces the checkpoints and summary of an earlier run in its out_dir."""
+    """A fresh run replaces the checkpoints and summary of an earlier run in its out_dir (its log is
+    rewritten): removes them and returns their names."""
     stale = [f for f in (LATEST, BEST, "summary.json") if os.path.exists(os.path.join(out_dir, f))]
     for f in stale:
         os.remove(os.path.join(out_dir, f))
-    if stale:
-        print(f"note: fresh run in {out_dir}: removed {', '.join(stale)} of an earlier run "
-              "(use --resume to continue a run)")
+    return stale
 
 
 FINISH_EVENTS = ("summary", "depth_sweep")  # what train.finish writes: a resumed run writes its own

@@ -15,7 +15,7 @@ import torch.distributed as tdist
 
 import data as data_mod
 from common import UsageError, check_output_folder, check_seed
-from harness.checkpoint import trim_log
+from harness.checkpoint import remove_stale, trim_log
 from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
@@ -244,23 +244,50 @@ class Dist:
 # ----------------------------------------------------------------------------- console, log.jsonl
 
 class Log:
-    """log.jsonl and console output; silent on ranks other than 0."""
+    """log.jsonl and console output; silent on ranks other than 0.
+
+    A resumed run appends to its log at once. A fresh run keeps its records in memory until
+    start_writing(), which train.py calls once the first update has run: only then is out_dir
+    created, an earlier run's checkpoints, summary and log removed (remove_stale) and the log
+    written, so a run that fails before that (a batch that does not fit in memory, a non-finite
+    first loss, Ctrl-C) leaves out_dir as it found it."""
 
     def __init__(self, out_dir, dist, resumed_at=None, quiet=False, total=0, desc=""):
         self.main = dist.main
-        self.path = os.path.join(out_dir, "log.jsonl")
+        self.out_dir, self.path = out_dir, os.path.join(out_dir, "log.jsonl")
         self.f = self.bar = None
+        self.pending = None  # a fresh run's records until start_writing
         if not self.main:
             return
         if resumed_at is not None:
             trim_log(self.path, resumed_at)  # drop records after the checkpoint being resumed
-        self.f = open(self.path, "a" if resumed_at is not None else "w")
+            self.f = open(self.path, "a")
+        else:
+            self.pending = []
         if not quiet:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=resumed_at or 0, desc=desc, dynamic_ncols=True)
 
+    def start_writing(self):
+        """A fresh run's first update has run: create out_dir, remove an earlier run's files in it,
+        write the records kept so far. A no-op for a resumed run, on other ranks and after the first call."""
+        if self.pending is None:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        stale = remove_stale(self.out_dir)
+        self.f = open(self.path, "w")
+        for rec in self.pending:
+            self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        self.pending = None
+        if stale:
+            self.say(f"note: fresh run in {self.out_dir}: removed {', '.join(stale)} of an earlier run "
+                     "(use --resume to continue a run)")
+
     def emit(self, **rec):
-        if self.f:
+        if self.pending is not None:
+            self.pending.append(rec)
+        elif self.f:
             self.f.write(json.dumps(rec) + "\n")
             self.f.flush()
 

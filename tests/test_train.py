@@ -745,6 +745,25 @@ def test_bad_input_in_a_real_process(mdm, data_root, tmp_path):
     assert p.stderr.startswith("error: --resume: no checkpoint") and not (tmp_path / "out").exists()
 
 
+def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path):
+    """A fresh run whose first update fails (here a batch that does not fit in memory: one line,
+    exit 2) creates no out_dir, and in an out_dir holding an earlier run leaves its checkpoints,
+    summary and log byte for byte (they were removed at start, before anything had trained); a
+    fresh run that trains replaces them once its first update has run, and says so."""
+    big = ["--batch_size", str(10 ** 9)]
+    p = run_train(flags(mdm, data_root, tmp_path / "new", *big), check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
+    assert p.stderr.startswith("error: out of memory (") and not (tmp_path / "new").exists()
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    before = snapshot(out)
+    p = run_train(flags(mdm, data_root, out, *big), check=False)
+    assert p.returncode == 2 and p.stderr.startswith("error: out of memory (") and snapshot(out) == before
+    p = run_train(flags(mdm, data_root, out))  # one that trains replaces the earlier run, and says so
+    assert f"note: fresh run in {out}: removed ckpt_latest.pt, ckpt_best.pt, summary.json of an earlier run" in p.stdout
+    assert len(records(out, "start")) == 1 and records(out, "start")[0]["resumed_at"] == 0
+
+
 def test_report_names_how_many_updates_its_throughput_median_covers(capsys):
     """The throughput line says over how many updates the median was taken (a 3-update run has 3)."""
     s = {"non_embedding_params": 10, "unigram_dev": 3.0, "best_iter": 3, "dev_nll": 2.0, "test_nll": 2.1,
