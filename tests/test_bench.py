@@ -303,6 +303,10 @@ BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py
     (["decode", "--models", "flash", "--chunk", "0"], "--chunk 0: must be >= 1"),
     (["--json", "."], "--json .: is a folder; give a file path"),
     (["decode", "--json", "."], "--json .: is a folder; give a file path"),
+    (["--json", ""], '--json "": an empty path; give a file path'),  # not the default path
+    (["--md", ""], '--md "": an empty path; give a file path'),
+    (["decode", "--json", ""], '--json "": an empty path; give a file path'),
+    (["--block_sizes", ""], "--block_sizes: need positive integers"),  # not the default sizes
     (["--main_job", "--model nope"], "--main_job '--model nope': --model: unknown model 'nope'; choose one of tango,"),
     (["--main_job", "--depth 0"], "--main_job '--depth 0': --depth 0: must be >= 1"),
     (["--main_job", "--start 'x"], "--main_job \"--start 'x\": No closing quotation"),

@@ -340,8 +340,11 @@ def test_grid_report_without_held_out_depths(tmp_path):
     (["--out_dir", "x"], "", "-- --out_dir: the sweep sets this itself per run"),
     (["--seed=3"], "", "-- --seed: the sweep sets this itself per run"),
     (["--bogus"], "", "-- --bogus: not a train.py flag"),
-    ([], "1e-3,abc", "--lrs 1e-3,abc: comma-separated learning rates > 0"),
-    ([], "-1", "--lrs -1: comma-separated learning rates > 0"),
+    ([], "1e-3,abc", "--lrs 1e-3,abc: comma-separated finite learning rates > 0"),
+    ([], "-1", "--lrs -1: comma-separated finite learning rates > 0"),
+    ([], "inf", "--lrs inf: comma-separated finite learning rates > 0"),
+    ([], "1e400", "--lrs 1e400: comma-separated finite learning rates > 0"),
+    ([], "1e-3/2", "--lrs 1e-3/2: comma-separated finite learning rates > 0"),
 ])
 def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
     """Flags the sweep sets per run would win after `--` (every run into one --out_dir); unknown
@@ -350,8 +353,9 @@ def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
     with pytest.raises(UsageError) as e:
         sweep.check_run_flags(args, extra)
     assert str(e.value).startswith(message)
-    sweep.check_run_flags(argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs="1e-3", datasets="stdlib"),
-                          ["--size", "tiny", "--warmup_iters", "5"])  # these are fine
+    for ok in ("1e-3", "1E-3,2e+0,0.5,3."):  # these are fine, as train.py's --learning_rate reads them
+        sweep.check_run_flags(argparse.Namespace(models="tango", depths="4", seeds=1, jobs=1, lrs=ok, datasets="stdlib"),
+                              ["--size", "tiny", "--warmup_iters", "5"])
 
 
 def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
@@ -399,6 +403,7 @@ def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):
         (["report", "--root", "g", "--into", "doc.md"], "--into doc.md: no line <!-- sweep report --root g -->; "
                                                         "put the two marker lines where the report goes"),
         (["report", "--grid", "--root", "g", "--into", "nope.md"], "--into nope.md: no such file"),
+        (["report", "--grid", "--root", "g", "--into", ""], '--into "": an empty path'),  # not "no --into"
         (["report", "--lr", "--root", "g", "--into", "doc.md"], "--into: not with --lr"),
         (["report", "--grid", "--budget", "--root", "g"], "argument --budget: not allowed with argument --grid"),
         (["report", "--throughput", "--root", "g"], "--root g: no bench_K<k>.json"),

@@ -464,7 +464,7 @@ def parse(argv):
                 p.error(f"--{flag}: --quick runs its own plan (T = {' / '.join(map(str, QUICK_T['cuda' if cuda else 'cpu']))}, "
                         f"compiled on CUDA only); drop --{flag} or --quick")
         a.block_sizes = ",".join(map(str, QUICK_T["cuda" if cuda else "cpu"]))
-    block_sizes = a.block_sizes or ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES)
+    block_sizes = ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES) if a.block_sizes is None else a.block_sizes
     try:
         a.block_sizes = sorted({int(t) for t in block_sizes.split(",") if t})
     except ValueError:
@@ -507,8 +507,8 @@ def parse(argv):
     if a.dtype is None:
         a.dtype = "bfloat16" if cuda else "float32"
     kind = a.device.split(":")[0]
-    a.json = a.json or os.path.join(OUT_DIR, f"bench_{kind}.json")
-    a.md = a.md or os.path.splitext(a.json)[0] + ".md"
+    a.json = os.path.join(OUT_DIR, f"bench_{kind}.json") if a.json is None else a.json  # (an empty one is refused)
+    a.md = os.path.splitext(a.json)[0] + ".md" if a.md is None else a.md
     try:  # before the run, not after it (common.check_output_file: creates nothing)
         check_output_files([("--json", a.json), ("--md", a.md)])
     except UsageError as e:

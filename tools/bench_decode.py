@@ -117,7 +117,7 @@ def decode_main(argv):
     for flag in ("warmup", "threads"):
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 0")
-    path = a.json or os.path.join("out", "bench", f"decode_{a.device.split(':')[0]}.json")  # git-ignored scratch
+    path = os.path.join("out", "bench", f"decode_{a.device.split(':')[0]}.json") if a.json is None else a.json  # scratch
     md_path = os.path.splitext(path)[0] + ".md"
     given = flops.given_train_flags(a)
     flags = flops.train_flags(a.size, given)

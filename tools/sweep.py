@@ -32,6 +32,7 @@ sweep_report.py.
 import concurrent.futures
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -320,6 +321,13 @@ def check_outputs(out, into):
         raise UsageError(f"--out {out}: the same file as --into; --into writes the report into it already")
 
 
+def _try_float(s):
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
 def check_run_flags(args, extra):
     """UsageError (one line, exit 2) before any run starts: a typo would otherwise fail every run."""
     from models import REGISTRY, TIERS
@@ -344,8 +352,9 @@ def check_run_flags(args, extra):
         raise UsageError(f"-- {', '.join(own)}: the sweep sets this itself per run; use --models/--depths/"
                          "--seeds/--datasets/--lrs/--root instead")
     lrs = list(filter(None, args.lrs.split(",")))
-    if not all(re.fullmatch(r"\d*\.?\d+(e-?\d+)?", lr) and float(lr) > 0 for lr in lrs):
-        raise UsageError(f"--lrs {args.lrs}: comma-separated learning rates > 0")
+    if not all(re.fullmatch(r"[0-9.eE+-]+", lr) and _try_float(lr) is not None and 0 < float(lr) < math.inf
+               for lr in lrs):  # (each names its run folders: <run>-lr<LR>)
+        raise UsageError(f"--lrs {args.lrs}: comma-separated finite learning rates > 0 (1e-3, 0.002, 3E-4, ...)")
     if len({float(lr) for lr in lrs}) < len(lrs):
         raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
     if lrs and "learning_rate" in given:
@@ -414,6 +423,8 @@ def main(argv=None):
             return cmd_run(args, extra)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: common.run_command prints this, exit 130 / 143
             raise type(e)("run the same command again to skip finished runs and resume the rest") from None
+    if args.cmd == "report" and args.into == "":
+        raise UsageError('--into "": an empty path; give the markdown file to write the report into')
     if args.cmd == "report" and args.into and args.mode == "lr":
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
