@@ -128,10 +128,13 @@ def _on_sigterm(main_pid, signum, frame):
 def run_command(main):
     """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
     the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
-    BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE"). Sizes
+    BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE"); a
+    character the console's encoding lacks prints as its escape (\ufffd), not a UnicodeEncodeError. Sizes
     this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback;
     Ctrl-C ends in one line ("interrupted", with what the command says of its state) and exit code
     130, SIGTERM the same way ("terminated", exit code 143 = 128 + SIGTERM)."""
+    if hasattr(sys.stdout, "reconfigure"):  # a console that cannot show a sampled character (ascii, cp1252): \ufffd
+        sys.stdout.reconfigure(errors="backslashreplace")
     main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers: main thread only)
     previous = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid())) if main_thread else None
     try:
