@@ -261,7 +261,8 @@ class LatentLM(nn.Module):
 
     augment(verbal, query_len) -> Augmented; logits(augs) -> ((B, L, V) logits, (B, L) targets);
     loss(augs) -> scalar NLL (nats/token) over the scored targets; generate(query, max_new_tokens,
-    stop_id) -> new verbal ids, greedy, with a decoding cache.
+    stop_id) -> new verbal ids, greedy, with a decoding cache. UsageError for a policy whose m exceeds
+    the base's context (block_size, or a Hugging Face model's max_position_embeddings).
     """
 
     def __init__(self, base, policy="none", m=None, groups="shared", position_mode="prepend",
@@ -275,6 +276,9 @@ class LatentLM(nn.Module):
         self.policy = policy if isinstance(policy, Policy) else Policy(policy, m, groups, marker_ids, readout)
         emb = self.backend.embedding().weight
         G, M, d = self.policy.n_groups, self.policy.max_m, self.backend.d
+        if self.backend.context and M > self.backend.context:  # (Z alone would be G M d numbers)
+            raise UsageError(f"policy {self.policy}: {M} latents in one group, more than the base's context of "
+                             f"{self.backend.context} positions; give m <= {self.backend.context}")
         if choose("init", init, ("embedding", "normal")) == "normal":
             z = torch.randn(G, M, d) * init_std
         else:

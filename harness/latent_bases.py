@@ -28,6 +28,7 @@ class OwnBackend:
         self.lm = lm
         self.d = lm.cfg.n_embd
         self.vocab_size = lm.cfg.vocab_size
+        self.context = lm.cfg.block_size  # the positions it was trained on
 
     def embedding(self):
         return self.lm.wte
@@ -56,6 +57,7 @@ class HFBackend:
         self.lm = model
         self.d = model.get_input_embeddings().weight.shape[1]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         # transformers >= 5.2x names the cache argument `cache` (past_key_values is deprecated and
         # its output field stays empty); older versions only know past_key_values
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -230,6 +230,17 @@ def test_cached_decode_position_modes(mode):
     check_cached_equals_full(latent_model("tango", "Comma_2+3_1", mode=mode), QUERY, CONT)
 
 
+def test_a_group_longer_than_the_context_is_refused():
+    """A policy whose m exceeds the base's context (block_size) is one line before Z is made
+    (Start_99999999 made a table of 10^8 d numbers and the process was killed for memory)."""
+    base = models.build_model(small_cfg("untied"))
+    T = base.cfg.block_size
+    assert lt.LatentLM(base, f"Start_{T}").Z.shape[:2] == (1, T)
+    with pytest.raises(UsageError, match=rf"^policy Start_99999999: 99999999 latents in one group, more than the base's "
+                                         rf"context of {T} positions; give m <= {T}$"):
+        lt.LatentLM(base, "Start_99999999")
+
+
 @pytest.mark.parametrize("name", ["untied", "tango"])
 def test_cached_decode_readout_verbal(name):
     base = loud(models.build_model(small_cfg(name)))
