@@ -29,6 +29,7 @@ from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
 from sample import CheckpointTokenizer
+from train import TrainingError
 
 # =============================================================================== loading, evaluation, router training
 
@@ -104,7 +105,8 @@ def grid_nll(base, data, split, n_windows, T, settings, alphas, betas, batch_siz
 def train_router(base, router, data, T, max_iters=200, batch_size=8, lr=1e-3, lam=1e-3, seed=0, log=None):
     """Calibrate the router with the backbone frozen: soft gates under sync, loss = NLL + λ mean(g)
     (nats/token), AdamW (weight decay 0.1 on W_1, W_2; none on c, a), random train windows drawn
-    from np.random.default_rng(seed). Returns the list of losses."""
+    from np.random.default_rng(seed). Returns the list of losses; TrainingError when the loss, the
+    mean gate or a router parameter is not finite (the run then reports nothing)."""
     torch.manual_seed(seed)
     view = reflux_lm(base, Settings(schedule="sync"), router)
     opt = torch.optim.AdamW([{"params": [router.w1.weight, router.w2.weight], "weight_decay": 0.1},
@@ -121,10 +123,13 @@ def train_router(base, router, data, T, max_iters=200, batch_size=8, lr=1e-3, la
             total.backward()
             opt.step()
             losses.append(float(loss.detach()))
-            if not math.isfinite(losses[-1]):
-                raise RuntimeError(f"router training: non-finite loss at update {it}")
+            gate = float(view.body.mean_gate.detach())
+            if not (math.isfinite(losses[-1]) and math.isfinite(gate)
+                    and all(bool(torch.isfinite(p).all()) for p in router.parameters())):
+                raise TrainingError(f"router training: non-finite loss ({losses[-1]}), mean gate ({gate}) or router "
+                                    f"parameters at update {it}; try a smaller --lr (now {lr:g})")
             if log and (it % 50 == 0 or it == max_iters - 1):
-                log(f"  router update {it}: NLL {losses[-1]:.4f}, mean gate {float(view.body.mean_gate.detach()):.3f}")
+                log(f"  router update {it}: NLL {losses[-1]:.4f}, mean gate {gate:.3f}")
     finally:
         router.eval()
     return losses
@@ -235,6 +240,10 @@ def parse(argv):
         raise UsageError(f"--lam {a.lam}: must be a finite number >= 0")
     if sweep:
         a.schedules = [s for s in a.schedules.split(",") if s]
+        if not a.schedules:  # an empty grid would print the base alone
+            raise UsageError(f'--schedules "": give one or more of {", ".join(SCHEDULES)}')
+        if a.edges != "all" and not [e for e in a.edges.split(",") if e]:
+            raise UsageError(f'--edges "{a.edges}": give all, or comma-separated S:D')
         for s in a.schedules:
             if s not in SCHEDULES:
                 raise UsageError(f"--schedules {s}: choose from {', '.join(SCHEDULES)}")
@@ -437,9 +446,9 @@ def cli(argv=None):
     """main() for the command line: bad input prints one line "error: ..." on stderr and exits 2."""
     try:
         main(argv)
-    except UsageError as e:
+    except (UsageError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
 
 
 if __name__ == "__main__":

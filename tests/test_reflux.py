@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -454,6 +455,17 @@ def test_cli_router_and_sweep(ckpt, tmp_path, capsys):
     assert abs(row["nll"] - want) < 1e-5
 
 
+def test_a_router_gone_non_finite_is_an_error_not_a_result(ckpt, capsys):
+    """--lr 1e30 drove the gate to nan and the run still printed a ReFlux NLL with change +0.0000
+    (exit 0): a non-finite loss, gate or router parameter is one line, exit 1, no result."""
+    with pytest.raises(SystemExit) as e:
+        reflux_cli.cli(["--base", ckpt[0], "--router", "--max_iters", "2", "--router_batch", "1", "--lr", "1e30"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and "ReFlux" not in out
+    assert re.fullmatch(r"error: router training: non-finite loss \(\S+\), mean gate \(\S+\) or router parameters at "
+                        r"update \d; try a smaller --lr \(now 1e\+30\)\n", err), err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--edge", "2:3"], "--edge 2:3: need 0 <= D < S <= 3"),
     (["--edge", "4"], "--edge 4: write it S:D"),
@@ -513,6 +525,9 @@ def test_cli_exit_code_and_one_line(tmp_path, capsys):
     (["--beta", "1.5"], "--beta 1.5: must lie in [0, 1] (the share β of the stream the write keeps)"),
     (["sweep", "--alphas", "0.1,2"], "--alphas 2: must lie in (0, 1] (above 1 the payload outweighs the stream)"),
     (["sweep", "--betas", "-0.1"], "--betas -0.1: must lie in [0, 1] (the share β of the stream the write keeps)"),
+    # an empty list was an empty grid (--schedules: the base alone, exit 0; --edges: a traceback after the base)
+    (["sweep", "--schedules", ""], '--schedules "": give one or more of sync, stream2, stream'),
+    (["sweep", "--edges", ","], '--edges ",": give all, or comma-separated S:D'),
     (["--router", "--block", "0"], "--block 0: must be >= 1 (leave it out for the default)"),
     (["--eval_windows", "0"], "--eval_windows 0: must be >= 1 (leave it out for the default)"),
     (["--router", "--alpha_max", "0.1"], "--alpha_max 0.1: must lie in (0.2, 1] (the router's α_e start at 0.2 "
