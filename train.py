@@ -17,11 +17,12 @@ the one evaluated on test. Throughput: median training tokens/s over the final 1
 Reading order: flags (build_parser) -> set-up (setup) -> the training loop (train_loop and its
 update, train_update, over the summed NLL the model returns: common.LM.head) -> the final report
 (finish). Out of the story: models.py (the registry; model_config: flags -> ModelConfig),
-config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing and
-checking the data), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
+config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing the data
+once; data.check_data checks it), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
-exits 2 before anything is written to --out_dir; a non-finite loss, gradient or dev NLL stops the
+exits 2 before anything is written to --out_dir (sizes that do not fit in memory: at the first
+update, still before anything is written); a non-finite loss, gradient or dev NLL stops the
 run with "error: ..." naming the update and the last good checkpoint and exit code 1.
 
 Multi-GPU (DDP; gloo on CPU, nccl on CUDA), one process per device: --gradient_accumulation_steps
