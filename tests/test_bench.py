@@ -307,6 +307,8 @@ BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py
     (["--md", ""], '--md "": an empty path; give a file path'),
     (["decode", "--json", ""], '--json "": an empty path; give a file path'),
     (["--block_sizes", ""], "--block_sizes: need positive integers"),  # not the default sizes
+    (["--compile_backend", "bogus", "--compile", "on"], "--compile_backend bogus: not a torch.compile backend (e.g. "),
+    (["--compile_backend", "eager", "--compile", "off"], "--compile_backend: only used with --compile on or both"),
     (["--main_job", "--model nope"], "--main_job '--model nope': --model: unknown model 'nope'; choose one of tango,"),
     (["--main_job", "--depth 0"], "--main_job '--depth 0': --depth 0: must be >= 1"),
     (["--main_job", "--start 'x"], "--main_job \"--start 'x\": No closing quotation"),

@@ -431,7 +431,7 @@ def parse(argv):
     p.add_argument("--main_job", default=None,
                    help=f"train.py flags of the main job whose time to first update is measured (default with "
                         f"--quick: '{MAIN_JOB}'; 'none' to skip)")
-    p.add_argument("--compile_backend", default="inductor", help="torch.compile backend of the compiled rows")
+    p.add_argument("--compile_backend", default=None, help="torch.compile backend of the compiled rows (default inductor)")
     p.add_argument("--reflux", action="store_true",
                    help="also time the ReFlux schedules (reflux.py) at the smallest block size (on with --quick)")
     flops.add_train_model_flags(p)  # --width, --window, --chunk, --gau_s, ...: the models as train.py builds them
@@ -504,6 +504,14 @@ def parse(argv):
             p.error(f"--main_job {a.main_job!r}: {e}")
     if a.compile is None:
         a.compile = "both" if cuda else "off"
+    if a.compile_backend is not None:  # every row would record the backend's error, or none would use it
+        import torch._dynamo
+        if a.compile == "off":
+            p.error("--compile_backend: only used with --compile on or both (no row is compiled); drop it")
+        if a.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):  # (debug ones too: eager, aot_eager)
+            p.error(f"--compile_backend {a.compile_backend}: not a torch.compile backend (e.g. "
+                    f"{', '.join(torch._dynamo.list_backends())}, aot_eager, eager)")
+    a.compile_backend = a.compile_backend or "inductor"
     if a.dtype is None:
         a.dtype = "bfloat16" if cuda else "float32"
     kind = a.device.split(":")[0]
