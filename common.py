@@ -46,6 +46,16 @@ class WholeFlagParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help with '(default: X)' after a flag's help, unless the flag is required, has no default
+    to show (None: its help says what happens without it) or its help already says its default."""
+
+    def _get_help_string(self, action):
+        if action.required or "default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
+            return action.help
+        return (action.help or "") + " (default: %(default)s)"
+
+
 class UsageParser(WholeFlagParser):
     """argparse for the command lines: a bad flag is a UsageError (one line "error: ...", exit code
     2, printed by the command's main) instead of argparse's usage block."""

@@ -52,7 +52,8 @@ import data as data_mod
 from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, check_resume, check_unfinished,
                                 eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
-from common import ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command, synchronizer
+from common import (DefaultsHelp, ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command,
+                    synchronizer)
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data
@@ -68,17 +69,9 @@ class TrainingError(RuntimeError):
 
 # ----------------------------------------------------------------------------- flags
 
-class _Help(argparse.HelpFormatter):
-    """Appends '(default: X)' to a flag's help unless the help already says its default."""
-    def _get_help_string(self, action):
-        if "default" in action.help or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
-            return action.help
-        return action.help + " (default: %(default)s)"
-
-
 def build_parser(suppress_defaults=False):
     """The flag parser; suppress_defaults=True leaves unset flags out (to see which were given)."""
-    p = UsageParser(prog="train.py", description=__doc__.split("\n")[0], formatter_class=_Help)
+    p = UsageParser(prog="train.py", description=__doc__.split("\n")[0], formatter_class=DefaultsHelp)
 
     def group(title):
         g = p.add_argument_group(title)

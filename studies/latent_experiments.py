@@ -30,8 +30,8 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder, check_seed,
-                    make_parent, run_command)
+from common import (DefaultsHelp, ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
+                    check_seed, make_parent, run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -364,17 +364,8 @@ def sweep_parser():
 
 # =============================================================================== command line
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's default in --help; a help text that says its default itself keeps its words."""
-
-    def _get_help_string(self, action):
-        if action.required or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _parser(prog, description):
-    return UsageParser(prog=prog, description=description, formatter_class=_Help)
+    return UsageParser(prog=prog, description=description, formatter_class=DefaultsHelp)
 
 
 def _base_flags(a):

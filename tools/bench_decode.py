@@ -136,7 +136,8 @@ def decode_main(argv):
     for m in names:
         rows.append(decode_row(m, a.size, a.depth, flags["width"], a.prompt, a.tokens, a.warmup, a.device,
                                a.vocab_size, a.block_size, **{f: v for f, v in flags.items() if f != "width"}))
-        print(f"  {m:<15} {rows[-1]['ms_per_token']:.2f} ms/token, {rows[-1]['passes']} passes", flush=True)
+        passes = rows[-1]["passes"]  # (None: a model without sequential passes to count, "-" in the table)
+        print(f"  {m:<15} {rows[-1]['ms_per_token']:.2f} ms/token" + (f", {passes} passes" if passes else ""), flush=True)
     command = "python -m tools.bench decode " + " ".join(argv)
     md = (f"`{command}`\n\n{a.device}, {torch.get_num_threads()} threads, tier {a.size}, T={a.block_size}, "
           f"V={a.vocab_size}, {flops.flags_text(flags, names)}, "
