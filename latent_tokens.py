@@ -445,7 +445,7 @@ def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, war
                           grad_clip, lambda s: f"step {s + 1} (epoch {s // per_epoch + 1}); stopped"):
         losses.append(loss)
         if log and (step + 1) % per_epoch == 0:
-            log(f"  epoch {(step + 1) // per_epoch}/{epochs}: mean loss {np.mean(losses[-per_epoch:]):.4f}")
+            log(f"  epoch {(step + 1) // per_epoch}/{epochs}: mean loss {np.mean(losses[-per_epoch:]):.4f} nats/token")
     llm.train(was_training)
     return losses
 

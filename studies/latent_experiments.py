@@ -31,7 +31,7 @@ import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
 from common import (DefaultsHelp, ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
-                    check_seed, make_parent, run_command)
+                    check_seed, make_parent, nll_unit, run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -148,13 +148,16 @@ def pretrain(args):
                       n_head=args.d // 32, depth=args.depth, width=width, window=block,
                       gau_s=max(32, args.d), chunk=64)
     model = build_model(cfg)  # (bad --width / --depth raise here, before anything is written)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "train.txt"), "w") as f:
-        f.write("".join(tok.decode(r) for r in rows))
-    with open(os.path.join(args.out_dir, "meta.json"), "w") as f:
-        json.dump({"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
-                   "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
-                   "command": getattr(args, "command", None)}, f, indent=1)
+    unit = nll_unit(tok.kind)
+
+    def write_data():  # with the first checkpoint: a run stopped before it leaves no folder behind
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "train.txt"), "w") as f:
+            f.write("".join(tok.decode(r) for r in rows))
+        with open(os.path.join(args.out_dir, "meta.json"), "w") as f:
+            json.dump({"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
+                       "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
+                       "command": getattr(args, "command", None)}, f, indent=1)
     print(f"pretrain {args.model} d={args.d} depth={args.depth} width={width}: "
           f"{model.num_params():,} non-embedding params, vocab {tok.vocab_size}, rows <= {block} tokens, "
           f"{len(rows):,} samples of {', '.join(names)}")
@@ -180,18 +183,24 @@ def pretrain(args):
                         lambda s: f"update {s + 1}; stopped; {path if best < float('inf') else 'no checkpoint was saved'}"):
         if (it + 1) % args.eval_interval == 0 or it + 1 == args.steps:
             d, tag = dev_nll(), ""
+            if not math.isfinite(d):
+                raise TrainingError(f"update {it + 1}: dev NLL {d}; stopped; "
+                                    + (f"the best checkpoint is {path}" if best < float("inf") else "no checkpoint was saved"))
             if d < best:
+                if best == float("inf"):
+                    write_data()
                 best, tag = d, " (best, saved)"
                 save_atomic({"model": clean_state_dict(model), "config": cfg.to_dict(),
                                    "data": {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos},
                                    "iter": it + 1, "best_dev": best, "dev_nll": d}, path)
-            print(f"update {it + 1}: train loss {loss:.4f}  dev NLL {d:.4f}{tag}  ({time.time() - t0:.0f} s)", flush=True)
+            print(f"update {it + 1}: train loss {loss:.4f}  dev NLL {d:.4f} {unit}{tag}  ({time.time() - t0:.0f} s)",
+                  flush=True)
     base, tok = load_base(path)
     llm = LatentLM(base, "none")
     for name in names:
         res = {lv: evaluate(llm, tok, TASKS[name], lv, args.n_test) for lv in TASKS[name].levels}
         print(f"frozen base on {name}: " + "  ".join(f"{lv}: {v:.3f}" for lv, v in res.items()))
-    print(f"saved {path} (best dev NLL {best:.4f}); {time.time() - t0:.0f} s")
+    print(f"saved {path} (best dev NLL {best:.4f} {unit}); {time.time() - t0:.0f} s")
     return path
 
 

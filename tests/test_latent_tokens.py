@@ -8,6 +8,7 @@ runs). The task generators and metrics are tested in test_tasks.py."""
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -405,6 +406,17 @@ def test_cli_marker_outside_the_vocabulary_names_marker(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["base.pt"]
 
 
+def test_pretrain_stops_on_a_non_finite_dev_nll_and_writes_nothing(tmp_path, capsys):
+    """pretrain --lr 1e12 printed "dev NLL nan", went on and died later, leaving train.txt and
+    meta.json without a checkpoint: a non-finite dev NLL is one line (exit 1), and the data files
+    are written with the first checkpoint, so nothing is left."""
+    code, err = run_cli(["pretrain", "--out_dir", str(tmp_path / "base"), "--d", "32", "--depth", "1", "--steps", "3",
+                         "--eval_interval", "1", "--n_samples", "30", "--n_dev", "6", "--lr", "1e12"], capsys)
+    assert code == 1 and re.fullmatch(r"error: (update 1: dev NLL nan|.*non-finite.*); stopped; no checkpoint was saved",
+                                      err), err
+    assert not (tmp_path / "base").exists()
+
+
 def test_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "base"
     latent_experiments.main(["pretrain", "--out_dir", str(out), "--d", "32", "--depth", "1", "--steps", "3", "--eval_interval", "3",
@@ -416,7 +428,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert meta["itos"] == ck["data"]["itos"]
     assert open(out / "train.txt").read().startswith("\n")
     assert sorted(os.listdir(out)) == ["ckpt_best.pt", "meta.json", "train.txt"]  # no temporary file left
-    capsys.readouterr()
+    assert "update 3: train loss " in capsys.readouterr().out.replace(" nats/token (best, saved)", "=")  # with its unit
     js = tmp_path / "r.jsonl"
     latent_experiments.main(["--base", str(out / "ckpt_best.pt"), "--task", "repetition", "--policy", "Start_1+Comma_1",
              "--groups", "rule", "--n_train", "8", "--epochs", "1", "--n_test", "4", "--json", str(js),
