@@ -108,7 +108,8 @@ def read_prompt(start):
         with open(start[5:], encoding="utf-8", newline="") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        why = (f"not UTF-8: byte {e.object[e.start]:#04x} at offset {e.start}" if isinstance(e, UnicodeDecodeError)
+               else e.strerror or type(e).__name__)
         raise UsageError(f"--start {start}: cannot read the prompt file ({why})") from None
 
 
@@ -152,6 +153,8 @@ def run(args, out=None, err=None):
     resolve_device(args, Dist())
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    if os.path.isfile(args.out_dir):  # (not "no checkpoint at FILE/ckpt_best.pt")
+        raise UsageError(f"--out_dir {args.out_dir}: a file; give the run's folder (train.py's --out_dir)")
     path = os.path.join(args.out_dir, CKPT_FILES[args.ckpt])
     ck = load_checkpoint(path, keys=("format", "model", "config", "data"), flag="--out_dir")
     tok = CheckpointTokenizer(ck["data"], path)

@@ -261,6 +261,7 @@ BAD = [  # (flags, the one-line error's start)
     (["--start", "What is 3 ~ 4?"], "error: --start: 1 character(s) not in the checkpoint's vocabulary of 22 "
      "symbols: '~'"),
     (["--out_dir", "/nonexistent"], "error: --out_dir: no checkpoint at /nonexistent/ckpt_best.pt"),
+    (["--out_dir", sample.__file__], f"error: --out_dir {sample.__file__}: a file; give the run's folder"),
 ]
 
 
@@ -297,6 +298,10 @@ def test_a_prompt_file_is_read_as_it_is(tmp_path):
     """--start FILE:path: the file's text with its line endings ("\r" is a symbol of text vocabularies)."""
     (tmp_path / "p.txt").write_bytes("a\r\nb\rc\n\u00e9".encode())
     assert sample.read_prompt(f"FILE:{tmp_path / 'p.txt'}") == "a\r\nb\rc\n\u00e9"
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")  # not "(UnicodeDecodeError)": what is wrong, and where
+    with pytest.raises(sample.UsageError, match=re.escape(f"--start FILE:{tmp_path / 'latin1.txt'}: cannot read the "
+                                                          "prompt file (not UTF-8: byte 0xe9 at offset 3)")):
+        sample.read_prompt(f"FILE:{tmp_path / 'latin1.txt'}")
 
 
 # ----------------------------------------------------------------------------- train.py --eval_only
