@@ -209,7 +209,8 @@ def checkpoint_config(saved, where) -> ModelConfig:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Non-embedding parameter count of cfg, built on the meta device (no memory, no time)."""
+    """Non-embedding parameter count of cfg, built on the meta device: no parameter memory, but every
+    module is still constructed, so it takes time that grows with the depth."""
     return build_model(cfg, device="meta").num_params()
 
 
