@@ -122,15 +122,24 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
 
 def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
     """Yield (split, token ids incl. the end-of-text marker) per non-empty document, in order.
-    Batches of about batch_chars characters go to num_proc worker processes (in this process when
-    num_proc <= 1), at most 2 * num_proc batches ahead, so a streamed source is read only as far
-    as needed."""
+    Batches of about batch_chars characters go to num_proc worker processes (_pool_context; in
+    this process when num_proc <= 1), at most 2 * num_proc batches ahead, so a streamed source is
+    read only as far as needed."""
     fn = functools.partial(_tokenize_batch, tokenizer)
     batches = _batches(((k, t) for k, t in docs if t), batch_chars)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(multiprocessing.Pool(num_proc)) if num_proc > 1 else None
+        pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 else None
         for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
             yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
+
+
+def _pool_context():
+    """The workers' start method: forkserver (spawn where there is none), not fork. A process forked
+    from this one inherits its threads' held locks (torch's, tqdm's monitor) and its SIGTERM handler
+    (common.run_command), so a worker could hang at start and then ignore the pool's SIGTERM at its
+    end, and the preparation with it."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
 def _batches(docs, batch_chars):

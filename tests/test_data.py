@@ -687,6 +687,20 @@ def test_sigterm_while_preparing_leaves_nothing(tmp_path):
     assert not root.exists(), list(root.iterdir())
 
 
+def test_preparation_workers_start_without_this_process_s_signal_handlers():
+    """The tokenizing workers are not forked from the preparing process: a forked worker inherited
+    its threads' held locks and its SIGTERM handler (run_command's), so one could hang at start and
+    then ignore the pool's SIGTERM at the end, and the preparation hung with it (seen in the suite).
+    A worker started while this process has a handler has SIGTERM's default."""
+    import signal
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        with text_data._pool_context().Pool(1) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):
     """What kill -9 leaves (a preparation's temporary folder, a checkpoint's temporary file, named
     after pid and host) is removed by the next preparation of that folder / save of that file once
