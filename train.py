@@ -22,7 +22,7 @@ once; data.check_data checks it), checkpoint.py (checkpoints and --resume), eval
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
 exits 2 before anything is written to --out_dir (sizes that do not fit in memory: at the first
-update, still before anything is written); a non-finite loss, gradient or dev NLL stops the
+update, still before anything is written or removed there, resumed or not); a non-finite loss, gradient or dev NLL stops the
 run with "error: ..." naming the update and the last good checkpoint and exit code 1.
 
 Multi-GPU (DDP; gloo on CPU, nccl on CUDA), one process per device: --gradient_accumulation_steps
@@ -213,7 +213,10 @@ class Run:
         return (self.wall_before or 0.0) + time.time() - self.t_start
 
     def checkpoint_note(self):
-        """What a stopped run leaves: the last good checkpoint, or that none exists yet."""
+        """What a stopped run leaves: the last good checkpoint, or that none exists yet (a fresh run
+        stopped before its first update leaves out_dir as it was: Log)."""
+        if self.saved_at is None and self.log is not None and self.log.pending is not None:
+            return f"nothing was written to {self.args.out_dir} (a run writes there after its first update)"
         if self.saved_at is None:
             return f"no checkpoint exists yet (the first is written after update {self.args.eval_interval})"
         return f"the last good checkpoint is {self.latest_path} (update {self.saved_at})"
@@ -328,11 +331,9 @@ def overrides(changed):
 
 
 def open_outputs(r, resumed, changed):
-    """Open the log (rank 0; a fresh run's is written from its first update on, Log), print the run's
-    header and log its start event."""
+    """Open the log (rank 0; written from the first update on, Log), print the run's header and log
+    its start event."""
     args = r.args
-    if r.dist.main and resumed and os.path.exists(os.path.join(args.out_dir, "summary.json")):  # an extended finished run
-        os.remove(os.path.join(args.out_dir, "summary.json"))  # unfinished until finish writes its own
     r.log = log = Log(args.out_dir, r.dist, resumed_at=r.it if resumed else None, quiet=args.quiet,
                       total=args.max_iters, desc=args.model)
     n_params, err = r.model.num_params(), r.model.num_params() / r.target - 1
@@ -422,7 +423,7 @@ def read_updates(r, pending, tokens_per_update, since):
             secs = elapsed / len(pending)
         rates.append(tokens_per_update / secs)
         if r.first_update_s is None:
-            r.log.start_writing()  # the run has trained: out_dir and its log from now on
+            r.log.start_writing()  # the run has trained: out_dir and its log from now on (Log)
             r.first_update_s = time.time() - r.t_start
             r.log.say(f"first update after {r.first_update_s:.1f} s from start (data, model"
                       + (", compile" if r.args.compile else "") + " included)")

@@ -246,38 +246,39 @@ class Dist:
 class Log:
     """log.jsonl and console output; silent on ranks other than 0.
 
-    A resumed run appends to its log at once. A fresh run keeps its records in memory until
-    start_writing(), which train.py calls once the first update has run: only then is out_dir
-    created, an earlier run's checkpoints, summary and log removed (remove_stale) and the log
-    written, so a run that fails before that (a batch that does not fit in memory, a non-finite
-    first loss, Ctrl-C) leaves out_dir as it found it."""
+    A run keeps its records in memory until start_writing(), which train.py calls once the first
+    update has run: only then does a fresh run create out_dir, remove an earlier run's checkpoints,
+    summary and log (remove_stale) and write its log, and a resumed run trim its log to the update
+    it resumes from (trim_log), remove an earlier finish's summary.json and append. A run that fails
+    before that (a batch that does not fit in memory, a non-finite first loss, Ctrl-C) leaves
+    out_dir as it found it."""
 
     def __init__(self, out_dir, dist, resumed_at=None, quiet=False, total=0, desc=""):
         self.main = dist.main
         self.out_dir, self.path = out_dir, os.path.join(out_dir, "log.jsonl")
+        self.resumed_at = resumed_at
         self.f = self.bar = None
-        self.pending = None  # a fresh run's records until start_writing
-        if not self.main:
-            return
-        if resumed_at is not None:
-            trim_log(self.path, resumed_at)  # drop records after the checkpoint being resumed
-            self.f = open(self.path, "a")
-        else:
-            self.pending = []
-        if not quiet:
+        self.pending = [] if self.main else None  # the records (JSON lines) until start_writing
+        if self.main and not quiet:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=resumed_at or 0, desc=desc, dynamic_ncols=True)
 
     def start_writing(self):
-        """A fresh run's first update has run: create out_dir, remove an earlier run's files in it,
-        write the records kept so far. A no-op for a resumed run, on other ranks and after the first call."""
+        """The run's first update has run: prepare out_dir (see the class) and write the records kept
+        so far. A no-op on other ranks and after the first call."""
         if self.pending is None:
             return
-        os.makedirs(self.out_dir, exist_ok=True)
-        stale = remove_stale(self.out_dir)
-        self.f = open(self.path, "w")
-        for rec in self.pending:
-            self.f.write(json.dumps(rec) + "\n")
+        stale = []
+        if self.resumed_at is None:
+            os.makedirs(self.out_dir, exist_ok=True)
+            stale = remove_stale(self.out_dir)
+        else:
+            trim_log(self.path, self.resumed_at)  # drop records after the checkpoint being resumed
+            summary = os.path.join(self.out_dir, "summary.json")
+            if os.path.exists(summary):  # an extended finished run: unfinished until finish writes its own
+                os.remove(summary)
+        self.f = open(self.path, "w" if self.resumed_at is None else "a")
+        self.f.writelines(self.pending)
         self.f.flush()
         self.pending = None
         if stale:
@@ -285,10 +286,11 @@ class Log:
                      "(use --resume to continue a run)")
 
     def emit(self, **rec):
+        line = json.dumps(rec) + "\n"  # now: the record as it is at this point of the run
         if self.pending is not None:
-            self.pending.append(rec)
+            self.pending.append(line)
         elif self.f:
-            self.f.write(json.dumps(rec) + "\n")
+            self.f.write(line)
             self.f.flush()
 
     def progress(self, **postfix):

@@ -322,18 +322,26 @@ def test_a_resume_trains_with_its_own_weight_decay(runs, mdm, data_root, tmp_pat
 
 def test_an_extended_run_is_unfinished_until_it_finishes(runs, mdm, data_root, tmp_path, monkeypatch):
     """A finished run resumed with a larger --max_iters and stopped before its end has no
-    summary.json (tools.sweep counts a folder with one as done; it held the old best's numbers)."""
+    summary.json (tools.sweep counts a folder with one as done; it held the old best's numbers);
+    stopped before its first update, it leaves the folder as it was (Log)."""
     out = tmp_path / "out"
     shutil.copytree(runs["out"]["A"], out)
     assert (out / "summary.json").exists()
+    before = snapshot(out)
 
-    def stop(r):
+    def stop(*a):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train, "train_loop", stop)
     argv = flags(mdm, data_root, out, "--resume", "--max_iters", "9")
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_loop", stop)  # before the first update
+        with pytest.raises(KeyboardInterrupt, match="the last good checkpoint is .*update 6"):
+            train.run(train.parse_args(argv), train.given_flags(argv))
+    assert snapshot(out) == before
+    monkeypatch.setattr(train, "eval_and_checkpoint", stop)  # after it
     with pytest.raises(KeyboardInterrupt):
         train.run(train.parse_args(argv), train.given_flags(argv))
     assert not (out / "summary.json").exists() and (out / "ckpt_latest.pt").exists()
+    assert [r["resumed_at"] for r in records(out, "start")] == [0, 6]  # the run's start and this resume's
 
 
 def test_gpu_checkpoint_resumes_on_cpu(runs, mdm, data_root, tmp_path, capsys):
@@ -745,12 +753,12 @@ def test_bad_input_in_a_real_process(mdm, data_root, tmp_path):
     assert p.stderr.startswith("error: --resume: no checkpoint") and not (tmp_path / "out").exists()
 
 
-def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path):
+def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path, monkeypatch):
     """A fresh run whose first update fails (here a batch that does not fit in memory: one line,
     exit 2) creates no out_dir, and in an out_dir holding an earlier run leaves its checkpoints,
     summary and log byte for byte (they were removed at start, before anything had trained); a
     fresh run that trains replaces them once its first update has run, and says so."""
-    big = ["--batch_size", str(10 ** 9)]
+    big = ["--batch_size", str(10 ** 12)]  # its first allocation (8 TB of window starts) fails at once anywhere
     p = run_train(flags(mdm, data_root, tmp_path / "new", *big), check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
     assert p.stderr.startswith("error: out of memory (") and not (tmp_path / "new").exists()
@@ -759,6 +767,11 @@ def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root
     before = snapshot(out)
     p = run_train(flags(mdm, data_root, out, *big), check=False)
     assert p.returncode == 2 and p.stderr.startswith("error: out of memory (") and snapshot(out) == before
+    with monkeypatch.context() as m:  # Ctrl-C before the first update: says so, and the earlier run stays
+        m.setattr(train, "train_loop", lambda r: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt, match=f"^stopped after update 0; nothing was written to {out} "):
+            train.run(train.parse_args(flags(mdm, data_root, out)), set())
+    assert snapshot(out) == before
     p = run_train(flags(mdm, data_root, out))  # one that trains replaces the earlier run, and says so
     assert f"note: fresh run in {out}: removed ckpt_latest.pt, ckpt_best.pt, summary.json of an earlier run" in p.stdout
     assert len(records(out, "start")) == 1 and records(out, "start")[0]["resumed_at"] == 0
