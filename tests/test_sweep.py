@@ -609,6 +609,10 @@ def test_a_run_resumed_with_another_setting_is_not_its_cells_equal(tmp_path):
     (run / "log.jsonl").write_text(start(0.002, False) + "\n" + start(0.001, True) + "\n" + start(0.001, True) + "\n")
     assert sweep_report.run_args(str(run)) == {"learning_rate": "0.002 -> 0.001", "max_iters": 600, "resume": True,
                                                "out_dir": "x"}
+    other = tmp_path / "other"  # changed and changed back: both changes show
+    other.mkdir()
+    (other / "log.jsonl").write_text(start(0.002, False) + "\n" + start(0.001, True) + "\n" + start(0.002, True) + "\n")
+    assert sweep_report.run_args(str(other))["learning_rate"] == "0.002 -> 0.001 -> 0.002"
     with pytest.raises(UsageError, match=r"tango-K4-s1 has --learning_rate 0.002, .*tango-K4-s2 has --learning_rate "
                                          r"0.002 -> 0.001; a cell averages runs that differ only in the seed$"):
         sweep_report.report(str(tmp_path))

@@ -85,10 +85,11 @@ SUMMARY_SETTINGS = ("dataset", "size", "width", "non_embedding_params", "params"
 
 def run_args(run):
     """train.py's resolved flags of a run folder: its log's start records (one per start; a resumed
-    run has several), else the args.json that collect wrote from them; {} when it has neither. A
-    flag whose value changed between starts reads "A -> B" (a seed trained at one rate and resumed
-    at another is no longer its cell's equal); machine flags (--out_dir, --resume, ...) are the
-    last start's."""
+    run has several; one that failed before its first update leaves none, harness.config.Log), else
+    the args.json that collect wrote from them; {} when it has neither. A flag whose value changed
+    between starts reads "A -> B" ("A -> B -> A" when changed back: a seed trained at one rate and
+    resumed at another is no longer its cell's equal); machine flags (--out_dir, --resume, ...) are
+    the last start's."""
     from harness.checkpoint import MACHINE_FLAGS
     starts = [r.get("args", {}) for r in log_records(run) if r.get("event") == "start"]
     if not starts:
@@ -96,12 +97,12 @@ def run_args(run):
         return read_json(path) if os.path.exists(path) else {}
     out = dict(starts[-1])
     for k in set(out) - set(MACHINE_FLAGS):
-        seen = []
+        values = []  # the value at each start where it changed
         for a in starts:
-            if k in a and a[k] not in seen:
-                seen.append(a[k])
-        if len(seen) > 1:
-            out[k] = " -> ".join(map(str, seen))
+            if k in a and (not values or a[k] != values[-1]):
+                values.append(a[k])
+        if len(values) > 1:
+            out[k] = " -> ".join(map(str, values))
     return out
 
 
