@@ -211,10 +211,16 @@ def test_cli_defaults_are_the_tiers(capsys):
 
 
 @pytest.mark.parametrize("kw", [dict(model="lrt"), dict(model="lrt", lrt_kv=True, lrt_subsets=3),
-                                dict(model="lrt-think"), dict(model="lrt-think", n_thoughts=2, lrt_kv=True)])
+                                dict(model="lrt-think"), dict(model="lrt-think", n_thoughts=2, lrt_kv=True),
+                                dict(model="lrt", depth=4), dict(model="lrt", depth=4, lrt_kv=True, lrt_subsets=3),
+                                dict(model="lrt-think", depth=4, lrt_kv=True), dict(model="lrt", depth=5, lrt_src=4),
+                                dict(model="lrt", depth=4, lrt_src=0)])
 def test_counter_covers_lrt_settings(kw):
     """LRT's init pass, every refinement (n_j x S masked products), W_m and the private memory slot
-    are matmuls the counter sees: without vocabulary padding it equals forward_macs exactly."""
+    are matmuls the counter sees: without vocabulary padding it equals forward_macs exactly. At
+    depth 3 the source block floor(2K/3) is the last, so the init pass runs it whole; at depth 4
+    (source 2) and with --lrt_src 0 it skips the last block's attention and MLP; at depth 5 with
+    --lrt_src 4 the source is the last block again."""
     cfg = small(kw.pop("model"), vocab_size=128, **kw)
     assert counted_macs(cfg, 13) == flops.forward_macs(cfg, 13)["total"]
 

@@ -55,8 +55,10 @@ MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T
             = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
             so a causal kernel that skips the masked half can exceed 'its' share). For Parcae, RDM,
-            PonderLM-2 and LRT the formula is a nominal cost, not the work a step runs
-            (flops.TRAIN_FLOPS_NOMINAL says why), so their MFU is not comparable with the others.
+            PonderLM-2 the formula is a nominal cost, not the work a step runs
+            (flops.TRAIN_FLOPS_NOMINAL says why), so their MFU is not comparable with the others;
+            so is LRT's with --lrt_detach_init (its init pass gets no backward, so a step runs
+            less than 3x the forward), which the table does not mark.
 peak        FLOPs/s of the best of --peak_reps square matmuls of size --peak_n, measured at start
             in the benchmark's dtype and thread count (fp32 on CPU, bf16 on CUDA).
 peak MB     CPU: the peak resident set size during the last warm-up training step above the RSS
