@@ -18,12 +18,14 @@ Reading order: flags (build_parser) -> set-up (setup) -> the training loop (trai
 update, train_update, over the summed NLL the model returns: common.LM.head) -> the final report
 (finish). Out of the story: models.py (the registry; model_config: flags -> ModelConfig),
 config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing the data
-once; data.check_data checks it), checkpoint.py (checkpoints and --resume), evaluation.py (NLL, exact match).
+once; data.check_data checks it), checkpoint.py (checkpoints and --resume), evaluation.py (NLL,
+exact match).
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
 exits 2 before anything is written to --out_dir (sizes that do not fit in memory: at the first
-update, still before anything is written or removed there, resumed or not); a non-finite loss, gradient or dev NLL stops the
-run with "error: ..." naming the update and the last good checkpoint and exit code 1.
+update, still before anything is written or removed there, resumed or not); a non-finite loss,
+gradient or dev NLL stops the run with "error: ..." naming the update and the last good checkpoint
+and exit code 1.
 
 Multi-GPU (DDP; gloo on CPU, nccl on CUDA), one process per device: --gradient_accumulation_steps
 counts micro-batches over all processes. Every rank draws the windows of all micro-batches of an
