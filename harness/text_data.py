@@ -9,6 +9,7 @@ this pipeline, shared by the stdlib, local-path and Hugging Face (hf_data.py) da
 import collections
 import contextlib
 import functools
+import itertools
 import multiprocessing
 import os
 import sys
@@ -123,12 +124,15 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
 def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
     """Yield (split, token ids incl. the end-of-text marker) per non-empty document, in order.
     Batches of about batch_chars characters go to num_proc worker processes (_pool_context; in
-    this process when num_proc <= 1), at most 2 * num_proc batches ahead, so a streamed source is
-    read only as far as needed."""
+    this process when num_proc <= 1 or the text is one batch, which the workers' start-up would
+    only slow down), at most 2 * num_proc batches ahead, so a streamed source is read only as far
+    as needed."""
     fn = functools.partial(_tokenize_batch, tokenizer)
     batches = _batches(((k, t) for k, t in docs if t), batch_chars)
+    first = list(itertools.islice(batches, 2))
+    batches = itertools.chain(first, batches)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 else None
+        pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
         for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
             yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
 

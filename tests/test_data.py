@@ -442,14 +442,24 @@ def test_char_single_file_by_position_and_max_tokens(tmp_path):
         cut.check_block_size(25)  # the split too short for the context names the cut that made it so
 
 
-def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path):
+def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path, monkeypatch):
+    """Worker processes (batches of 200 characters here, so there are many) write the bins one
+    process writes; text of one batch is tokenized in this process (no workers to start)."""
     files = {f"f{i:02d}.py": f"def f{i}(x):\n    return x * {i}  # é\n" * (i + 1) for i in range(40)}
     write_files(tmp_path / "src", files)
+    pools, context, batches = [], text_data._pool_context, text_data._batches
+    monkeypatch.setattr(text_data, "_pool_context", lambda: pools.append(1) or context())
+    monkeypatch.setattr(text_data, "_batches", lambda docs, n: batches(docs, 200))
     one = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "a"), num_proc=1))
+    assert pools == []
     two = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "b"), num_proc=2))
+    assert pools == [1]
     assert one.meta == two.meta
     for s in ("train", "dev", "test"):
         assert np.array_equal(one.tokens(s), two.tokens(s)) and len(one.tokens(s)) > 0
+    monkeypatch.setattr(text_data, "_batches", batches)  # all of it one batch: no workers
+    data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "c"), num_proc=2)
+    assert pools == [1]
 
 
 def test_tokenizer_errors(tmp_path):

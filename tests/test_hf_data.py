@@ -15,7 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import data  # noqa: E402
-from harness import hf_data  # noqa: E402
+from harness import hf_data, text_data  # noqa: E402
 import train  # noqa: E402
 from common import UsageError  # noqa: E402
 
@@ -77,9 +77,11 @@ def test_saved_dataset_round_trips_split_by_id(gpt2_bpe, saved, tmp_path):
                                             for i, t in zip(ids, docs) if data.split_of(i) == "train")
 
 
-def test_jsonl_char_tokenizer_in_worker_processes(jsonl, tmp_path):
+def test_jsonl_char_tokenizer_in_worker_processes(jsonl, tmp_path, monkeypatch):
     path, docs = jsonl
     spec = dict(out_root=str(tmp_path / "out"), tokenizer="char", hf_text_field="content", hf_data_files=path)
+    batches = text_data._batches  # batches of 100 characters: several, so the workers do start
+    monkeypatch.setattr(text_data, "_batches", lambda rows, n: batches(rows, 100))
     d = data.Data(data.prepare("hf:json", num_proc=2, **spec))
     assert d.meta["split_rule"].startswith("by document: sha256(its text column)")
     train_chars = sorted(set("".join(t for t in docs if data.split_of(t) == "train")) | {"\n"})
