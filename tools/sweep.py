@@ -321,11 +321,12 @@ def check_outputs(out, into):
         raise UsageError(f"--out {out}: the same file as --into; --into writes the report into it already")
 
 
-def _try_float(s):
+def _is_lr(text):
+    """Whether text is a finite learning rate > 0 that can name a run folder (<run>-lr<LR>)."""
     try:
-        return float(s)
+        return re.fullmatch(r"[0-9.eE+-]+", text) is not None and 0 < float(text) < math.inf
     except ValueError:
-        return None
+        return False
 
 
 def check_run_flags(args, extra):
@@ -352,8 +353,7 @@ def check_run_flags(args, extra):
         raise UsageError(f"-- {', '.join(own)}: the sweep sets this itself per run; use --models/--depths/"
                          "--seeds/--datasets/--lrs/--root instead")
     lrs = list(filter(None, args.lrs.split(",")))
-    if not all(re.fullmatch(r"[0-9.eE+-]+", lr) and _try_float(lr) is not None and 0 < float(lr) < math.inf
-               for lr in lrs):  # (each names its run folders: <run>-lr<LR>)
+    if not all(_is_lr(lr) for lr in lrs):
         raise UsageError(f"--lrs {args.lrs}: comma-separated finite learning rates > 0 (1e-3, 0.002, 3E-4, ...)")
     if len({float(lr) for lr in lrs}) < len(lrs):
         raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
@@ -423,8 +423,8 @@ def main(argv=None):
             return cmd_run(args, extra)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: common.run_command prints this, exit 130 / 143
             raise type(e)("run the same command again to skip finished runs and resume the rest") from None
-    if args.cmd == "report" and args.into == "":
-        raise UsageError('--into "": an empty path; give the markdown file to write the report into')
+    if args.cmd == "report" and args.into is not None:
+        check_output_file("--into", args.into)  # (an empty path: not "no --into")
     if args.cmd == "report" and args.into and args.mode == "lr":
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs

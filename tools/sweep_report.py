@@ -144,9 +144,9 @@ def check_recipe(rows, settings):
     first = {}
     for key in sorted(rows, key=str):
         for r in rows[key]:
-            ref_dir, ref = first.setdefault(key[0], (r["_dir"], settings[r["_dir"]]))
+            mine = settings[r["_dir"]]
+            ref_dir, ref = first.setdefault(key[0], (r["_dir"], mine))
             for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]:
-                mine = settings[r["_dir"]]
                 if k in ref and k in mine and ref[k] != mine[k]:
                     raise UsageError(f"{key[0]}: {ref_dir} has {k} {ref[k]}, {r['_dir']} has {k} {mine[k]}; "
                                      "the models of a report share one recipe (another rate or budget: another "
