@@ -37,23 +37,28 @@ class UsageError(ValueError):
     """Bad user input (a flag, a file, a checkpoint). train.py prints str(e) on one line and exits 2."""
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """--help with '(default: X)' after a flag's help, unless the flag is required, is a switch that is
+    off unless given (store_true; a --x/--no-x pair does say which side), has no default to show
+    (None: its help says what happens without it) or its help already says its default."""
+
+    def _get_help_string(self, action):
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if (action.required or switch or "default" in (action.help or "")
+                or action.default in (None, argparse.SUPPRESS)):
+            return action.help
+        return (action.help or "") + " (default: %(default)s)"
+
+
 class WholeFlagParser(argparse.ArgumentParser):
     """argparse that takes flags by their whole names only: argparse would read --out as --out_dir,
-    past every check that looks for a flag by name (tools.sweep's, given_flags')."""
+    past every check that looks for a flag by name (tools.sweep's, given_flags'); every command's
+    --help (subcommands' too) shows each flag's default (DefaultsHelp)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelp)
         super().__init__(*args, **kwargs)
-
-
-class DefaultsHelp(argparse.HelpFormatter):
-    """--help with '(default: X)' after a flag's help, unless the flag is required, has no default
-    to show (None: its help says what happens without it) or its help already says its default."""
-
-    def _get_help_string(self, action):
-        if action.required or "default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
-            return action.help
-        return (action.help or "") + " (default: %(default)s)"
 
 
 class UsageParser(WholeFlagParser):

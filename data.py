@@ -32,7 +32,7 @@ import tempfile
 import numpy as np
 import torch
 
-from common import DefaultsHelp, UsageError, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
+from common import UsageError, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, EOT, _download_gpt2, _fingerprint, _try, _walk, bin_dtype, gpt2_encoder, read_bin,
@@ -460,8 +460,7 @@ def flag_options(args):
 def main(argv=None):
     """python data.py --dataset NAME ...: prepare the dataset (or find it prepared) and print its
     folder, tokenizer and token counts per split. Bad input: one line on stderr, exit code 2."""
-    p = UsageParser(prog="data.py", description="Tokenize a dataset once into <data_root>/<name>/{<split>.bin, meta.json}.",
-                formatter_class=DefaultsHelp)
+    p = UsageParser(prog="data.py", description="Tokenize a dataset once into <data_root>/<name>/{<split>.bin, meta.json}.")
     add_arguments(p.add_argument)
     try:
         args = p.parse_args(argv)

@@ -47,7 +47,7 @@ import math
 import sys
 
 import models
-from common import VOCAB_MULTIPLE, DefaultsHelp, ExitParser, ModelConfig, UsageError, run_command
+from common import VOCAB_MULTIPLE, ExitParser, ModelConfig, UsageError, run_command
 from tango_kernels import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -251,8 +251,7 @@ PAPER_SETTING = {"size": "70M", "depth": 4, "block_size": 8192, "vocab_size": 50
 def _parse(argv):
     from harness.config import TIER_DEFAULTS, tier_default
     p = ExitParser(prog="flops.py", description="Analytical forward MACs per sequence (MATH.md, \"Cost\") of the "
-                   "models train.py builds. Parcae's scaling-law fits to run logs: python -m tools.flops_fit RUN [RUN ...].",
-                   formatter_class=DefaultsHelp)  # each flag's default, as train.py's help
+                   "models train.py builds. Parcae's scaling-law fits to run logs: python -m tools.flops_fit RUN [RUN ...].")
     p.add_argument("--size", default="70M", help=f"parameter tier: {', '.join(models.TIERS)}")
     p.add_argument("--depth", type=int, default=4, help="block applications K (>= 1)")
     p.add_argument("--block_size", type=int, help="sequence length T (>= 1); " + tier_default("block_size"))

@@ -17,13 +17,12 @@ positions: the model never saw them in training, so a note says so on stderr.
 Bad input (a flag, a missing or damaged checkpoint, prompt characters outside a character
 vocabulary) prints one line "error: ..." on stderr and exits 2.
 """
-import argparse
 import os
 import sys
 
 import torch
 
-from common import DefaultsHelp, UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command
+from common import UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
@@ -35,8 +34,7 @@ CKPT_FILES = {"best": BEST, "latest": LATEST}
 
 
 def build_parser():
-    p = UsageParser(prog="sample.py", description=__doc__.split("\n")[0],
-                    formatter_class=DefaultsHelp)
+    p = UsageParser(prog="sample.py", description=__doc__.split("\n")[0])
     p.add_argument("--out_dir", default="out", help="train.py's --out_dir: the folder of the checkpoints")
     p.add_argument("--ckpt", default="best", choices=list(CKPT_FILES),
                    help="ckpt_best.pt (lowest dev NLL) or ckpt_latest.pt (the last evaluation)")

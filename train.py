@@ -54,7 +54,7 @@ import data as data_mod
 from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, check_resume, check_unfinished,
                                 eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
-from common import (DefaultsHelp, ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command,
+from common import (ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command,
                     synchronizer)
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
@@ -73,7 +73,7 @@ class TrainingError(RuntimeError):
 
 def build_parser(suppress_defaults=False):
     """The flag parser; suppress_defaults=True leaves unset flags out (to see which were given)."""
-    p = UsageParser(prog="train.py", description=__doc__.split("\n")[0], formatter_class=DefaultsHelp)
+    p = UsageParser(prog="train.py", description=__doc__.split("\n")[0])
 
     def group(title):
         g = p.add_argument_group(title)

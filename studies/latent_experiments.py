@@ -12,7 +12,6 @@ the bodies of this module's commands:
 They train through latent_tokens.fit (the one training loop); pretrain writes its checkpoint
 with checkpoint.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
 """
-import argparse
 import json
 import math
 import os
@@ -30,7 +29,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (DefaultsHelp, ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
+from common import (ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
                     check_seed, make_parent, nll_unit, run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
@@ -374,7 +373,7 @@ def sweep_parser():
 # =============================================================================== command line
 
 def _parser(prog, description):
-    return UsageParser(prog=prog, description=description, formatter_class=DefaultsHelp)
+    return UsageParser(prog=prog, description=description)
 
 
 def _base_flags(a):

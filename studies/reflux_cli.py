@@ -23,7 +23,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
-from common import (DefaultsHelp, UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
+from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
                     make_parent, nll_unit, run_command)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
@@ -165,8 +165,7 @@ def build_parser(sweep, suppress_defaults=False):
     """The parser of one run (sweep=False) or of the sweep subcommand; suppress_defaults leaves
     unset flags out (to see which were given)."""
     p = UsageParser(prog="-m studies.reflux_cli" + (" sweep" if sweep else ""),
-                    description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.",
-                    formatter_class=DefaultsHelp)
+                    description="ReFlux on a frozen Transformer++ checkpoint: dev NLL of the base and of ReFlux.")
     if not sweep:
         p.epilog = ("subcommand: 'sweep' (edges x α x β per schedule, then the router; "
                     "python -m studies.reflux_cli sweep --help)")

@@ -7,6 +7,7 @@ of the world size, 4 latent tokens on half-precision bases, 5 under-determined s
 (one-line errors from every command line, model flags checked before the data, flags a model ignores),
 12 the GPU a command names (current device, timers and memory counters of that device).
 """
+import argparse
 import contextlib
 import copy
 import json
@@ -864,6 +865,36 @@ def test_a_module_of_another_command_names_that_command(module, command, monkeyp
     code, out, err = run_cli(module, ["--help"], monkeypatch, capsys)
     assert code == 2 and out == ""
     assert err.startswith(f"error: {module} has no command line of its own; use {command}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("script,argv", [
+    ("train.py", []), ("sample.py", []), ("data.py", []), ("flops.py", []), ("tools.flops_fit", []),
+    ("tools.bench", []), ("tools.bench", ["decode"]), ("tools.sweep", ["run"]), ("tools.sweep", ["collect"]),
+    ("tools.sweep", ["plot"]), ("tools.sweep", ["report"]), ("studies.reflux_cli", []),
+    ("studies.reflux_cli", ["sweep"]), ("studies.latent_experiments", []), ("studies.latent_experiments", ["pretrain"]),
+    ("studies.latent_experiments", ["sweep"]),
+])
+def test_every_commands_help_states_each_flags_default(script, argv, monkeypatch, capsys):
+    """--help of every command line (and subcommand) states the default of each flag that has one to
+    show, once (a --x/--no-x pair: which side); a switch that is off unless given, or a flag without
+    a default (None), at most what happens without it, never "(default: False)"."""
+    shown = []
+    format_help = common.WholeFlagParser.format_help
+    monkeypatch.setattr(common.WholeFlagParser, "format_help", lambda self: shown.append(self) or format_help(self))
+    code, out, err = run_cli(script, [*argv, "--help"], monkeypatch, capsys)
+    assert code == 0 and err == "" and len(shown) == 1, (code, err)
+    assert "(default: None)" not in " ".join(out.split())
+    parser = shown[0]
+    fmt = parser.formatter_class(parser.prog)
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help" and not a.required]
+    for a in flags:
+        line = fmt._expand_help(a)  # the help as printed, %(default)s filled in
+        switch = a.nargs == 0 and not isinstance(a, argparse.BooleanOptionalAction)
+        if switch or a.default in (None, argparse.SUPPRESS):  # its help may say what happens without it
+            assert line.count("default") <= 1 and not (switch and "(default: False)" in line), (a.option_strings, line)
+        else:
+            assert line.count("default") == 1, (a.option_strings, line)
+    assert any(a.nargs != 0 for a in flags) or argv in (["collect"], ["plot"], ["report"])
 
 
 RESULTS_SCRIPTS = sorted(os.path.relpath(os.path.join(d, f), REPO) for d, _, fs in os.walk(os.path.join(REPO, "results"))

@@ -388,11 +388,11 @@ def main(argv=None):
                        usage="sweep.py run --root ROOT [options] [-- TRAIN.PY FLAGS]")
     r.add_argument("--root", required=True, help="folder of the runs: <root>/<dataset>/<model>-K<depth>-s<seed>/")
     r.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash",
-                   help="comma-separated train.py --model names (default: %(default)s)")
-    r.add_argument("--depths", default="4", help="comma-separated depths K (default: %(default)s)")
-    r.add_argument("--seeds", type=int, default=1, help="seeds 1..N per cell; data order = seed (default: %(default)s)")
+                   help="comma-separated train.py --model names")
+    r.add_argument("--depths", default="4", help="comma-separated depths K")
+    r.add_argument("--seeds", type=int, default=1, help="seeds 1..N per cell; data order = seed")
     r.add_argument("--datasets", default="stdlib",
-                   help="comma-separated train.py --dataset values (default: %(default)s)")
+                   help="comma-separated train.py --dataset values")
     r.add_argument("--lrs", default="", help="comma-separated peak learning rates (a learning-rate sweep)")
     r.add_argument("--jobs", type=int, default=1, help="train.py processes at once (threads split between them)")
     c = sub.add_parser("collect", help="copy each run's summary, curves and flags into a folder small enough to commit")
