@@ -20,6 +20,7 @@ Text documents become token files in text_data.py (reading, tokenizing in worker
 char vocabulary), shared by the stdlib, local-path and Hugging Face datasets.
 """
 import argparse
+import errno
 import hashlib
 import json
 import math
@@ -169,15 +170,23 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         meta["sha256"] = {s: sha256_file(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        try:
-            os.replace(tmp, folder)  # fails when folder exists: a stale one, or one just prepared by another process
-        except OSError:
-            if _matches(folder, fp):  # another process prepared the same tokens meanwhile: keep its folder
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                old = tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
-                os.replace(folder, os.path.join(old, name))
-                os.replace(tmp, folder)
+        for attempt in range(10):  # other processes may be replacing the same stale folder at once
+            try:
+                os.replace(tmp, folder)  # fails when folder exists: a stale one, or one another process prepared
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                if _matches(folder, fp):  # another process prepared the same tokens meanwhile: keep its folder
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    break
+                old = old or tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
+                try:
+                    os.replace(folder, os.path.join(old, f"{name}-{attempt}"))  # the stale folder out of the way
+                except FileNotFoundError:  # another process moved it first: try again
+                    pass
+        else:
+            raise OSError(f"{folder}: could not replace it (other processes kept writing it); delete it and run again")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not any(files for _, _, files in os.walk(created)):

@@ -556,6 +556,38 @@ def test_two_preparations_of_one_folder_at_once(tmp_path, monkeypatch):
     assert sorted(os.listdir(out)) == [os.path.basename(folder)]
 
 
+@pytest.mark.parametrize("other", ["moves the stale folder", "puts its folder in place"])
+def test_two_preparations_replacing_one_stale_folder_at_once(other, tmp_path, monkeypatch):
+    """Two processes replacing the same stale folder at once: the other one's step lands between this
+    one's moves (it moved the stale folder out first, or put its own in place after this one moved the
+    stale folder out); this one ends with the fresh tokens in place, not a FileNotFoundError or
+    "Directory not empty" traceback."""
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    folder = data.prepare(src, out_root=out, tokenizer="char")
+    (tmp_path / "src" / "f0.txt").write_text("new text\n")  # the sources changed: the folder is stale
+    real, fired = os.replace, []
+
+    def racing(a, b):
+        moving_stale_out = a == folder and ".old-" in b
+        if not fired and moving_stale_out and other == "moves the stale folder":
+            fired.append(real(folder, str(tmp_path / "elsewhere")))
+        if not fired and a != folder and b == folder and not os.path.exists(folder) and other == "puts its folder in place":
+            fired.append(None)  # this one moved the stale folder out; the other one finishes now
+            assert data.prepare(src, out_root=out, tokenizer="char") == folder
+            fired.append(os.stat(os.path.join(folder, "meta.json")).st_ino)
+        return real(a, b)
+    monkeypatch.setattr(os, "replace", racing)
+    assert data.prepare(src, out_root=out, tokenizer="char") == folder and fired
+    monkeypatch.undo()
+    assert sorted(os.listdir(out)) == [os.path.basename(folder)]
+    if other == "puts its folder in place":  # kept: the other one may be reading it
+        assert os.stat(os.path.join(folder, "meta.json")).st_ino == fired[1]
+    d = data.Data(folder)
+    data.check_data(d)
+    assert "new text" in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
+
+
 def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     """A folder source drops binary and empty files: the files read, kept and dropped are printed and
     recorded in meta.json (as Hugging Face rows are), not dropped without a word."""
