@@ -384,6 +384,9 @@ def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
     p.write_text(json.dumps({**json.loads(p.read_text()), "resumed_at": 100, "wall_s_this_process_only": True}))
     assert last() == running.replace("238 s.", "238 s (1 of them resumed without the time before the resume "
                                                "recorded: their `wall_s` counts the last process only).")
+    out.write_text("[1/1] a\nsweep: 1 runs, 0 failed, wall time 7 s\n[1/1] b\nsweep: 1 run, 0 failed, wall time 8 s\n")
+    assert last().startswith("**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 7 s for 1 run "
+                             "(0 failed); 8 s for 1 run (0 failed); 15 s in all.")  # "1 runs": older logs
 
 
 def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):

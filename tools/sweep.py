@@ -123,7 +123,7 @@ def cmd_run(args, extra):
         stop_runs(e)
         raise
     failed = sum(rc != 0 for rc in rcs)
-    say(f"sweep: {len(grid)} runs, {failed} failed, wall time {time.time() - t0:.0f} s", log)
+    say(f"sweep: {len(grid)} run{'s' * (len(grid) != 1)}, {failed} failed, wall time {time.time() - t0:.0f} s", log)
     return 1 if failed else 0
 
 

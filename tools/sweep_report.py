@@ -426,10 +426,10 @@ def wall_time(root, rows):
         return []
     with open(path) as f:
         text = f.read()
-    done = list(re.finditer(r"^sweep: (\d+) runs, (\d+) failed, wall time (\d+) s$", text, re.M))
+    done = list(re.finditer(r"^sweep: (\d+) runs?, (\d+) failed, wall time (\d+) s$", text, re.M))
     starts = list(re.finditer(r"^\[1/\d+\] ", text, re.M))  # one per command (its first run, started or skipped)
     runs = [r for v in rows.values() for r in v]
-    own = f"the {len(runs)} runs' own `wall_s` add up to {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
+    own = f"the {len(runs)} run{'s' * (len(runs) != 1)}' own `wall_s` add up to {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
     partial = sum(bool(r.get("wall_s_this_process_only")) for r in runs)
     if partial:
         own += (f" ({partial} of them resumed without the time before the resume recorded: "
@@ -438,7 +438,8 @@ def wall_time(root, rows):
         return ["", f"**Not finished**: the last `sweep.py run` command in `sweep-output.txt` had not printed its "
                     f"wall time when these summaries were collected; {own}."]
     times = [int(m.group(3)) for m in done]
-    line = "; ".join(f"{int(m.group(3)):,} s for {m.group(1)} runs ({m.group(2)} failed)" for m in done)
+    line = "; ".join(f"{int(m.group(3)):,} s for {m.group(1)} run{'s' * (m.group(1) != '1')} ({m.group(2)} failed)"
+                     for m in done)
     stopped = len(starts) - len(done)
     return ["", f"**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): {line}"
                 + (f"; {sum(times):,} s in all" if len(done) > 1 else "")
