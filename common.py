@@ -435,11 +435,12 @@ class LM(nn.Module):
         self.norm_f = RMSNorm(cfg.n_embd)
         if hasattr(body, "use_final_norm"):  # a body that also applies the final norm between its loops (PLT)
             body.use_final_norm(self.norm_f)
-        self.apply(self._init_weights)
-        # residual output projections get a smaller init, as in GPT-2 (marked by the bodies)
-        for m in self.modules():
-            if getattr(m, "is_residual_out", False):
-                nn.init.normal_(m.weight, std=0.02 / (2 * cfg.depth) ** 0.5)
+        if not self.wte.weight.is_meta:  # meta tensors (parameter counts) hold no values: drawing them is only time
+            self.apply(self._init_weights)
+            # residual output projections get a smaller init, as in GPT-2 (marked by the bodies)
+            for m in self.modules():
+                if getattr(m, "is_residual_out", False):
+                    nn.init.normal_(m.weight, std=0.02 / (2 * cfg.depth) ** 0.5)
         # pad E after the init, so the padding draws no random numbers (the same initial weights as V rows)
         pad = -cfg.vocab_size % VOCAB_MULTIPLE
         self.wte.weight = nn.Parameter(F.pad(self.wte.weight.detach(), (0, 0, 0, pad)))

@@ -276,3 +276,15 @@ def test_cli_builds_the_models_train_py_builds(size, flags, tmp_path, capsys):
     for flag in ("window", "chunk", "gau_s"):
         assert f"--{flag} {given.get('--' + flag, TIER_DEFAULTS[size][flag])}" in header
     assert "T=128, V=100" in header
+
+
+@pytest.mark.parametrize("name", list(models.REGISTRY))
+def test_a_parameter_count_draws_no_weights_and_equals_the_built_models(name, monkeypatch):
+    """count_params builds on the meta device, where drawing the model's initial weights is only
+    time (17 of flops.py --depth 100's 22 s); its count equals that of the model built on the CPU."""
+    import common
+    cfg = small(name)
+    on_cpu = models.build_model(cfg).num_params()
+    drawn = []
+    monkeypatch.setattr(common.LM, "_init_weights", staticmethod(drawn.append))
+    assert models.count_params(cfg) == on_cpu and drawn == []
