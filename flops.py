@@ -464,12 +464,24 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
 
 RECURRENT_MODELS = models.model_flags()["n_prelude"]  # prelude -> core -> coda: the models that read --n_prelude
 
-# models whose step is not 3x the forward (tests/test_flops.py counts it), so train_flops and MFU are nominal
+# models whose step is not 3x the forward (tests/test_flops.py counts it) at their default flags, so
+# train_flops and MFU are nominal; train_flops_nominal(cfg) decides for a config's own flags
 TRAIN_FLOPS_NOMINAL = {
     **dict.fromkeys(RECURRENT_MODELS, "a training step runs a random number of recurrences (the batch's "
                                       "largest Poisson draw), with truncated backprop"),
     "ponder": "training draws N in {2, 3} Jacobi refinements (--jacobi_random), the formula counts --jacobi",
 }
+LRT_DETACHED = "its init pass runs without gradients (--lrt_detach_init), so a step runs less than 3 forwards"
+
+
+def train_flops_nominal(cfg: ModelConfig):
+    """Why train_flops(cfg) is a nominal cost and not the work a training step of cfg runs (so its
+    MFU is not comparable with other models'), or None when a step is 3 forwards' work."""
+    if cfg.model == "ponder":
+        return TRAIN_FLOPS_NOMINAL["ponder"] if cfg.jacobi_random else None
+    if cfg.model in models.model_flags()["lrt_detach_init"] and cfg.lrt_detach_init:
+        return LRT_DETACHED
+    return TRAIN_FLOPS_NOMINAL.get(cfg.model)
 
 
 def recurrent_forward_macs(cfg: ModelConfig, T: int) -> dict:

@@ -222,6 +222,7 @@ def test_mfu_ratio_is_the_model_over_loop_transformer_pp():
     assert [r["mfu_vs_ref"] for r in rows] == pytest.approx([1.0, 0.5, 1.5, 1.0, 2.0])
     tg = bench_report.targets(rows)["min_mfu_vs_transformer_pp"]
     assert tg["value"] == pytest.approx(0.5) and tg["status"] == "MISS" and "tango" in tg["detail"]
+    assert "left out" not in tg["detail"]  # no model's MFU is nominal here
     # the models whose training FLOPs are nominal (flops.TRAIN_FLOPS_NOMINAL): not held to the target
     rows = [_row("loop", 64, 100, 1, 4e9), _row("gau", 64, 100, 1, 6e9),
             *(_row(m, 64, 100, 1, 1e9) for m in sorted(flops.TRAIN_FLOPS_NOMINAL))]
@@ -231,6 +232,28 @@ def test_mfu_ratio_is_the_model_over_loop_transformer_pp():
     rows = [_row("loop", 64, 100, 1, 4e9), _row("lrt", 64, 100, 1, 1e9)]  # LRT's step is 3 forwards: held to it
     bench_report.add_ratios(rows, peak=1e10)
     assert bench_report.targets(rows)["min_mfu_vs_transformer_pp"]["status"] == "MISS"
+    # a row's own flags decide (its "flops_nominal"): LRT with --lrt_detach_init is nominal, PonderLM-2
+    # with --no-jacobi_random is not; the table says why under the rows
+    rows = [_row("loop", 64, 100, 1, 4e9), {**_row("lrt", 64, 100, 1, 1e9), "flops_nominal": flops.LRT_DETACHED},
+            {**_row("ponder", 64, 100, 1, 2e9), "flops_nominal": None}]
+    bench_report.add_ratios(rows, peak=1e10)
+    tg = bench_report.targets(rows)["min_mfu_vs_transformer_pp"]
+    assert tg["value"] == pytest.approx(0.5) and set(tg["per_model_min"]) == {"ponder"}
+    assert tg["detail"].endswith("(lrt left out: their MFU is nominal, not comparable)")
+    assert bench_report.table(rows).splitlines()[-2:] == [
+        "", f"lrt: MFU from the forward formula, but {flops.LRT_DETACHED}; not comparable with the other rows."]
+
+
+@pytest.mark.parametrize("model,flags,why", [
+    ("parcae", [], flops.TRAIN_FLOPS_NOMINAL["parcae"]), ("ponder", [], flops.TRAIN_FLOPS_NOMINAL["ponder"]),
+    ("ponder", ["--no-jacobi_random"], None), ("lrt", [], None), ("lrt", ["--lrt_detach_init"], flops.LRT_DETACHED),
+    ("lrt-think", ["--lrt_detach_init"], flops.LRT_DETACHED), ("tango", [], None)])
+def test_a_bench_row_records_whether_its_mfu_is_nominal(model, flags, why):
+    """bench.child's row records flops.train_flops_nominal of the config it timed (its own flags)."""
+    a = bench.parse(["--models", model, "--size", "tiny", "--depth", "2", "--block_sizes", "16", "--vocab_size", "64",
+                     "--batch_tokens", "32", "--steps", "1", "--warmup", "1", *flags])
+    row = bench.child(bench.config_spec(a, model, False, 16, 1))
+    assert row["flops_nominal"] == why
 
 
 # ----------------------------------------------------------------------------- the model train.py builds, flags

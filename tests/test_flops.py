@@ -128,13 +128,15 @@ def test_spec7_tango_derivation_terms():
         assert abs(m[key] / ref - 1) < 0.005, key
 
 
-@pytest.mark.parametrize("name", list(models.REGISTRY))
-def test_a_training_step_runs_three_forwards_unless_its_flops_are_nominal(name):
+@pytest.mark.parametrize("name,kw", [(name, {}) for name in models.REGISTRY]
+                         + [("ponder", {"jacobi_random": False}), ("lrt", {"lrt_detach_init": True}),
+                            ("lrt-think", {"lrt_detach_init": True})])
+def test_a_training_step_runs_three_forwards_unless_its_flops_are_nominal(name, kw):
     """train_flops (the MFU's model FLOPs) is 3 x the forward: FlopCounterMode over a training step
     (forward, backward) at several seeds counts 3x the counted forward (TANGO's kernels up to 3.13x,
-    the backward of the padded score products), except for the models flops.TRAIN_FLOPS_NOMINAL
-    names, where some step differs, as it gives the reason."""
-    cfg = small(name, depth=4)
+    the backward of the padded score products), except for the configs flops.train_flops_nominal
+    gives a reason for, where some step differs."""
+    cfg = small(name, depth=4, **kw)
     torch.manual_seed(0)
     model = models.build_model(cfg).train()
     idx, y = torch.randint(0, 97, (2, 60)), torch.randint(0, 97, (2, 60))
@@ -146,7 +148,7 @@ def test_a_training_step_runs_three_forwards_unless_its_flops_are_nominal(name):
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, custom_mapping=IN_PLACE) as fc:
             model(idx, y)[1].backward()
         ratios.add(round(fc.get_total_flops() / 2 / (2 * flops.counter_expected_macs(cfg, 60)), 4))
-    if name in flops.TRAIN_FLOPS_NOMINAL:
+    if flops.train_flops_nominal(cfg):
         assert any(not 3.0 <= r < 3.13 for r in ratios), ratios
     else:
         assert all(3.0 <= r < 3.13 for r in ratios), ratios

@@ -55,10 +55,10 @@ MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T
             = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
             so a causal kernel that skips the masked half can exceed 'its' share). For Parcae, RDM,
-            PonderLM-2 the formula is a nominal cost, not the work a step runs
-            (flops.TRAIN_FLOPS_NOMINAL says why), so their MFU is not comparable with the others;
-            so is LRT's with --lrt_detach_init (its init pass gets no backward, so a step runs
-            less than 3x the forward), which the table does not mark.
+            PonderLM-2 (with --jacobi_random) and LRT with --lrt_detach_init the formula is a
+            nominal cost, not the work a step runs, so their MFU is not comparable with the others:
+            the row records why ("flops_nominal", flops.train_flops_nominal) and the table says it
+            under the rows.
 peak        FLOPs/s of the best of --peak_reps square matmuls of size --peak_n, measured at start
             in the benchmark's dtype and thread count (fp32 on CPU, bf16 on CUDA).
 peak MB     CPU: the peak resident set size during the last warm-up training step above the RSS
@@ -214,7 +214,7 @@ def child(spec):
     compile_s = max(0.0, first_dur - statistics.median(times)) if spec["compile"] else 0.0
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
             "warmup_s": warmup_s, "first_step_s": first_step_s, "model_flops_per_step": fl, "model_flops_per_token": fl / tokens,
-            **timing(times, tokens, fl), "compile_s": compile_s, "graphs": graphs_compiled() - graphs0,
+            **timing(times, tokens, fl), "flops_nominal": flops.train_flops_nominal(cfg), "compile_s": compile_s, "graphs": graphs_compiled() - graphs0,
             "recompiles": graphs_compiled() - graphs_first,
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
             "final_loss": losses[-1]}

@@ -646,12 +646,9 @@ def throughput_report(root):
     for m in models:
         out.append(f"| {m} | " + " | ".join(cell(by_depth[k].get(m), key, fmt) for _, key, fmt in cols for k in ks)
                    + " |")
-    from flops import TRAIN_FLOPS_NOMINAL  # (tools.bench's MFU definition)
-    nominal = [m for m in models if m in TRAIN_FLOPS_NOMINAL]
-    if nominal:
-        out += [""] + [f"{m}: MFU from the forward formula, but {TRAIN_FLOPS_NOMINAL[m]}; not comparable with the "
-                       "other rows." for m in nominal]
-    return "\n".join(out) + "\n"
+    from tools.bench_report import nominal_notes  # (tools.bench's MFU definition)
+    notes = nominal_notes([by_depth[k][m] for m in models for k in ks if m in by_depth[k]])
+    return "\n".join(out + ([""] + notes if notes else [])) + "\n"
 
 
 def report_markers(root, mode):
