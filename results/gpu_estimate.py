@@ -13,7 +13,6 @@ MPS take turns on the GPU, so the grid's kernels run one after another. The esti
 grid's kernel count by an assumed cost per kernel and divides the kernels of the compiled training
 steps by an assumed fusion factor (--assume); both are assumptions, printed as such.
 """
-import argparse
 import collections
 import os
 import sys
@@ -25,8 +24,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train  # noqa: E402
+from common import ExitParser  # noqa: E402
 from harness.config import model_config  # noqa: E402
-from models import build_model  # noqa: E402
+from models import REGISTRY, build_model  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
              "select", "as_strided", "detach", "alias", "split", "split_with_sizes", "unbind", "chunk", "reshape",
@@ -67,8 +67,29 @@ def count(model_name, depth, vocab=416, prompt=20, steps=10):
     return c.kernels(), d.kernels() / (steps + 1)
 
 
+def check(p, a):
+    """Every flag's value in range, before any counting: one line naming the flag (exit code 2) otherwise."""
+    models, depths, pairs = a.models.split(","), a.depths.split(","), a.assume.split(",")
+    if any(m not in REGISTRY for m in models):
+        p.error(f"--models {a.models}: comma-separated train.py --model names ({', '.join(REGISTRY)})")
+    if not all(k.isdigit() and int(k) >= 1 for k in depths):
+        p.error(f"--depths {a.depths}: comma-separated whole numbers >= 1")
+    for flag in ("updates", "eval_interval", "seeds"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
+    if not 0 < a.decode_steps < float("inf"):
+        p.error(f"--decode_steps {a.decode_steps}: must be a finite number > 0")
+    def positive(text):
+        try:
+            return 0 < float(text) < float("inf")
+        except ValueError:
+            return False
+    if not all(len(pair.split("x")) == 2 and all(map(positive, pair.split("x"))) for pair in pairs):
+        p.error(f"--assume {a.assume}: comma-separated pairs AxF of finite numbers > 0 (e.g. 1.5x4)")
+
+
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ExitParser(prog="results/gpu_estimate.py", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash,parcae")
     p.add_argument("--depths", default="4,8,16")
     p.add_argument("--updates", type=int, default=2000)
@@ -81,6 +102,7 @@ def main():
                    help="comma-separated pairs AxF: A µs of GPU time per small kernel, F times fewer kernels "
                         "in a compiled training step than in an eager one (assumptions, not measured)")
     a = p.parse_args()
+    check(p, a)
     torch.set_num_threads(1)
     train_k = eval_k = em_k = 0.0
     print("| model | K | kernels per training update (eager) | kernels per decoding step |")

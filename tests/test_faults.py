@@ -764,6 +764,12 @@ def run_cli(script, argv, monkeypatch, capsys):
     ("studies.latent_experiments", ["pretrain", "--out", "x"], "--out"),
     ("data.py", ["--max_tokens", "inf"], "--max_tokens"),
     ("train.py", ["--max_tokens", "1e400"], "--max_tokens"),
+    ("results/gpu_estimate.py", ["--mod", "tango"], "--mod"),
+    ("results/gpu_estimate.py", ["--depths", "x"], "--depths x: comma-separated whole numbers >= 1"),
+    ("results/gpu_estimate.py", ["--models", "nope"], "--models nope: comma-separated train.py --model names"),
+    ("results/gpu_estimate.py", ["--eval_interval", "0"], "--eval_interval 0: must be >= 1"),
+    ("results/gpu_estimate.py", ["--assume", "1.5"], "--assume 1.5: comma-separated pairs AxF"),
+    ("results/gpu_estimate.py", ["--decode_steps", "nan"], "--decode_steps nan: must be a finite number > 0"),
 ])
 def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
                                                                      capsys):
@@ -872,7 +878,7 @@ def test_a_module_of_another_command_names_that_command(module, command, monkeyp
     ("tools.bench", []), ("tools.bench", ["decode"]), ("tools.sweep", ["run"]), ("tools.sweep", ["collect"]),
     ("tools.sweep", ["plot"]), ("tools.sweep", ["report"]), ("studies.reflux_cli", []),
     ("studies.reflux_cli", ["sweep"]), ("studies.latent_experiments", []), ("studies.latent_experiments", ["pretrain"]),
-    ("studies.latent_experiments", ["sweep"]),
+    ("studies.latent_experiments", ["sweep"]), ("results/gpu_estimate.py", []),
 ])
 def test_every_commands_help_states_each_flags_default(script, argv, monkeypatch, capsys):
     """--help of every command line (and subcommand) states the default of each flag that has one to
