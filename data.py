@@ -20,6 +20,7 @@ Text documents become token files in text_data.py (reading, tokenizing in worker
 char vocabulary), shared by the stdlib, local-path and Hugging Face datasets.
 """
 import argparse
+import contextlib
 import errno
 import hashlib
 import json
@@ -181,10 +182,16 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
                     shutil.rmtree(tmp, ignore_errors=True)
                     break
                 old = old or tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
+                moved = os.path.join(old, f"{name}-{attempt}")
                 try:
-                    os.replace(folder, os.path.join(old, f"{name}-{attempt}"))  # the stale folder out of the way
+                    os.replace(folder, moved)  # the stale folder out of the way
                 except FileNotFoundError:  # another process moved it first: try again
-                    pass
+                    continue
+                if _matches(moved, fp):  # it was another process's fresh one, put in place since the check
+                    with contextlib.suppress(OSError):  # (unless a third one is in place by now)
+                        os.replace(moved, folder)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    break
         else:
             raise OSError(f"{folder}: could not replace it (other processes kept writing it); delete it and run again")
     except BaseException:

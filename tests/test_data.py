@@ -556,12 +556,14 @@ def test_two_preparations_of_one_folder_at_once(tmp_path, monkeypatch):
     assert sorted(os.listdir(out)) == [os.path.basename(folder)]
 
 
-@pytest.mark.parametrize("other", ["moves the stale folder", "puts its folder in place"])
+@pytest.mark.parametrize("other", ["moves the stale folder", "puts its folder in place", "replaces the stale folder"])
 def test_two_preparations_replacing_one_stale_folder_at_once(other, tmp_path, monkeypatch):
     """Two processes replacing the same stale folder at once: the other one's step lands between this
-    one's moves (it moved the stale folder out first, or put its own in place after this one moved the
-    stale folder out); this one ends with the fresh tokens in place, not a FileNotFoundError or
-    "Directory not empty" traceback."""
+    one's moves (it moved the stale folder out first; it put its own in place after this one moved the
+    stale folder out; it replaced the stale folder with its own between this one's check and its
+    move); this one ends with the fresh tokens in place, not a FileNotFoundError or "Directory not
+    empty" traceback, and keeps the other one's folder where that one is in place (it may be reading
+    it)."""
     write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     folder = data.prepare(src, out_root=out, tokenizer="char")
@@ -572,6 +574,10 @@ def test_two_preparations_replacing_one_stale_folder_at_once(other, tmp_path, mo
         moving_stale_out = a == folder and ".old-" in b
         if not fired and moving_stale_out and other == "moves the stale folder":
             fired.append(real(folder, str(tmp_path / "elsewhere")))
+        if not fired and moving_stale_out and other == "replaces the stale folder":
+            fired.append(None)  # this one saw the stale folder; the other one replaces it now, before this one moves it
+            assert data.prepare(src, out_root=out, tokenizer="char") == folder
+            fired.append(os.stat(os.path.join(folder, "meta.json")).st_ino)
         if not fired and a != folder and b == folder and not os.path.exists(folder) and other == "puts its folder in place":
             fired.append(None)  # this one moved the stale folder out; the other one finishes now
             assert data.prepare(src, out_root=out, tokenizer="char") == folder
@@ -581,7 +587,7 @@ def test_two_preparations_replacing_one_stale_folder_at_once(other, tmp_path, mo
     assert data.prepare(src, out_root=out, tokenizer="char") == folder and fired
     monkeypatch.undo()
     assert sorted(os.listdir(out)) == [os.path.basename(folder)]
-    if other == "puts its folder in place":  # kept: the other one may be reading it
+    if other != "moves the stale folder":  # kept: the other one may be reading it
         assert os.stat(os.path.join(folder, "meta.json")).st_ino == fired[1]
     d = data.Data(folder)
     data.check_data(d)
