@@ -477,8 +477,8 @@ LRT_DETACHED = "its init pass runs without gradients (--lrt_detach_init), so a s
 def train_flops_nominal(cfg: ModelConfig):
     """Why train_flops(cfg) is a nominal cost and not the work a training step of cfg runs (so its
     MFU is not comparable with other models'), or None when a step is 3 forwards' work."""
-    if cfg.model == "ponder":
-        return TRAIN_FLOPS_NOMINAL["ponder"] if cfg.jacobi_random else None
+    if cfg.model == "ponder":  # (no thought slots: nothing is refined, the untied Transformer++)
+        return TRAIN_FLOPS_NOMINAL["ponder"] if cfg.jacobi_random and cfg.n_thoughts > 0 else None
     if cfg.model in models.model_flags()["lrt_detach_init"] and cfg.lrt_detach_init:
         return LRT_DETACHED
     return TRAIN_FLOPS_NOMINAL.get(cfg.model)

@@ -246,7 +246,7 @@ def test_mfu_ratio_is_the_model_over_loop_transformer_pp():
 
 @pytest.mark.parametrize("model,flags,why", [
     ("parcae", [], flops.TRAIN_FLOPS_NOMINAL["parcae"]), ("ponder", [], flops.TRAIN_FLOPS_NOMINAL["ponder"]),
-    ("ponder", ["--no-jacobi_random"], None), ("lrt", [], None), ("lrt", ["--lrt_detach_init"], flops.LRT_DETACHED),
+    ("ponder", ["--no-jacobi_random"], None), ("ponder", ["--n_thoughts", "0"], None), ("lrt", [], None), ("lrt", ["--lrt_detach_init"], flops.LRT_DETACHED),
     ("lrt-think", ["--lrt_detach_init"], flops.LRT_DETACHED), ("tango", [], None)])
 def test_a_bench_row_records_whether_its_mfu_is_nominal(model, flags, why):
     """bench.child's row records flops.train_flops_nominal of the config it timed (its own flags)."""

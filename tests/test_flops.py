@@ -129,7 +129,8 @@ def test_spec7_tango_derivation_terms():
 
 
 @pytest.mark.parametrize("name,kw", [(name, {}) for name in models.REGISTRY]
-                         + [("ponder", {"jacobi_random": False}), ("lrt", {"lrt_detach_init": True}),
+                         + [("ponder", {"jacobi_random": False}), ("ponder", {"n_thoughts": 0}),
+                            ("lrt", {"lrt_detach_init": True}),
                             ("lrt-think", {"lrt_detach_init": True})])
 def test_a_training_step_runs_three_forwards_unless_its_flops_are_nominal(name, kw):
     """train_flops (the MFU's model FLOPs) is 3 x the forward: FlopCounterMode over a training step

@@ -55,7 +55,7 @@ MFU         model FLOPs/s / peak FLOPs/s. Model FLOPs = flops.train_flops(cfg, T
             = 6 x (forward MACs of one sequence, MATH.md "Cost") / T per token: 2 FLOPs per MAC, backward
             = 2 x forward, every score matrix counted as a full T x T product (no causal halving,
             so a causal kernel that skips the masked half can exceed 'its' share). For Parcae, RDM,
-            PonderLM-2 (with --jacobi_random) and LRT with --lrt_detach_init the formula is a
+            PonderLM-2 (--jacobi_random, thought slots) and LRT with --lrt_detach_init the formula is a
             nominal cost, not the work a step runs, so their MFU is not comparable with the others:
             the row records why ("flops_nominal", flops.train_flops_nominal) and the table says it
             under the rows.
