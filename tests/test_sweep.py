@@ -212,7 +212,7 @@ def claims_line(text, claim):
     return next(ln for ln in text.splitlines() if ln.startswith(f"| {claim} |")).split(" | ")[-1].rstrip(" |")
 
 
-def test_collect_and_plot(tmp_path):
+def test_collect_and_plot(tmp_path, capsys):
     run = tmp_path / "runs" / "stdlib" / "tango-K4-s1"
     run.mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps(dict(model="tango", depth=4, seed=1, test_nll=3.0, dev_nll=3.1,
@@ -224,6 +224,7 @@ def test_collect_and_plot(tmp_path):
            {"event": "train", "iter": 2, "loss": 4.0}, {"event": "summary"}]  # resumed: iteration 2 redone
     (run / "log.jsonl").write_text("\n".join(json.dumps(r) for r in log) + "\n")
     sweep.cmd_collect(str(tmp_path / "runs"), str(tmp_path / "res"))
+    assert capsys.readouterr().out.endswith(f"collected 1 run from {tmp_path / 'runs'} into {tmp_path / 'res'}\n")
     c = json.loads((tmp_path / "res" / "stdlib" / "tango-K4-s1" / "curves.json").read_text())
     assert c == {"tokens_per_update": 48, "eval": [[2, 4.5]], "train": [[1, 5.0], [2, 4.0]]}
     got = (tmp_path / "res" / "stdlib" / "tango-K4-s1" / "summary.json").read_text()
@@ -387,6 +388,11 @@ def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
     out.write_text("[1/1] a\nsweep: 1 runs, 0 failed, wall time 7 s\n[1/1] b\nsweep: 1 run, 0 failed, wall time 8 s\n")
     assert last().startswith("**Wall time** as `sweep.py run` printed it (`sweep-output.txt` here): 7 s for 1 run "
                              "(0 failed); 8 s for 1 run (0 failed); 15 s in all.")  # "1 runs": older logs
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "sweep-output.txt").write_text("[1/1] a\nsweep: 1 run, 0 failed, wall time 7 s\n")
+    assert sweep_report.wall_time(str(one), {"cell": [{"wall_s": 5.0}]})[-1].endswith(
+        "7 s for 1 run (0 failed). The 1 run's own `wall_s` adds up to 5 s.")
 
 
 def test_report_into_rewrites_only_its_own_block(tmp_path, monkeypatch, capsys):

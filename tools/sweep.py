@@ -292,7 +292,7 @@ def cmd_collect(root, to):
         if args:  # train.py's resolved flags, so a committed run's settings can be checked
             with open(os.path.join(dest, "args.json"), "w") as f:
                 json.dump(args, f, indent=0, sort_keys=True)
-    print(f"collected {len(runs)} runs from {root} into {to}")
+    print(f"collected {len(runs)} run{'s' * (len(runs) != 1)} from {root} into {to}")
     return 0
 
 
