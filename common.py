@@ -40,12 +40,13 @@ class UsageError(ValueError):
 class DefaultsHelp(argparse.HelpFormatter):
     """--help with '(default: X)' after a flag's help, unless the flag is required, is a switch that is
     off unless given (store_true; a --x/--no-x pair does say which side), has no default to show
-    (None: its help says what happens without it) or its help already says its default."""
+    (None or "": its help says what happens without it) or its help already says its default. A
+    flag without help text shows nothing (argparse's rule): every flag has help text (a test)."""
 
     def _get_help_string(self, action):
         switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
         if (action.required or switch or "default" in (action.help or "")
-                or action.default in (None, argparse.SUPPRESS)):
+                or action.default is None or action.default in ("", argparse.SUPPRESS)):
             return action.help
         return (action.help or "") + " (default: %(default)s)"
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train  # noqa: E402
-from common import ExitParser  # noqa: E402
+from common import ExitParser, UsageError  # noqa: E402
 from harness.config import model_config  # noqa: E402
 from models import REGISTRY, build_model  # noqa: E402
 
@@ -49,11 +49,17 @@ class CountOps(TorchDispatchMode):
         return sum(v for k, v in self.n.items() if k not in NO_KERNEL)
 
 
-def count(model_name, depth, vocab=416, prompt=20, steps=10):
-    """(kernels of one training update, kernels of one decoding step) of model_name at depth."""
+def config(model_name, depth, vocab=416):
+    """(train.py's flags, ModelConfig) of model_name at depth (the tiny tier, characters); UsageError
+    for a depth the model refuses."""
     a = train.resolve_args(train.parse_args(["--model", model_name, "--depth", str(depth), "--size", "tiny",
                                              "--device", "cpu", "--tokenizer", "char"]))
-    cfg, _ = model_config(a, vocab)
+    return a, model_config(a, vocab)[0]
+
+
+def count(model_name, depth, vocab=416, prompt=20, steps=10):
+    """(kernels of one training update, kernels of one decoding step) of model_name at depth."""
+    a, cfg = config(model_name, depth, vocab)
     torch.manual_seed(0)
     model = build_model(cfg, device="cpu")
     x, y = torch.randint(0, vocab, (2, a.batch_size, a.block_size))
@@ -74,6 +80,12 @@ def check(p, a):
         p.error(f"--models {a.models}: comma-separated train.py --model names ({', '.join(REGISTRY)})")
     if not all(k.isdigit() and int(k) >= 1 for k in depths):
         p.error(f"--depths {a.depths}: comma-separated whole numbers >= 1")
+    for m in models:  # every (model, K) before the first row: a model may refuse a depth
+        for k in depths:
+            try:
+                config(m, int(k))
+            except UsageError as e:
+                p.error(f"--models {m} --depths {k}: {e}")
     for flag in ("updates", "eval_interval", "seeds"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
@@ -90,11 +102,12 @@ def check(p, a):
 
 def main():
     p = ExitParser(prog="results/gpu_estimate.py", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash,parcae")
-    p.add_argument("--depths", default="4,8,16")
-    p.add_argument("--updates", type=int, default=2000)
-    p.add_argument("--eval_interval", type=int, default=100)
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash,parcae",
+                   help="comma-separated train.py --model names (the grid's rows)")
+    p.add_argument("--depths", default="4,8,16", help="comma-separated depths K")
+    p.add_argument("--updates", type=int, default=2000, help="training updates per run")
+    p.add_argument("--eval_interval", type=int, default=100, help="updates between dev evaluations")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per (model, K) and dataset")
     p.add_argument("--decode_steps", type=float, default=10.5,
                    help="forward passes per exact-match problem: the prompt + up to answer length + 2 (dmmath's "
                         "answers: 6.3 characters on average in interpolate, 8.8 in extrapolate)")

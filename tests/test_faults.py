@@ -770,6 +770,8 @@ def run_cli(script, argv, monkeypatch, capsys):
     ("results/gpu_estimate.py", ["--eval_interval", "0"], "--eval_interval 0: must be >= 1"),
     ("results/gpu_estimate.py", ["--assume", "1.5"], "--assume 1.5: comma-separated pairs AxF"),
     ("results/gpu_estimate.py", ["--decode_steps", "nan"], "--decode_steps nan: must be a finite number > 0"),
+    ("results/gpu_estimate.py", ["--models", "tango,tango-3set", "--depths", "4,2"],
+     "--models tango-3set --depths 2: --depth 2: TANGO with three gated-projection sets needs depth >= 3"),
 ])
 def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
                                                                      capsys):
@@ -881,25 +883,28 @@ def test_a_module_of_another_command_names_that_command(module, command, monkeyp
     ("studies.latent_experiments", ["sweep"]), ("results/gpu_estimate.py", []),
 ])
 def test_every_commands_help_states_each_flags_default(script, argv, monkeypatch, capsys):
-    """--help of every command line (and subcommand) states the default of each flag that has one to
-    show, once (a --x/--no-x pair: which side); a switch that is off unless given, or a flag without
-    a default (None), at most what happens without it, never "(default: False)"."""
+    """--help of every command line (and subcommand) prints help text for every flag and states, in
+    it, the default of each flag that has one to show, once (a --x/--no-x pair: which side); a
+    switch that is off unless given, or a flag without a default (None, ""), at most what happens
+    without it, never "(default: False)" or "(default: )"."""
     shown = []
     format_help = common.WholeFlagParser.format_help
     monkeypatch.setattr(common.WholeFlagParser, "format_help", lambda self: shown.append(self) or format_help(self))
     code, out, err = run_cli(script, [*argv, "--help"], monkeypatch, capsys)
     assert code == 0 and err == "" and len(shown) == 1, (code, err)
-    assert "(default: None)" not in " ".join(out.split())
-    parser = shown[0]
-    fmt = parser.formatter_class(parser.prog)
-    flags = [a for a in parser._actions if a.option_strings and a.dest != "help" and not a.required]
+    assert "(default: None)" not in " ".join(out.split()) and "(default: )" not in " ".join(out.split())
+    printed = {}  # flag -> its help entry as printed, whitespace folded
+    for entry in re.split(r"\n(?=  -)", out)[1:]:
+        printed[entry.split()[0].rstrip(",")] = " ".join(entry.split())
+    flags = [a for a in shown[0]._actions if a.option_strings and a.dest != "help" and not a.required]
     for a in flags:
-        line = fmt._expand_help(a)  # the help as printed, %(default)s filled in
+        text = printed[a.option_strings[0]]
+        assert a.help and len(text) > len(" ".join(a.option_strings)) + 8, (a.option_strings, text)  # help text
         switch = a.nargs == 0 and not isinstance(a, argparse.BooleanOptionalAction)
-        if switch or a.default in (None, argparse.SUPPRESS):  # its help may say what happens without it
-            assert line.count("default") <= 1 and not (switch and "(default: False)" in line), (a.option_strings, line)
+        if switch or a.default in (None, "", argparse.SUPPRESS):  # its help may say what happens without it
+            assert text.count("default") <= 1 and not (switch and "(default: False)" in text), text
         else:
-            assert line.count("default") == 1, (a.option_strings, line)
+            assert text.count("default") == 1, text
     assert any(a.nargs != 0 for a in flags) or argv in (["collect"], ["plot"], ["report"])
 
 

@@ -266,7 +266,8 @@ def main(argv=None):
     import json
     p = ExitParser(prog="tools.flops_fit", description="Fit Parcae's scaling laws to train.py run logs.")
     p.add_argument("runs", nargs="+", help="run directories (or their log.jsonl)")
-    p.add_argument("--law", default="all", choices=("all", "depth", "training", "unified"))
+    p.add_argument("--law", default="all", choices=("all", "depth", "training", "unified"),
+                   help="which scaling law to fit (all: each one the runs' variables allow)")
     p.add_argument("--restarts", type=int, default=64, help="L-BFGS restarts (best grid points)")
     p.add_argument("--out", default=None, help="also write the fits as JSON here")
     a = p.parse_args(argv)
