@@ -243,6 +243,7 @@ def run(args, given=frozenset()):
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say what is left and how to go on (run_command prints it)
         raise type(e)(f"stopped after update {r.it}; {r.checkpoint_note()}" + (
             "" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues from it")) from None
+    r.log.start_writing()  # (a no-op once an update has run) a resumed run with no updates left: its log from here
     summary = finish(r, rates)
     r.log.close()
     return summary
@@ -312,6 +313,26 @@ def make_optimizer(model, args):
                              betas=(0.9, 0.95), eps=1e-8, **fused)
 
 
+def schedule_notes(args, resumed):
+    """The notes a run prints about its learning-rate schedule (lr_at): a resumed run whose updates
+    go past the schedule's end (e.g. --max_iters raised, the schedule's length kept) runs those at
+    the floor; a run that ends inside its warmup never decays."""
+    notes = []
+    decay = args.lr_decay_iters or args.max_iters
+    end = max(decay, args.warmup_iters)  # the warmup runs first, however short the schedule
+    if resumed and end < args.max_iters:
+        why = ("--lr_decay_iters" if decay > args.warmup_iters else
+               f"--warmup_iters; --lr_decay_iters {decay} ends inside the warmup")
+        notes.append(f"note: the learning-rate schedule ends at update {end} ({why}); the updates after it, to "
+                     f"--max_iters {args.max_iters}, run at its floor ({args.min_lr_ratio} x --learning_rate); "
+                     "give --lr_decay_iters to lengthen it")
+    if args.warmup_iters >= args.max_iters:  # a short test run with the tier's warmup: say what it trains at
+        notes.append(f"note: --warmup_iters {args.warmup_iters} >= --max_iters {args.max_iters}: the run ends inside "
+                     f"the warmup, its last update at {lr_at(args.max_iters - 1, args) / args.learning_rate:.2f} x "
+                     "--learning_rate (no decay)")
+    return notes
+
+
 def lr_at(it, args):
     """Learning rate for update it (0-based): linear warmup to the peak (positive from update 0),
     then cosine down to min_lr_ratio * peak at update lr_decay_iters - 1 (default max_iters - 1)
@@ -348,14 +369,8 @@ def open_outputs(r, resumed, changed):
             + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))
     if resumed:
         log.say(f"resumed from {r.latest_path} at update {r.it} (best dev {r.best_dev:.4f})" + overrides(changed))
-        if args.lr_decay_iters < args.max_iters:  # e.g. --max_iters raised, the schedule's length kept
-            log.say(f"note: the learning-rate schedule ends at update {args.lr_decay_iters} (--lr_decay_iters); "
-                    f"the updates after it, to --max_iters {args.max_iters}, run at its floor "
-                    f"({args.min_lr_ratio} x --learning_rate); give --lr_decay_iters to lengthen it")
-    if args.warmup_iters >= args.max_iters:  # a short test run with the tier's warmup: say what it trains at
-        log.say(f"note: --warmup_iters {args.warmup_iters} >= --max_iters {args.max_iters}: the run ends inside the "
-                f"warmup, its last update at {lr_at(args.max_iters - 1, args) / args.learning_rate:.2f} x "
-                "--learning_rate (no decay)")
+    for note in schedule_notes(args, resumed):
+        log.say(note)
     log.emit(event="start", args=vars(args), config=r.cfg.to_dict(), non_embedding_params=n_params,
              unigram_dev=data_mod.unigram_entropy(r.data, "dev"), resumed_at=r.it, world_size=r.dist.world,
              resume_overrides=changed)

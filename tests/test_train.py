@@ -3,6 +3,7 @@ exact resume, safe checkpoints, clear errors, DDP on CPU. The runs use a tiny De
 shaped dataset (~20 characters), so an update takes milliseconds; only torchrun and one bad input
 run as subprocesses, the resume runs and the catalogue of bad inputs call train.main in-process.
 """
+import argparse
 import contextlib
 import copy
 import hashlib
@@ -450,6 +451,52 @@ def test_checkpoint_with_the_removed_kl_fields_resumes(runs, mdm, data_root, tmp
     assert ck["iter"] == 7 and not {"kl_exit", "kl_threshold"} & (set(ck["config"]) | set(ck["args"]))
     with pytest.raises(train.UsageError, match=r"unknown fields \['kl_other'\]"):
         ModelConfig.from_dict({**ck["config"], "kl_other": 1})
+
+
+def test_a_resume_with_no_updates_left_writes_its_log(runs, mdm, data_root, tmp_path):
+    """A run killed during its final evaluation (its last checkpoint at --max_iters, no summary.json)
+    is finished by --resume without any update: its log gets that start's record and the summary,
+    and drops the earlier finish's summary record, as a resume with updates does (Log.start_writing
+    ran only after an update, so none of these were written)."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["out"]["A"], out)
+    (out / "summary.json").unlink()
+    before = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in before].count("summary") == 1  # the earlier finish's
+    run_train(flags(mdm, data_root, out, "--resume"))
+    after = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    kept = [r for r in before if r["event"] not in ("summary", "depth_sweep")]
+    assert after[:len(kept)] == kept
+    new = after[len(kept):]
+    assert new[0]["event"] == "start" and new[0]["resumed_at"] == load(out / "ckpt_latest.pt")["iter"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r for r in new if r["event"] == "summary"] == [{"event": "summary", **summary}]
+
+
+@pytest.mark.parametrize("warmup", [0, 3, 10])
+@pytest.mark.parametrize("decay", [4, 6, 12])
+@pytest.mark.parametrize("max_iters", [5, 9, 14])
+def test_schedule_notes_say_what_lr_at_runs(warmup, decay, max_iters):
+    """A resumed run's note that updates run at the floor names exactly the updates lr_at runs at the
+    floor (not updates still inside the warmup: --lr_decay_iters 6, --warmup_iters 10, --max_iters 9
+    said "the updates after 6 run at the floor" while they ran at 0.64-0.82 x the peak); a run that
+    ends inside its warmup says so, with its last update's rate."""
+    args = argparse.Namespace(learning_rate=1.0, warmup_iters=warmup, lr_decay_iters=decay, max_iters=max_iters,
+                              min_lr_ratio=0.1)
+    rates = [train.lr_at(i, args) for i in range(max_iters)]  # rates[u - 1]: update u's
+    notes = train.schedule_notes(args, resumed=True)
+    said = [int(re.search(r"ends at update (\d+)", n).group(1)) for n in notes if "run at its floor" in n]
+    past = [u for u in range(1, max_iters + 1) if all(r == pytest.approx(0.1) for r in rates[u - 1:])
+            and (u > warmup or warmup == 0)]  # updates from which on every one runs at the floor
+    if said:  # every update after the one named runs at the floor, and the named one ends the schedule
+        assert said == [max(decay, warmup)] and said[0] + 1 in past
+    else:  # no update runs past the schedule
+        assert max(decay, warmup) >= max_iters
+    ends_in_warmup = [n for n in notes if "ends inside the warmup, its last update at" in n]
+    assert len(ends_in_warmup) == (warmup >= max_iters)
+    if ends_in_warmup:
+        assert not said and f"at {rates[-1]:.2f} x --learning_rate" in ends_in_warmup[0]
+    assert not train.schedule_notes(args, resumed=False) or warmup >= max_iters
 
 
 def test_help_shows_every_tiers_value(capsys):
