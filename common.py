@@ -521,14 +521,14 @@ class LM(nn.Module):
         logits, _ = self(idx, cache=cache)
         out = idx
         done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = sample_next(logits[:, -1, :].float(), temperature, top_k)
             if stop_token is not None:
                 nxt = torch.where(done[:, None], stop_token, nxt)  # a stopped row samples no more
                 done |= nxt[:, 0] == stop_token
             out = torch.cat((out, nxt), dim=1)
-            if stop_token is not None and bool(done.all()):
-                break
+            if (stop_token is not None and bool(done.all())) or i == max_new_tokens - 1:
+                break  # (the last token is not fed: nothing reads its logits)
             logits, _ = self(nxt, cache=cache)
         return out
 

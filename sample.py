@@ -166,9 +166,10 @@ def run(args, out=None, err=None):
     print(f"{path}: {cfg.model} depth {cfg.depth}, update {ck.get('iter')}"
           + (f", dev NLL {dev:.4f} {nll_unit(tok.kind)}" if isinstance(dev, float) else "")
           + f"; {tok.kind} tokenizer, vocab {tok.vocab_size}; {args.device} {args.dtype}", file=err)
-    if len(prompt) + args.max_new_tokens > cfg.block_size:
+    if len(prompt) + args.max_new_tokens - 1 > cfg.block_size:  # (the last new token is sampled, never fed)
         print(f"note: {len(prompt)} prompt + {args.max_new_tokens} new tokens exceed the trained context of "
-              f"{cfg.block_size}: positions past it were never trained on", file=err)
+              f"{cfg.block_size} by more than the last token: the later tokens are sampled at positions never "
+              "trained on", file=err)
     torch.manual_seed(args.seed)
     rows = sample(model, prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
                   autocast_ctx(args))

@@ -157,6 +157,18 @@ def test_generate_top_k_draws_from_the_models_k_most_likely_tokens():
     assert ((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-12).all(), (freq, want)
 
 
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_generate_runs_one_forward_per_sampled_token(n):
+    """generate(idx, n) runs the prompt once and each sampled token but the last (nothing reads the
+    last one's logits): max(n, 1) forwards, not n + 1."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(model="loop", vocab_size=50, block_size=32, n_embd=64, n_head=2, depth=2, width=128))
+    calls = []
+    model.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+    out = model.generate(torch.randint(0, 50, (2, 6)), n, temperature=0)
+    assert out.shape == (2, 6 + n) and calls == ([6] + [1] * (n - 1) if n else [6])
+
+
 def test_generate_stops_each_row_at_its_own_stop_token():
     """A batch of 3 rows whose (scripted, greedy) next tokens reach the stop token 2 at steps 3, 1
     and 5: each row ends at its own stop token (what follows it is the stop token again, not more

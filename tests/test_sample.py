@@ -140,7 +140,10 @@ def test_cached_greedy_sample_equals_full_forward_greedy(ckpts, name):
 def test_past_the_trained_context_a_note_and_cache_still_equals_full_forward(ckpts):
     texts, _, err = run_sample(["--out_dir", ckpts["tango"], "--start", PROMPT, "--num_samples", "1",
                                 "--max_new_tokens", "30", "--temperature", "0"])
-    assert "note: 14 prompt + 30 new tokens exceed the trained context of 32" in err
+    assert "note: 14 prompt + 30 new tokens exceed the trained context of 32 by more than the last token" in err
+    for n, note in ((19, False), (20, True)):  # 14 + 19 - 1: the last sampled token's logits come from position 31
+        err = run_sample(["--out_dir", ckpts["tango"], "--start", PROMPT, "--max_new_tokens", str(n)])[2]
+        assert ("exceed the trained context" in err) == note, (n, err)
     tok = sample.CheckpointTokenizer(load_checkpoint(ckpts["tango"] / "ckpt_best.pt")["data"], "")
     assert texts == [tok.decode(greedy_reference(ckpts["tango"], tok.encode(PROMPT), 30))]
 
