@@ -108,8 +108,10 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         tokenizer = "char" if dataset == "dmmath" else "gpt2"
     if data_dir is not None and dataset != "dmmath":
         raise UsageError("--data_dir: only used with --dataset dmmath")
-    if max_tokens < 0 or (max_tokens and dataset == "dmmath"):
-        raise UsageError(f"--max_tokens {max_tokens}: must be >= 0, and is not used with dmmath")
+    if max_tokens < 0:
+        raise UsageError(f"--max_tokens {max_tokens}: must be >= 0 (0: every token)")
+    if max_tokens and dataset == "dmmath":
+        raise UsageError(f"--max_tokens {max_tokens}: not used with --dataset dmmath (dmmath is prepared whole)")
     if num_proc < 1:
         raise UsageError(f"--num_proc {num_proc}: must be >= 1")
     if not dataset.startswith("hf:"):  # the hub options would be silently ignored

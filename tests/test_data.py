@@ -498,7 +498,9 @@ def test_cli_help_and_errors(tmp_path, capsys):
     assert "../shared/data/dmmath" in entries["--data_dir"]
     for argv, needle in [(["--max_tokens", "1.5"], "--max_tokens: '1.5' is not a whole number >= 0"),
                          (["--tokenizer", "bpe"], "--tokenizer: invalid choice"),
-                         (["--dataset", "nope"], "--dataset: unknown dataset 'nope'")]:
+                         (["--dataset", "nope"], "--dataset: unknown dataset 'nope'"),
+                         (["--dataset", "dmmath", "--max_tokens", "300000"],
+                          "error: --max_tokens 300000: not used with --dataset dmmath (dmmath is prepared whole)")]:
         with pytest.raises(SystemExit) as e:
             data.main(argv + ["--data_root", str(tmp_path / "out")])
         err = capsys.readouterr().err.strip().splitlines()
