@@ -214,7 +214,8 @@ def child(spec):
     compile_s = max(0.0, first_dur - statistics.median(times)) if spec["compile"] else 0.0
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
             "warmup_s": warmup_s, "first_step_s": first_step_s, "model_flops_per_step": fl, "model_flops_per_token": fl / tokens,
-            **timing(times, tokens, fl), "flops_nominal": flops.train_flops_nominal(cfg), "compile_s": compile_s, "graphs": graphs_compiled() - graphs0,
+            **timing(times, tokens, fl), "flops_nominal": flops.train_flops_nominal(cfg), "compile_s": compile_s,
+            "graphs": graphs_compiled() - graphs0,
             "recompiles": graphs_compiled() - graphs_first,
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
             "final_loss": losses[-1]}

@@ -393,7 +393,8 @@ def main(argv=None):
     r.add_argument("--seeds", type=int, default=1, help="seeds 1..N per cell; data order = seed")
     r.add_argument("--datasets", default="stdlib",
                    help="comma-separated train.py --dataset values")
-    r.add_argument("--lrs", default="", help="comma-separated peak learning rates (a learning-rate sweep; none: the runs take train.py's)")
+    r.add_argument("--lrs", default="",
+                   help="comma-separated peak learning rates (a learning-rate sweep; none: the runs take train.py's)")
     r.add_argument("--jobs", type=int, default=1, help="train.py processes at once (threads split between them)")
     c = sub.add_parser("collect", help="copy each run's summary, curves and flags into a folder small enough to commit")
     c.add_argument("--root", required=True, help="the runs' folder (of sweep.py run)")

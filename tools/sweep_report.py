@@ -429,8 +429,8 @@ def wall_time(root, rows):
     done = list(re.finditer(r"^sweep: (\d+) runs?, (\d+) failed, wall time (\d+) s$", text, re.M))
     starts = list(re.finditer(r"^\[1/\d+\] ", text, re.M))  # one per command (its first run, started or skipped)
     runs = [r for v in rows.values() for r in v]
-    own = (f"the {len(runs)} run's own `wall_s` adds up to" if len(runs) == 1 else f"the {len(runs)} runs' own `wall_s` add up to") \
-        + f" {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
+    own = (f"the {len(runs)} run's own `wall_s` adds up to" if len(runs) == 1
+           else f"the {len(runs)} runs' own `wall_s` add up to") + f" {sum(r.get('wall_s', 0.0) for r in runs):,.0f} s"
     partial = sum(bool(r.get("wall_s_this_process_only")) for r in runs)
     if partial:
         own += (f" ({partial} of them resumed without the time before the resume recorded: "
