@@ -247,7 +247,7 @@ class Log:
     """log.jsonl and console output; silent on ranks other than 0.
 
     A run keeps its records in memory until start_writing(), which train.py calls once the first
-    update has run: only then does a fresh run create out_dir, remove an earlier run's checkpoints,
+    update has run (a resumed run with no updates left: before its final evaluation): only then does a fresh run create out_dir, remove an earlier run's checkpoints,
     summary and log (remove_stale) and write its log, and a resumed run trim its log to the update
     it resumes from (trim_log), remove an earlier finish's summary.json and append. A run that fails
     before that (a batch that does not fit in memory, a non-finite first loss, Ctrl-C) leaves

@@ -57,9 +57,9 @@ def config(model_name, depth, vocab=416):
     return a, model_config(a, vocab)[0]
 
 
-def count(model_name, depth, vocab=416, prompt=20, steps=10):
-    """(kernels of one training update, kernels of one decoding step) of model_name at depth."""
-    a, cfg = config(model_name, depth, vocab)
+def count(a, cfg, vocab=416, prompt=20, steps=10):
+    """(kernels of one training update, kernels of one decoding step) of the model of config()'s
+    (train.py's flags a, ModelConfig cfg)."""
     torch.manual_seed(0)
     model = build_model(cfg, device="cpu")
     x, y = torch.randint(0, vocab, (2, a.batch_size, a.block_size))
@@ -74,16 +74,18 @@ def count(model_name, depth, vocab=416, prompt=20, steps=10):
 
 
 def check(p, a):
-    """Every flag's value in range, before any counting: one line naming the flag (exit code 2) otherwise."""
+    """Every flag's value in range, before any counting: one line naming the flag (exit code 2)
+    otherwise. Returns [(model, K, *config(model, K))] in the order of --models and --depths."""
     models, depths, pairs = a.models.split(","), a.depths.split(","), a.assume.split(",")
     if any(m not in REGISTRY for m in models):
         p.error(f"--models {a.models}: comma-separated train.py --model names ({', '.join(REGISTRY)})")
     if not all(k.isdigit() and int(k) >= 1 for k in depths):
         p.error(f"--depths {a.depths}: comma-separated whole numbers >= 1")
+    configs = []
     for m in models:  # every (model, K) before the first row: a model may refuse a depth
-        for k in depths:
+        for k in map(int, depths):
             try:
-                config(m, int(k))
+                configs.append((m, k, *config(m, k)))
             except UsageError as e:
                 p.error(f"--models {m} --depths {k}: {e}")
     for flag in ("updates", "eval_interval", "seeds"):
@@ -98,6 +100,7 @@ def check(p, a):
             return False
     if not all(len(pair.split("x")) == 2 and all(map(positive, pair.split("x"))) for pair in pairs):
         p.error(f"--assume {a.assume}: comma-separated pairs AxF of finite numbers > 0 (e.g. 1.5x4)")
+    return configs
 
 
 def main():
@@ -115,21 +118,20 @@ def main():
                    help="comma-separated pairs AxF: A µs of GPU time per small kernel, F times fewer kernels "
                         "in a compiled training step than in an eager one (assumptions, not measured)")
     a = p.parse_args()
-    check(p, a)
+    configs = check(p, a)
     torch.set_num_threads(1)
     train_k = eval_k = em_k = 0.0
     print("| model | K | kernels per training update (eager) | kernels per decoding step |")
     print("|---|---|---|---|")
-    for m in a.models.split(","):
-        for k in map(int, a.depths.split(",")):
-            upd, step = count(m, k)
-            print(f"| {m} | {k} | {upd:,} | {step:,.0f} |", flush=True)
-            runs = 2 * a.seeds  # stdlib and dmmath
-            train_k += runs * a.updates * upd
-            # dev NLL: (updates / interval + 1) evaluations of 32 windows in 4 forward passes (about 0.35 of an update
-            # each, the forward's share), test NLL once
-            eval_k += runs * (a.updates // a.eval_interval + 2) * 4 * 0.35 * upd
-            em_k += a.seeds * 200 * a.decode_steps * step  # dmmath only: 100 problems of each of 2 splits
+    for m, k, flags, cfg in configs:
+        upd, step = count(flags, cfg)
+        print(f"| {m} | {k} | {upd:,} | {step:,.0f} |", flush=True)
+        runs = 2 * a.seeds  # stdlib and dmmath
+        train_k += runs * a.updates * upd
+        # dev NLL: (updates / interval + 1) evaluations of 32 windows in 4 forward passes (about 0.35 of an update
+        # each, the forward's share), test NLL once
+        eval_k += runs * (a.updates // a.eval_interval + 2) * 4 * 0.35 * upd
+        em_k += a.seeds * 200 * a.decode_steps * step  # dmmath only: 100 problems of each of 2 splits
     print(f"\neager kernels: training updates {train_k / 1e6:,.0f}M, evaluations {eval_k / 1e6:,.0f}M, exact-match "
           f"decoding {em_k / 1e6:,.0f}M (eager in either mode)")
     for pair in a.assume.split(","):
