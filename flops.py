@@ -48,7 +48,7 @@ import sys
 
 import models
 from common import VOCAB_MULTIPLE, ExitParser, ModelConfig, UsageError, run_command
-from tango_kernels import QK_PAD, WINDOW_CHUNK  # fast-path query/key width (32 score dims + null dim, padded to 40), windowed chunk
+from tango_kernels import ATTN_CHUNK, QK_PAD, WINDOW_CHUNK  # fast-path q/k width (32 score dims + null dim, padded to 40), chunks
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
 PAPER_MACS = {"tango": 9.44e12, "tango-windowed": 1.90e12, "loop": 1.94e12, "untied": 0.85e12}
@@ -121,7 +121,9 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
       every model: the head multiplies by the padded embedding, ceil(V/64) 64 rows
         (common.VOCAB_MULTIPLE), so (Vp - V) d T more head MACs.
       tango, tango-3set: one causal attention over [null key, T keys] with 40-dim padded
-        queries/keys: per application T (T+1) (40 H) score + T (T+1) F gate MACs.
+        queries/keys, by chunks of C = tango_kernels.ATTN_CHUNK queries [r0, r1), each scoring
+        the null key and keys j < r1: sum over chunks of (r1 - r0) (r1 + 1) (40 H + F) per
+        application (T (T+1) (40 H + F) when T <= C).
       tango-windowed: each chunk of C = tango_kernels.WINDOW_CHUNK queries [r0, r1) scores the keys
         [max(r0 - W, 0), r1) and averages their gates: sum over chunks of (r1 - r0) (r1 - lo) (d + F)
         per application (window, old sources in the slice, and the masked future of the chunk).
@@ -136,7 +138,8 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     K, d, F, H = cfg.depth, cfg.n_embd, cfg.width, cfg.n_head
     m = cfg.model
     if m in ("tango", "tango-3set"):
-        return base + K * T * (T + 1) * (QK_PAD * H + F)
+        return base + K * (QK_PAD * H + F) * sum((min(r0 + ATTN_CHUNK, T) - r0) * (min(r0 + ATTN_CHUNK, T) + 1)
+                                                 for r0 in range(0, T, ATTN_CHUNK))
     if m == "tango-windowed":
         C = WINDOW_CHUNK
         return base + K * (d + F) * sum((min(r0 + C, T) - r0) * (min(r0 + C, T) - max(r0 - cfg.window, 0))

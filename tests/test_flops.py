@@ -10,8 +10,10 @@ runs under sdpa_kernel(SDPBackend.MATH): SDPA decomposes into two bmm's, counted
 products even when causal (the mask is applied elementwise), which is the convention of MATH.md, "Cost". Linear maps and the tied head therefore count exactly params x T and V d T, and the only
 differences from that convention are the implementations' padding, modelled exactly in
 flops.counter_expected_macs (not a tolerance):
-  tango / tango-3set (fast path): keys are [null key, T keys] and q/k are padded to 40 dims, so
-      per application T (T+1) (40 H + F) instead of T^2 (32 H + F);
+  tango / tango-3set (fast path): keys are [null key, T keys] and q/k are padded to 40 dims, and
+      each chunk of tango_kernels.ATTN_CHUNK queries [r0, r1) scores the keys before r1, so per
+      application sum (r1 - r0) (r1 + 1) (40 H + F) over chunks (T (T+1) (40 H + F) for one
+      chunk) instead of T^2 (32 H + F);
   tango-windowed: every chunk of C queries [r0, r1) scores the keys [max(r0 - W, 0), r1), so
       sum (r1 - r0) (r1 - lo) (d + F) over chunks instead of T W (d + F);
   flash: T padded to a multiple of C; local Tp C (s + e), global 2 Tp s e;
@@ -65,6 +67,14 @@ def small(name, **kw):
 def test_counter_matches_expected_exactly(name, T):
     cfg = small(name)
     assert counted_macs(cfg, T) == flops.counter_expected_macs(cfg, T)
+
+
+@pytest.mark.parametrize("name", ["tango", "tango-3set"])
+def test_counter_matches_expected_over_several_chunks(name):
+    """T = 300 > tango_kernels.ATTN_CHUNK = 256: the second chunk of queries scores only the keys
+    before its last row, so the count is below T (T+1) (40 H + F) per application."""
+    cfg = small(name, depth=3 if name == "tango-3set" else 1, block_size=300)
+    assert counted_macs(cfg, 300) == flops.counter_expected_macs(cfg, 300)
 
 
 @pytest.mark.parametrize("name", [n for n in ("loop", "untied", "gau", "depth-attn", "loop-depth-attn", "ponder")
