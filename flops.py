@@ -506,20 +506,29 @@ def recurrent_param_split(cfg: ModelConfig):
     return core, model.num_params() - core
 
 
+def unembedding_params(cfg: ModelConfig) -> int:
+    """V d: the output head's parameters. Parcae counts them in N (it excludes the embedding but
+    includes the unembedding, as nanoGPT does; Parcae's effective-FLOPs paragraph); here the head
+    is the tied E, which num_params() leaves out, so they are added back once."""
+    return cfg.vocab_size * cfg.n_embd
+
+
 def unrolled_params(cfg: ModelConfig, mu_rec=None) -> int:
     """N(mu_rec): non-embedding parameters with the core unrolled mu_rec times (default: the
-    config's mu_rec, parcae.resolve_recurrence). The N of Parcae's scaling laws."""
+    config's mu_rec, parcae.resolve_recurrence), plus the unembedding V d (unembedding_params).
+    The N of Parcae's scaling laws."""
     import parcae
     core, rest = recurrent_param_split(cfg)
     mu = mu_rec if mu_rec is not None else parcae.resolve_recurrence(cfg)[0]
-    return rest + mu * core
+    return rest + mu * core + unembedding_params(cfg)
 
 
 def parcae_train_flops(cfg: ModelConfig, tokens: float, T=None) -> float:
     """Parcae's effective training FLOPs C = (2 N1 + 6 N2) D of a looped model at its nominal
-    mu_rec and mu_bwd: N1 = N_core (mu_rec - mu_bwd), N2 = N_noncore + N_core mu_bwd, embeddings
-    excluded; attention added as 2 T d MACs per token per block application (QK^T and AV, full
-    T x T convention) in the same split. T defaults to cfg.block_size."""
+    mu_rec and mu_bwd: N1 = N_core (mu_rec - mu_bwd), N2 = N_noncore + N_core mu_bwd + V d, the
+    embedding excluded and the unembedding V d included (unembedding_params); attention added as
+    2 T d MACs per token per block application (QK^T and AV, full T x T convention) in the same
+    split. T defaults to cfg.block_size."""
     import parcae
     mu_rec, mu_bwd = parcae.resolve_recurrence(cfg)
     mu_bwd = min(mu_bwd, mu_rec)
@@ -527,7 +536,7 @@ def parcae_train_flops(cfg: ModelConfig, tokens: float, T=None) -> float:
     core, rest = recurrent_param_split(cfg)
     attn = 2 * T * cfg.n_embd  # per block application, per token
     n1 = (core + cfg.n_core * attn) * (mu_rec - mu_bwd)
-    n2 = rest + (cfg.n_prelude + cfg.n_coda) * attn + (core + cfg.n_core * attn) * mu_bwd
+    n2 = rest + unembedding_params(cfg) + (cfg.n_prelude + cfg.n_coda) * attn + (core + cfg.n_core * attn) * mu_bwd
     return parcae_effective_flops(n1, n2, tokens)
 
 

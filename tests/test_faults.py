@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import data as data_mod
+import models
 from tools import flops_fit
 import latent_tokens as lt
 from studies import latent_experiments
@@ -519,6 +520,13 @@ def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tm
     assert e.value.code == 2
     assert capsys.readouterr() == ("", f"tools.flops_fit: error: nothing could be fit (a law is fit per model): {message}\n")
     assert os.listdir(tmp_path) == ["run"]
+
+
+def test_fit_n_counts_the_unembedding_for_every_model(tmp_path):
+    """N of the fits is Parcae's: non-embedding parameters plus the unembedding V d (the tied E once),
+    for a fixed-depth model as for a looped one (flops.unrolled_params), from the run's config."""
+    r = flops_fit.read_run(fit_log(tmp_path / "run", 2.0))
+    assert r["N"] == models.count_params(r["config"]) + 64 * 32 and r["N"] != 1000 + 64 * 32
 
 
 def test_fit_says_skipped_for_every_law_it_cannot_fit(tmp_path, capsys):

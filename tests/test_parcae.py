@@ -301,14 +301,15 @@ def test_forward_macs_and_effective_flops():
     assert flops.forward_macs(r, 10)["linear"] == ((2 + 5 * 2) * blk + 5 * 2 * 64 * 64) * 10
     core, rest = flops.recurrent_param_split(p)
     assert core == 2 * (blk + 2 * 64) and core + rest == models.count_params(p)
-    assert flops.unrolled_params(p) == rest + 5 * core
+    head = p.vocab_size * 64  # the unembedding, counted in N (the embedding is not)
+    assert flops.unrolled_params(p) == rest + 5 * core + head
     attn = 2 * 32 * 64  # 2 T d per block application and token, T = block_size 32
     n1 = (core + 2 * attn) * (5 - 3)  # mu_bwd = ceil(5 / 2) = 3
-    n2 = rest + 2 * attn + (core + 2 * attn) * 3
+    n2 = rest + head + 2 * attn + (core + 2 * attn) * 3
     assert flops.parcae_train_flops(p, 1000) == (2 * n1 + 6 * n2) * 1000
     # mu_bwd above mu_rec: every recurrence carries gradients (N1 = 0), never a negative N1
     q = small("parcae", depth=5, mu_rec=2, mu_bwd=4)
-    assert flops.parcae_train_flops(q, 1000) == 6 * (rest + 2 * attn + (core + 2 * attn) * 2) * 1000
+    assert flops.parcae_train_flops(q, 1000) == 6 * (rest + head + 2 * attn + (core + 2 * attn) * 2) * 1000
 
 
 def _rel_ok(fit, true, tol=0.02):

@@ -3,7 +3,7 @@
 fit_training_law, fit_unified_law (Huber loss on log NLL, L-BFGS from many initializations),
 read_run (N, D and dev NLL of one run's log.jsonl), fit_runs, and the command line
 `python -m tools.flops_fit RUN ...` (main). flops.py keeps the analytical MAC and FLOP formulas the
-fits take N and D from (unrolled_params). Bad input raises UsageError (the CLI: one line, exit 2).
+fits take N and D from (unrolled_params, unembedding_params). Bad input raises UsageError (the CLI: one line, exit 2).
 """
 import math
 import os
@@ -14,8 +14,9 @@ import torch
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import models
 from common import ExitParser, ModelConfig, UsageError, check_output_file, make_parent, run_command
-from flops import RECURRENT_MODELS, unrolled_params
+from flops import RECURRENT_MODELS, unembedding_params, unrolled_params
 
 
 # ----------------------------------------------------------------------------- scaling-law fits
@@ -205,7 +206,7 @@ def read_run(path):
     looped = cfg.model in RECURRENT_MODELS
     return {"path": path, "model": cfg.model, "config": cfg,
             "mu_rec": parcae.resolve_recurrence(cfg)[0] if looped else cfg.depth,
-            "N": unrolled_params(cfg) if looped else start.get("non_embedding_params"),
+            "N": unrolled_params(cfg) if looped else models.count_params(cfg) + unembedding_params(cfg),
             "D": float(summary.get("tokens", summary["best_iter"] * per_update)),
             "dev_nll": float(summary["dev_nll"]),
             "sweep_depths": sweep["depths"] if sweep else None, "sweep_nll": sweep["dev_nll"] if sweep else None}
