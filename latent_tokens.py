@@ -14,6 +14,7 @@ each emitted token):
     End_m     m latents in slot query_len (end of the query: pause tokens)
     k_m       m latents in every slot j > 0 with j % k == 0 (after every k verbal tokens)
     Comma_m   m latents in every slot j > 0 with v_{j-1} a marker (default ','): after the marker
+              (§4 puts them before it: readout="verbal"; MATH.md says why)
     A+B       both (groups in the same slot follow the order written)
 
 Position ids (`position_mode`; §3.1, App. A.2, App. B.4):

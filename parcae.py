@@ -31,8 +31,10 @@ Parcae's baseline, built from sandwich blocks (4 RMSNorms each):
 
 W_1 plays the part of Parcae's Abar but is unconstrained: the instability Parcae studies (its §3).
 Parcae's Abar is in (0, 1) for every parameter value: it is computed as exp(-exp(log Delta +
-A_log)) with the exponent clamped to [1e-6, 80], so in float32 Abar lies in [exp(-80),
-exp(-1e-6)] even when softplus underflows or exp(A_log) overflows (the clamp acts only there).
+A_log)) with the rate Delta exp(A_log) clamped to [1e-6, 80], so in float32 Abar lies in
+[exp(-80), exp(-1e-6)] even when softplus underflows or exp(A_log) overflows. The clamp is a
+choice of this code, not the paper's: outside that band (Abar above 0.999999 or below 2e-35) Abar
+is held at the bound and gets no gradient; the init (rate 0.80) is well inside.
 A_log, dt_bias, B and C are nn.Parameters, not nn.Linear, so the LM's N(0, 0.02) re-init leaves
 their special inits alone; they get no weight decay (the class attribute no_decay).
 
@@ -271,7 +273,10 @@ class Parcae(LoopedBody):
         if depths is not None:  # per-sequence depths, masked to the identity while idle
             if cache is not None:
                 raise ValueError("decoding runs a fixed depth (eval mode)")
-            r_i = torch.as_tensor(depths, dtype=torch.long).cpu()
+            r_i = torch.as_tensor(depths).cpu()
+            if r_i.is_floating_point() or r_i.is_complex() or r_i.dtype == torch.bool:  # 1.7 would run 1 step
+                raise ValueError(f"depths must be (batch,) ints >= 1, got dtype {r_i.dtype}")
+            r_i = r_i.long()
             if r_i.shape != (h.shape[0],) or bool((r_i < 1).any()):
                 raise ValueError(f"depths must be (batch,) ints >= 1, got {tuple(r_i.shape)}")
             k_i = r_i.clamp(max=self.mu_bwd)

@@ -57,7 +57,7 @@ LoopFold [reconstruction from the abstract] (fold width f = cfg.fold):
 - Stages (cfg.fold_layout): "first" = loop 1 alone, then groups of f consecutive loops;
   "last" = groups of f over loops 1..N-1, then loop N alone. Either way S = 1 + ceil((N-1)/f)
   sequential stages (N = 9, f = 2: 5).
-- f = 1 (or N <= 2 with layout first, N = 1 with last) has no predicted rows: exactly the loop stack,
+- f = 1 (or N <= 2, either layout) has no predicted rows: exactly the loop stack,
   and P and C are not created (parameters without a gradient would stall multi-process training). predictor="oracle" (a test hook) sets
   P(r_i) := R(r_i) computed loop by loop, so every error y_i - r_{i+1} is 0: the loop stack again.
 - Training runs the same stages on the full sequence (the predicted rows' keys/values are what

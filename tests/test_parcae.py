@@ -2,6 +2,7 @@
 scaling-law fits (flops_fit.py). Small shapes; the whole file runs in well under a minute on 1 CPU."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -120,6 +121,17 @@ def test_width_solver_paper_tiers(name, tier):
 
 
 # ----------------------------------------------------------------------------- Parcae: depth schedule
+@pytest.mark.parametrize("depths, message", [
+    (torch.tensor([1.7, 2.9]), "got dtype torch.float32"), ([2.0, 3.0], "got dtype torch.float32"),
+    (torch.tensor([True, True]), "got dtype torch.bool"), (torch.tensor([0, 2]), "got (2,)"),
+    (torch.tensor([2, 2, 2]), "got (3,)")])
+def test_depths_not_positive_integers_per_row_raise(depths, message):
+    """recur's depths are (batch,) integers >= 1: fractions are refused, not truncated (1.7 ran 1 step)."""
+    model = build("parcae")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        body_logits(model, torch.randint(0, 61, (2, 5)), depths=depths)
+
+
 def test_mixed_depths_equal_each_sequence_alone(f64):
     model = build("parcae", mu_bwd=2)
     model.train()
