@@ -189,6 +189,18 @@ def check_seed(flag, seed):
         raise UsageError(f"{flag} {seed}: must be >= 0" if seed < 0 else f"{flag} {seed}: must be < 2**64")
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # optimizer hyperparameters become float32 on the tensors
+
+
+def check_rate(flag, value, positive=True):
+    """UsageError unless value is a number > 0 (>= 0 with positive=False) that a float32 holds:
+    AdamW's update raises "value cannot be converted to type float without overflow" on a
+    learning rate (or lr x weight decay) above 3.4e38 after the run has started."""
+    if not (0 < value if positive else 0 <= value) or not value <= FLOAT32_MAX:
+        raise UsageError(f"{flag} {value}: must be a finite number {'>' if positive else '>='} 0 "
+                         f"(at most 3.4e38, a float32)")
+
+
 def not_a_command(module, use):
     """What a companion module run directly does (python text_data.py, ...): one line on stderr
     naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""

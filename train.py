@@ -382,7 +382,8 @@ def train_loop(r):
     """Updates r.it .. max_iters: sample windows -> train_update (forward, loss, backward, clip,
     step) -> log; at the fixed update counts, dev NLL and checkpoints. Returns tokens/s per update."""
     args = r.args
-    eval_at = set(range(args.eval_interval, args.max_iters + 1, args.eval_interval)) | {args.max_iters}
+    def eval_at(it):  # the fixed update counts of dev evaluations (a set of them would hold max_iters / interval ints)
+        return it % args.eval_interval == 0 or it == args.max_iters
     dev_starts = r.data.eval_windows("dev", args.block_size, args.eval_windows)
     tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
     n_train = len(r.data.tokens("train"))
@@ -403,11 +404,11 @@ def train_loop(r):
         diag = diagnostics(r.model, spectral=False, read=not deferred_reads(r))
         pending.append((r.it, lr, loss, grad_norm, time.time() - t0, diag))
         dump.write(r.it, r.dist.share(starts), r.model)
-        if not deferred_reads(r) or r.first_update_s is None or r.it % READ_EVERY == 0 or r.it in eval_at \
+        if not deferred_reads(r) or r.first_update_s is None or r.it % READ_EVERY == 0 or eval_at(r.it) \
                 or r.it == args.max_iters:
             rates += read_updates(r, pending, tokens_per_update, t_read)
             pending, t_read = [], time.time()
-        if r.it in eval_at:
+        if eval_at(r.it):
             eval_and_checkpoint(r, dev_starts)
             t_read = time.time()  # (pending is empty: an evaluation update is read first) not training time
     r.log.close_bar()

@@ -29,8 +29,8 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
-                    check_seed, make_parent, nll_unit, run_command)
+from common import (FLOAT32_MAX, ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
+                    check_rate, check_seed, make_parent, nll_unit, run_command)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -431,12 +431,14 @@ def check_args(args):
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     if getattr(args, "width", None) is not None and args.width < 1:  # pretrain's; the default is 4 d
         raise UsageError(f"--width {args.width}: must be >= 1 (leave it out for the default 4 d)")
-    if not 0 < args.lr < math.inf:
-        raise UsageError(f"--lr {args.lr}: must be a finite number > 0")
+    check_rate("--lr", args.lr)
     for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
-        if not 0 <= getattr(args, flag, 0.0) < math.inf:
-            raise UsageError(f"--{flag} {getattr(args, flag)}: must be a finite number >= 0"
-                             + (" (0 = off)" if flag == "grad_clip" else ""))
+        try:
+            check_rate(f"--{flag}", getattr(args, flag, 0.0), positive=False)
+        except UsageError as e:
+            raise UsageError(str(e) + (" (0 = off)" if flag == "grad_clip" else "")) from None
+    if args.lr * getattr(args, "weight_decay", 0.0) > FLOAT32_MAX:  # AdamW's decoupled decay multiplies them
+        raise UsageError(f"--lr x --weight_decay = {args.lr * args.weight_decay:.3g}: must be at most 3.4e38 (a float32)")
     if not 0 <= getattr(args, "warmup", 0.0) < 1:
         raise UsageError(f"--warmup {args.warmup}: a fraction of the updates, in [0, 1)")
     choose("readout", getattr(args, "readout", "latent"), READOUTS)

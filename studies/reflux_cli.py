@@ -23,7 +23,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
-from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_seed,
+from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_rate, check_seed,
                     make_parent, nll_unit, run_command)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
@@ -230,9 +230,9 @@ def parse(argv):
     check_seed("--seed", a.seed)
     if not 0 < a.xi < 1:
         raise UsageError(f"--xi {a.xi}: must lie in (0, 1)")
-    for flag in ("lr", "alpha_max"):
-        if not 0 < getattr(a, flag) < math.inf:
-            raise UsageError(f"--{flag} {getattr(a, flag)}: must be a finite number > 0")
+    check_rate("--lr", a.lr)
+    if not 0 < a.alpha_max < math.inf:
+        raise UsageError(f"--alpha_max {a.alpha_max}: must be a finite number > 0")
     if not ALPHA_INIT < a.alpha_max <= 1:  # the router's α_e start at 0.2 and stay below alpha_max
         raise UsageError(f"--alpha_max {a.alpha_max:g}: must lie in ({ALPHA_INIT}, 1] (the router's α_e start at "
                          f"{ALPHA_INIT} and stay below it)")

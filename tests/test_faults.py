@@ -522,6 +522,20 @@ def test_fit_with_nothing_to_fit_is_an_error_and_writes_nothing(law, message, tm
     assert os.listdir(tmp_path) == ["run"]
 
 
+@pytest.mark.parametrize("again", ["run", "run/", "run/log.jsonl", "link"])
+def test_fit_refuses_a_run_given_twice(again, tmp_path, monkeypatch, capsys):
+    """The same run named twice (its folder, with a slash, its log, a link to it) is refused: it
+    counted as two data points and made a fit of too few runs look determined."""
+    monkeypatch.chdir(tmp_path)
+    fit_log(tmp_path / "run", 2.0)
+    os.symlink("run", "link")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        flops_fit.main(["run", again, "--law", "training", "--restarts", "1"])
+    assert e.value.code == 2
+    assert capsys.readouterr() == ("", f"tools.flops_fit: error: {again}: the same run as run (each run at most once)\n")
+
+
 def test_fit_n_counts_the_unembedding_for_every_model(tmp_path):
     """N of the fits is Parcae's: non-embedding parameters plus the unembedding V d (the tied E once),
     for a fixed-depth model as for a looped one (flops.unrolled_params), from the run's config."""
@@ -849,13 +863,16 @@ def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message
 
 
 @pytest.mark.parametrize("script,argv,message", [
-    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--warmup", "2"],
      "--warmup 2.0: a fraction of the updates, in [0, 1)"),
-    ("studies.latent_experiments", ["pretrain", "--lr", "nan"], "--lr nan: must be a finite number > 0"),
+    ("studies.latent_experiments", ["pretrain", "--lr", "nan"], "--lr nan: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.latent_experiments", ["sweep", "--base", "x.pt", "--grad_clip", "-1"],
-     "--grad_clip -1.0: must be a finite number >= 0 (0 = off)"),
-    ("studies.reflux_cli", ["--base", "x.pt", "--lr", "0"], "--lr 0.0: must be a finite number > 0"),
+     "--grad_clip -1.0: must be a finite number >= 0 (at most 3.4e38, a float32) (0 = off)"),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "1e39"],
+     "--lr 1e+39: must be a finite number > 0 (at most 3.4e38, a float32)"),
+    ("studies.reflux_cli", ["--base", "x.pt", "--lr", "1e39"], "--lr 1e+39: must be a finite number > 0 (at most 3.4e38, a float32)"),
+    ("studies.reflux_cli", ["--base", "x.pt", "--lr", "0"], "--lr 0.0: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.reflux_cli", ["sweep", "--base", "x.pt", "--lam", "-1"], "--lam -1.0: must be a finite number >= 0"),
     ("studies.reflux_cli", ["--base", "x.pt", "--alpha_max", "inf"], "--alpha_max inf: must be a finite number > 0"),
 ])

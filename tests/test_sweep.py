@@ -345,6 +345,7 @@ def test_grid_report_without_held_out_depths(tmp_path):
     ([], "-1", "--lrs -1: comma-separated finite learning rates > 0"),
     ([], "inf", "--lrs inf: comma-separated finite learning rates > 0"),
     ([], "1e400", "--lrs 1e400: comma-separated finite learning rates > 0"),
+    ([], "1e39", "--lrs 1e39: comma-separated finite learning rates > 0, at most 3.4e38"),  # AdamW's float32
     ([], "1e-3/2", "--lrs 1e-3/2: comma-separated finite learning rates > 0"),
 ])
 def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):

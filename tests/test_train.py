@@ -683,6 +683,9 @@ CASES = [
     ("lr_negative", ["--learning_rate", "-1"], "--learning_rate", [], "fresh"),
     ("lr_nan", ["--learning_rate", "nan"], "--learning_rate", [], "fresh"),
     ("lr_inf", ["--learning_rate", "inf"], "--learning_rate", [], "fresh"),
+    ("lr_float32", ["--learning_rate", "1e39"],  # finite, but AdamW's float32 update overflowed (a traceback)
+     "--learning_rate 1e+39: must be a finite number > 0 (at most 3.4e38, a float32)", [], "fresh"),
+    ("lr_times_decay", ["--learning_rate", "1e38", "--weight_decay", "10"], "--learning_rate x --weight_decay", [], "fresh"),
     ("min_lr_ratio", ["--min_lr_ratio", "2"], "--min_lr_ratio", [], "fresh"),
     ("warmup", ["--warmup_iters", "-1"], "--warmup_iters", [], "fresh"),
     ("weight_decay", ["--weight_decay", "-0.1"], "--weight_decay", [], "fresh"),

@@ -277,6 +277,12 @@ def main(argv=None):
     try:
         if a.out:
             check_output_file("--out", a.out)  # before the fits, not after them
+        logs = {}
+        for r in a.runs:  # the same run twice (DIR, DIR/, DIR/log.jsonl) would count as two data points
+            f = os.path.realpath(os.path.join(r, "log.jsonl") if os.path.isdir(r) else r)
+            if f in logs:
+                raise UsageError(f"{r}: the same run as {logs[f]} (each run at most once)")
+            logs[f] = r
         rows = fit_runs([read_run(r) for r in a.runs], a.law, a.restarts)
         if not any("params" in row for row in rows):  # nothing to print or write but the reasons
             raise UsageError("nothing could be fit (a law is fit per model): " + "; ".join(dict.fromkeys(

@@ -32,7 +32,6 @@ sweep_report.py.
 import concurrent.futures
 import glob
 import json
-import math
 import os
 import re
 import shutil
@@ -44,7 +43,7 @@ import time
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (Terminated, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
+from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
                     run_command)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
@@ -324,7 +323,7 @@ def check_outputs(out, into):
 def _is_lr(text):
     """Whether text is a finite learning rate > 0 that can name a run folder (<run>-lr<LR>)."""
     try:
-        return re.fullmatch(r"[0-9.eE+-]+", text) is not None and 0 < float(text) < math.inf
+        return re.fullmatch(r"[0-9.eE+-]+", text) is not None and 0 < float(text) <= FLOAT32_MAX
     except ValueError:
         return False
 
@@ -354,7 +353,8 @@ def check_run_flags(args, extra):
                          "--seeds/--datasets/--lrs/--root instead")
     lrs = list(filter(None, args.lrs.split(",")))
     if not all(_is_lr(lr) for lr in lrs):
-        raise UsageError(f"--lrs {args.lrs}: comma-separated finite learning rates > 0 (1e-3, 0.002, 3E-4, ...)")
+        raise UsageError(f"--lrs {args.lrs}: comma-separated finite learning rates > 0, at most 3.4e38 "
+                         "(1e-3, 0.002, 3E-4, ...)")
     if len({float(lr) for lr in lrs}) < len(lrs):
         raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
     if lrs and "learning_rate" in given:
