@@ -20,6 +20,7 @@ from test_chargrid import pinned, sweep_options
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/cpugrid"
 LR_ROOT = "results/cpugrid_lr"  # the same grid at peak learning rate 1e-3
+WARM_ROOT = "results/cpugrid_warmup"  # the same grid with 60 warmup updates
 
 
 def readme(root=ROOT):
@@ -55,7 +56,7 @@ def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
 
 
-@pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3)])
+@pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3), (WARM_ROOT, 5, 2e-3)])
 def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, monkeypatch):
     """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
     run` command resolves to at today's code (machine flags aside), so the printed commands
@@ -243,4 +244,23 @@ def test_learning_rate_grid_blocks_are_its_summaries_and_the_grids_settings_at_1
             keys = set(saved) - set(MACHINE_FLAGS) - {"learning_rate"}
             assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
             assert (saved["learning_rate"], grid["learning_rate"]) == (1e-3, 2e-3)
+            assert s["tokens"] == s["best_iter"] * 8 * 256 and s["seed"] == saved["seed"] == saved["data_seed"]
+
+
+def test_warmup_grid_blocks_are_its_summaries_and_the_grids_settings_with_60_warmup_updates(monkeypatch):
+    """results/cpugrid_warmup: its budget and runs tables are `report --budget` and `report` over its
+    committed runs, byte for byte, and each run was trained with the settings of the grid's run of
+    the same model, K and seed but 60 warmup updates instead of 10."""
+    monkeypatch.chdir(HERE)
+    doc = readme(WARM_ROOT)
+    assert block(doc, sweep_report.report_markers(WARM_ROOT, "budget")) == sweep_report.budget_report(WARM_ROOT)
+    assert block(doc, sweep_report.report_markers(WARM_ROOT, "runs")) == sweep_report.report(WARM_ROOT)
+    rows = sweep_report.load_runs(WARM_ROOT)
+    assert {("stdlib", "loop", 16), ("stdlib", "parcae", 8)} <= set(rows)
+    for (ds, m, k), summaries in rows.items():
+        for s in summaries:
+            saved, grid = args_beside_grid(s, ds, m, k)
+            keys = set(saved) - set(MACHINE_FLAGS) - {"warmup_iters"}
+            assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
+            assert (saved["warmup_iters"], grid["warmup_iters"]) == (60, 10)
             assert s["tokens"] == s["best_iter"] * 8 * 256 and s["seed"] == saved["seed"] == saved["data_seed"]
