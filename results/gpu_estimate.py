@@ -103,6 +103,11 @@ def check(p, a):
     return configs
 
 
+def millions(n):
+    """n kernels in millions: whole millions from 10M on, two significant digits below (0.16M, not 0M)."""
+    return f"{n / 1e6:,.0f}M" if n >= 1e7 else f"{n / 1e6:.2g}M"
+
+
 def main():
     p = ExitParser(prog="results/gpu_estimate.py", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash,parcae",
@@ -132,12 +137,12 @@ def main():
         # each, the forward's share), test NLL once
         eval_k += runs * (a.updates // a.eval_interval + 2) * 4 * 0.35 * upd
         em_k += a.seeds * 200 * a.decode_steps * step  # dmmath only: 100 problems of each of 2 splits
-    print(f"\neager kernels: training updates {train_k / 1e6:,.0f}M, evaluations {eval_k / 1e6:,.0f}M, exact-match "
-          f"decoding {em_k / 1e6:,.0f}M (eager in either mode)")
+    print(f"\neager kernels: training updates {millions(train_k)}, evaluations {millions(eval_k)}, exact-match "
+          f"decoding {millions(em_k)} (eager in either mode)")
     for pair in a.assume.split(","):
         us, fusion = map(float, pair.split("x"))
         for name, n in (("eager", train_k + eval_k + em_k), ("compiled", (train_k + eval_k) / fusion + em_k)):
-            print(f"assuming {us:g} µs per kernel, {fusion:g}x fewer compiled: {name} {n / 1e6:,.0f}M kernels, "
+            print(f"assuming {us:g} µs per kernel, {fusion:g}x fewer compiled: {name} {millions(n)} kernels, "
                   f"{n * us / 1e6:,.0f} s of GPU time issued one after another")
 
 

@@ -169,6 +169,7 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
     for r in rows.values():
         assert r["recompiles"] == 0 and r["compile_s"] >= 0
     assert res["main_job"]["status"].startswith("error: exit code 2") and "no-such-corpus" in res["main_job"]["status"]
+    assert "error: error:" not in res["main_job"]["status"] and ": error:" not in res["main_job"]["status"]
     assert res["main_job"]["command"] == "python train.py --model tango --dataset no-such-corpus/ --device cpu"
 
 
@@ -371,3 +372,11 @@ def test_default_outputs_go_to_the_ignored_out_folder(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "out" / "bench")) == ["decode_cpu.json", "decode_cpu.md"]
     md = (tmp_path / "out" / "bench" / "decode_cpu.md").read_text()
     assert "tier tiny, T=128, V=64, train.py's default model flags, batch 1" in md
+
+
+def test_child_error_drops_the_childs_own_prefix():
+    """A configuration's status says "error: " once (it read "error: error: out of memory ...")."""
+    from tools import bench
+    assert [bench.child_error(x) for x in ("error: out of memory (4 GB)", "bench.py: error: x", "exit code 3",
+                                           "RuntimeError: error: y")] == \
+        ["out of memory (4 GB)", "x", "exit code 3", "RuntimeError: error: y"]

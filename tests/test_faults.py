@@ -818,6 +818,17 @@ def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv,
     assert os.listdir(tmp_path) == []
 
 
+def test_gpu_estimate_prints_small_kernel_counts_with_two_digits(monkeypatch, capsys):
+    """Counts below 10M kernels keep two significant digits (0.16M evaluations, not 0M); larger ones
+    whole millions, each equal to the same sum printed unrounded."""
+    gpu_estimate = __import__("runpy").run_path(os.path.join(REPO, "results/gpu_estimate.py"))
+    assert [gpu_estimate["millions"](n) for n in (162_000, 1_530_000, 9_990_000, 10_400_000, 457_000_000)] == \
+        ["0.16M", "1.5M", "10M", "10M", "457M"]
+    code, out, _ = run_cli("results/gpu_estimate.py", ["--models", "tango", "--depths", "4"], monkeypatch, capsys)
+    line = next(x for x in out.splitlines() if x.startswith("eager kernels"))
+    assert code == 0 and " 0M" not in line and re.search(r"evaluations 0\.\d\dM", line), line
+
+
 @pytest.mark.parametrize("script,argv,message", [
     ("data.py", ["--dataset", "stdlib", "--data_root", "afile"], "error: --data_root afile: exists and is not a folder"),
     ("train.py", ["--out_dir", "afile/run"], "error: --out_dir afile/run: TMP/afile is a file, not a folder"),

@@ -90,6 +90,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -269,6 +270,12 @@ def matmul_peak(device, dtype, n, reps):
     return 2 * n ** 3 / best
 
 
+def child_error(line):
+    """A child's last stderr line without its own "error: " / "PROG: error: " prefix (the row adds one;
+    PROG a script or dotted module name, so an exception's "RuntimeError: " is kept)."""
+    return re.sub(r"^([\w/-]*\.[\w./-]+: )?error: ", "", line)
+
+
 def run_config(spec, timeout):
     """Run one configuration in a fresh interpreter; returns its row (status 'ok', 'timeout' or 'error: ...')."""
     cmd = [sys.executable, "-m", "tools.bench", "--_child", json.dumps(spec)]
@@ -286,7 +293,7 @@ def run_config(spec, timeout):
         row["status"] = "ok"
     else:
         err = (p.stderr.strip().splitlines() or ["exit code %d" % p.returncode])[-1]
-        row["status"] = "error: " + err[:300]
+        row["status"] = "error: " + child_error(err)[:300]
     return row
 
 
@@ -298,7 +305,6 @@ def main_job_first_update(flags, device, timeout):
     as it prints them ("first update after X s": data, model and compile included), the process
     stopped right after that line. Returns a dict: command, status ("ok", "timeout", "error: ...")
     and first_update_s, prepared (True if the run prepared its data, whose time is included)."""
-    import re
     import shlex
     import tempfile
     import threading
@@ -321,7 +327,7 @@ def main_job_first_update(flags, device, timeout):
                 last = line.strip() or last
             else:
                 code = p.wait()
-                row["status"] = "timeout" if not timer.is_alive() else f"error: exit code {code}: {last[:300]}"
+                row["status"] = "timeout" if not timer.is_alive() else f"error: exit code {code}: {child_error(last)[:300]}"
         finally:
             timer.cancel()
             if p.poll() is None:
