@@ -341,16 +341,16 @@ def check_unfinished(ckpt, args):
 def check_compatible(ck, path, cfg, data, fix="use a fresh --out_dir"):
     """UsageError unless the checkpoint holds this model config and was trained on this data
     (ModelConfig.DEAD_FIELDS of older checkpoints are ignored); fix ends the model message."""
-    saved = _live(ck["config"]) if isinstance(ck["config"], dict) else {}
-    if not isinstance(ck["config"], dict) or saved != cfg.to_dict():
-        diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
-        raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; {fix}")
-    if not same_data(ck["data"], data):
+    if not same_data(ck["data"], data):  # first: other data explains another vocab_size (a char set that grew)
         saved = ck["data"] if isinstance(ck["data"], dict) else {}
         raise UsageError(f"{path}: trained on other data ({saved.get('tokenizer')} tokenizer, vocab "
                          f"{saved.get('vocab_size')}, splits {saved.get('splits')}); this dataset has "
                          f"{data.tokenizer}, vocab {data.vocab_size}, splits {data.meta['splits']}"
                          + ("; the same sizes, other tokens" if saved.get("splits") == data.meta["splits"] else ""))
+    saved = _live(ck["config"]) if isinstance(ck["config"], dict) else {}
+    if not isinstance(ck["config"], dict) or saved != cfg.to_dict():
+        diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in cfg.to_dict().items() if saved.get(k) != v]
+        raise UsageError(f"{path}: another model: {', '.join(diff) or 'unknown config fields'}; {fix}")
 
 
 def load_weights(ck, path, model):

@@ -520,6 +520,28 @@ def test_the_same_sizes_of_other_tokens_are_other_data(tmp_path, capsys):
     assert err.endswith("; the same sizes, other tokens\n") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("mode", ["--eval_only", "--resume"])
+def test_a_character_set_that_grew_is_other_data(mode, tmp_path, capsys):
+    """Characters added to a dataset folder after training change its char vocabulary, and so the
+    model's vocab_size: --eval_only and --resume name the data ("trained on other data"), not
+    another model or a damaged checkpoint."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"m{i}.py").write_text("".join(f"def area{i}_{j}(x):\n    return x * {j}\n\n" for j in range(40)))
+    run = tmp_path / "run"
+    tiny_run("loop", ["--dataset", folder, "--tokenizer", "char", "--data_root", tmp_path / "data"], run)
+    with open(folder / "m1.py", "a") as f:
+        f.write("# \u00fc\u00ef\n")
+    capsys.readouterr()
+    argv = [mode, "--out_dir", str(run)] + (["--max_iters", "4"] if mode == "--resume" else [])
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert ": trained on other data (char tokenizer" in err and "another model" not in err and "damaged" not in err, err
+
+
 def test_endoftext_in_a_prompt_is_the_end_of_text_token():
     """As in nanoGPT's sample.py: the text <|endoftext|> in --start is the token, for a text
     dataset's characters (whose vocabulary has the symbol); dmmath's has none (its end of text is
