@@ -192,13 +192,13 @@ def check_seed(flag, seed):
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # optimizer hyperparameters become float32 on the tensors
 
 
-def check_rate(flag, value, positive=True):
+def check_rate(flag, value, positive=True, note=""):
     """UsageError unless value is a number > 0 (>= 0 with positive=False) that a float32 holds:
     AdamW's update raises "value cannot be converted to type float without overflow" on a
-    learning rate (or lr x weight decay) above 3.4e38 after the run has started."""
+    learning rate (or lr x weight decay) above 3.4e38 after the run has started. note ends the message."""
     if not (0 < value if positive else 0 <= value) or not value <= FLOAT32_MAX:
         raise UsageError(f"{flag} {value}: must be a finite number {'>' if positive else '>='} 0 "
-                         f"(at most 3.4e38, a float32)")
+                         f"(at most 3.4e38, a float32){note}")
 
 
 def not_a_command(module, use):

@@ -433,10 +433,7 @@ def check_args(args):
         raise UsageError(f"--width {args.width}: must be >= 1 (leave it out for the default 4 d)")
     check_rate("--lr", args.lr)
     for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
-        try:
-            check_rate(f"--{flag}", getattr(args, flag, 0.0), positive=False)
-        except UsageError as e:
-            raise UsageError(str(e) + (" (0 = off)" if flag == "grad_clip" else "")) from None
+        check_rate(f"--{flag}", getattr(args, flag, 0.0), positive=False, note=" (0 = off)" if flag == "grad_clip" else "")
     if args.lr * getattr(args, "weight_decay", 0.0) > FLOAT32_MAX:  # AdamW's decoupled decay multiplies them
         raise UsageError(f"--lr x --weight_decay = {args.lr * args.weight_decay:.3g}: must be at most 3.4e38 (a float32)")
     if not 0 <= getattr(args, "warmup", 0.0) < 1:

@@ -499,16 +499,23 @@ def test_a_given_auto_is_the_checkpoints_choice(tmp_path):
     assert args.tokenizer == "char"
 
 
-def test_the_same_sizes_of_other_tokens_are_other_data(tmp_path, capsys):
-    """A dataset folder edited after training (a and e swapped: the same characters, the same split
-    sizes) is prepared again and refused by the splits' SHA-256; a signature without them (an older
-    checkpoint) still compares tokenizer, vocabulary and sizes."""
+def own_text_run(tmp_path):
+    """(folder, run): a four-file text dataset under tmp_path that the test may edit (text_folder is
+    shared by the module), and a tiny loop run trained on it as characters."""
     folder = tmp_path / "text"
     folder.mkdir()
     for i in range(4):
         (folder / f"m{i}.py").write_text("".join(f"def area{i}_{j}(x):\n    return x * {j}\n\n" for j in range(40)))
     run = tmp_path / "run"
     tiny_run("loop", ["--dataset", folder, "--tokenizer", "char", "--data_root", tmp_path / "data"], run)
+    return folder, run
+
+
+def test_the_same_sizes_of_other_tokens_are_other_data(tmp_path, capsys):
+    """A dataset folder edited after training (a and e swapped: the same characters, the same split
+    sizes) is prepared again and refused by the splits' SHA-256; a signature without them (an older
+    checkpoint) still compares tokenizer, vocabulary and sizes."""
+    folder, run = own_text_run(tmp_path)
     ck = load_checkpoint(run / "ckpt_best.pt")
     data = data_mod.Data(data_mod.prepare(str(folder), None, str(tmp_path / "data"), tokenizer="char"))
     assert ck["data"]["sha256"] == data.meta["sha256"] and set(data.meta["sha256"]) == {"train", "dev", "test"}
@@ -525,12 +532,7 @@ def test_a_character_set_that_grew_is_other_data(mode, tmp_path, capsys):
     """Characters added to a dataset folder after training change its char vocabulary, and so the
     model's vocab_size: --eval_only and --resume name the data ("trained on other data"), not
     another model or a damaged checkpoint."""
-    folder = tmp_path / "text"
-    folder.mkdir()
-    for i in range(4):
-        (folder / f"m{i}.py").write_text("".join(f"def area{i}_{j}(x):\n    return x * {j}\n\n" for j in range(40)))
-    run = tmp_path / "run"
-    tiny_run("loop", ["--dataset", folder, "--tokenizer", "char", "--data_root", tmp_path / "data"], run)
+    folder, run = own_text_run(tmp_path)
     with open(folder / "m1.py", "a") as f:
         f.write("# \u00fc\u00ef\n")
     capsys.readouterr()

@@ -167,6 +167,11 @@ def fit_unified_law(N, D, T, mu_rec, L, restarts=32, max_iter=1500, delta=HUBER_
             "huber": v}
 
 
+def log_file(path):
+    """A run's log: path/log.jsonl for a run directory, else path itself."""
+    return os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
+
+
 def read_run(path):
     """One training run from train.py's JSON log (a run directory or its log.jsonl): the first
     "start" event, the last "summary" and the last "depth_sweep". Returns {"path", "model",
@@ -176,7 +181,7 @@ def read_run(path):
     import parcae
     import json
     import os
-    f = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
+    f = log_file(path)
     if not os.path.isfile(f):
         raise UsageError(f"{path}: no log.jsonl")
     start = summary = sweep = None
@@ -279,7 +284,7 @@ def main(argv=None):
             check_output_file("--out", a.out)  # before the fits, not after them
         logs = {}
         for r in a.runs:  # the same run twice (DIR, DIR/, DIR/log.jsonl) would count as two data points
-            f = os.path.realpath(os.path.join(r, "log.jsonl") if os.path.isdir(r) else r)
+            f = os.path.realpath(log_file(r))
             if f in logs:
                 raise UsageError(f"{r}: the same run as {logs[f]} (each run at most once)")
             logs[f] = r
