@@ -404,8 +404,7 @@ def train_loop(r):
         diag = diagnostics(r.model, spectral=False, read=not deferred_reads(r))
         pending.append((r.it, lr, loss, grad_norm, time.time() - t0, diag))
         dump.write(r.it, r.dist.share(starts), r.model)
-        if not deferred_reads(r) or r.first_update_s is None or r.it % READ_EVERY == 0 or eval_at(r.it) \
-                or r.it == args.max_iters:
+        if not deferred_reads(r) or r.first_update_s is None or r.it % READ_EVERY == 0 or eval_at(r.it):  # the last too
             rates += read_updates(r, pending, tokens_per_update, t_read)
             pending, t_read = [], time.time()
         if eval_at(r.it):
