@@ -51,15 +51,29 @@ class DefaultsHelp(argparse.HelpFormatter):
         return (action.help or "") + " (default: %(default)s)"
 
 
+INT64_RANGE = (-2**63, 2**63 - 1)  # what torch and numpy hold in an integer
+
+
+def int64_flag(text):
+    """argparse's type=int for every command: an integer flag beyond int64 (--width 1e20 written out)
+    would reach torch or numpy and end in an OverflowError traceback."""
+    v = int(text)
+    if not INT64_RANGE[0] <= v <= INT64_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{text}: out of range (an integer from -2**63 to 2**63 - 1)")
+    return v
+
+
 class WholeFlagParser(argparse.ArgumentParser):
     """argparse that takes flags by their whole names only: argparse would read --out as --out_dir,
     past every check that looks for a flag by name (tools.sweep's, given_flags'); every command's
-    --help (subcommands' too) shows each flag's default (DefaultsHelp)."""
+    --help (subcommands' too) shows each flag's default (DefaultsHelp); type=int reads an int64
+    (int64_flag)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", DefaultsHelp)
         super().__init__(*args, **kwargs)
+        self.register("type", int, int64_flag)  # argparse looks a flag's type up here before calling it
 
 
 class UsageParser(WholeFlagParser):
@@ -163,7 +177,7 @@ def run_command(main):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail too
         code = 1
-    except (MemoryError, torch.OutOfMemoryError, RuntimeError) as e:
+    except (MemoryError, torch.OutOfMemoryError, RuntimeError, ValueError) as e:
         if not is_out_of_memory(e):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -176,10 +190,15 @@ def run_command(main):
     sys.exit(code)
 
 
+SIZE_ERRORS = ("can't allocate memory",  # torch's CPU allocator (RuntimeError)
+               "Storage size calculation overflowed",  # torch: a tensor of more than 2**63 bytes (RuntimeError)
+               "array is too big")  # numpy: the same (ValueError)
+
+
 def is_out_of_memory(e):
-    """True for an allocation failure: MemoryError (numpy's too), CUDA's OutOfMemoryError, or the
-    RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory")."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+    """True for an allocation failure: MemoryError (numpy's too), CUDA's OutOfMemoryError, or torch's
+    or numpy's error for a size no memory holds (SIZE_ERRORS, e.g. --batch_size 2**62)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in SIZE_ERRORS)
 
 
 def check_seed(flag, seed):

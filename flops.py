@@ -277,7 +277,7 @@ def _parse(argv):
             a.configs[name] = train_config(name, a.size, a.depth, a.block_size, a.vocab_size, a.flags)[0]
         except UsageError as e:
             if str(e).startswith(tuple(f"--{f} " for f in given)):  # a value given is wrong, not this model's choice
-                p.error(str(e))
+                p.error(str(e).replace(f" for --model {name}", f" for {name}, one of the models flops.py computes"))
             a.configs[name] = e  # e.g. three sets need K >= 3: a skipped row
     return a
 

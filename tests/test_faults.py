@@ -923,28 +923,52 @@ def test_a_module_of_another_command_names_that_command(module, command, monkeyp
     assert err.startswith(f"error: {module} has no command line of its own; use {command}") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("script,argv", [
+COMMANDS = [  # every command line and subcommand: (script or module, subcommand argv)
     ("train.py", []), ("sample.py", []), ("data.py", []), ("flops.py", []), ("tools.flops_fit", []),
     ("tools.bench", []), ("tools.bench", ["decode"]), ("tools.sweep", ["run"]), ("tools.sweep", ["collect"]),
     ("tools.sweep", ["plot"]), ("tools.sweep", ["report"]), ("studies.reflux_cli", []),
     ("studies.reflux_cli", ["sweep"]), ("studies.latent_experiments", []), ("studies.latent_experiments", ["pretrain"]),
     ("studies.latent_experiments", ["sweep"]), ("results/gpu_estimate.py", []),
-])
-def test_every_commands_help_states_each_flags_default(script, argv, monkeypatch, capsys):
-    """--help of every command line (and subcommand) prints help text for every flag and states, in
-    it, the default of each flag that has one to show, once (a --x/--no-x pair: which side); a
-    switch that is off unless given, or a flag without a default (None, ""), at most what happens
-    without it, never "(default: False)" or "(default: )"."""
+]
+
+
+def command_parser(script, argv, monkeypatch, capsys):
+    """The parser of one of COMMANDS (the one that prints its --help)."""
     shown = []
     format_help = common.WholeFlagParser.format_help
     monkeypatch.setattr(common.WholeFlagParser, "format_help", lambda self: shown.append(self) or format_help(self))
     code, out, err = run_cli(script, [*argv, "--help"], monkeypatch, capsys)
     assert code == 0 and err == "" and len(shown) == 1, (code, err)
+    return shown[0], out
+
+
+@pytest.mark.parametrize("script,argv", COMMANDS)
+def test_every_integer_flag_beyond_int64_is_one_line(script, argv, monkeypatch, capsys):
+    """Every integer flag of every command given 2**63 or -2**63 - 1 (--width 1e20 written out): one
+    line naming the flag and the range, exit 2. Such a value reached torch or numpy and ended in an
+    OverflowError traceback with exit 1."""
+    parser, _ = command_parser(script, argv, monkeypatch, capsys)
+    flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.type is int]
+    assert flags or script in ("tools.sweep", "tools.flops_fit", "studies.reflux_cli") and argv != ["run"]
+    for flag in flags:
+        for v in (2**63, -2**63 - 1):
+            code, out, err = run_cli(script, [*argv, flag, str(v)], monkeypatch, capsys)
+            assert code == 2 and err.count("\n") == 1, (flag, code, err)
+            assert f"argument {flag}: {v}: out of range (an integer from -2**63 to 2**63 - 1)" in err, err
+
+
+@pytest.mark.parametrize("script,argv", COMMANDS)
+def test_every_commands_help_states_each_flags_default(script, argv, monkeypatch, capsys):
+    """--help of every command line (and subcommand) prints help text for every flag and states, in
+    it, the default of each flag that has one to show, once (a --x/--no-x pair: which side); a
+    switch that is off unless given, or a flag without a default (None, ""), at most what happens
+    without it, never "(default: False)" or "(default: )"."""
+    parser, out = command_parser(script, argv, monkeypatch, capsys)
     assert "(default: None)" not in " ".join(out.split()) and "(default: )" not in " ".join(out.split())
     printed = {}  # flag -> its help entry as printed, whitespace folded
     for entry in re.split(r"\n(?=  -)", out)[1:]:
         printed[entry.split()[0].rstrip(",")] = " ".join(entry.split())
-    flags = [a for a in shown[0]._actions if a.option_strings and a.dest != "help" and not a.required]
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help" and not a.required]
     for a in flags:
         text = printed[a.option_strings[0]]
         assert a.help and len(text) > len(" ".join(a.option_strings)) + 8, (a.option_strings, text)  # help text
@@ -1154,11 +1178,17 @@ def test_sweep_report_cell_ignores_flags_the_model_does_not_read(tmp_path):
      "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
      "4096 bytes."),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "CUDA out of memory. Tried to allocate 2.00 GiB"),
+    (RuntimeError("Storage size calculation overflowed with sizes=[9223372036854775807, 512]"),
+     "Storage size calculation overflowed with sizes=[9223372036854775807, 512]"),
+    (ValueError("array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size."),
+     "array is too big; `arr.size * arr.dtype.itemsize` is larger than the maximum possible size."),
 ])
 def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
     """A size this machine cannot hold (train.py --width 40000000, --batch_size 1000000, sample.py
-    --num_samples 10000000): every command's run_command prints one line naming the sizes to
-    reduce, exit 2, not a MemoryError/RuntimeError traceback; other errors still raise."""
+    --num_samples 10000000) or no machine can (flops.py --vocab_size 2**63-1, train.py --batch_size
+    2**63-1: torch's and numpy's size errors): every command's run_command prints one line naming
+    the sizes to reduce, exit 2, not a MemoryError/RuntimeError/ValueError traceback; other errors
+    still raise."""
     def main():
         raise error
     with pytest.raises(SystemExit) as e:
@@ -1168,6 +1198,8 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
                                        "--block_size, --width, --depth, --num_samples, ...)\n")
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         common.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(ValueError, match="^bad value$"):
+        common.run_command(lambda: (_ for _ in ()).throw(ValueError("bad value")))
 
 
 @pytest.mark.parametrize("argv,message", [

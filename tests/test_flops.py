@@ -187,7 +187,9 @@ def test_cli_paper_rows(capsys):
     (["--chunk", "0"], "--chunk 0: must be >= 1"), (["--gau_s", "0"], "--gau_s 0: must be a positive multiple of 32"),
     (["--gau_s", "16"], "--gau_s 16: must be a positive multiple of 32"),
     (["--size", "tiny", "--gau_s", "96"], "--gau_s 96: must be <= 64 (the residual width d"),
-    (["--width", "-8"], "--width -8: must be a positive multiple of 16 for --model tango"),
+    (["--width", "-8"], "--width -8: must be a positive multiple of 16 for tango, one of the models flops.py computes "
+                        "(0: solve"),  # flops.py has no --model
+    (["--width", str(2**63)], f"argument --width: {2**63}: out of range (an integer from -2**63 to 2**63 - 1)"),
     (["--n_core", "0"], "--n_core 0: must be >= 1"), (["--plt_window", "0"], "--plt_window 0: must be >= 1"),
     (["--size", "tiny", "--fold_rank", "65"], "--fold_rank 65: must be <= 64"),
     (["--lrt_subsets", "0"], "--lrt_subsets 0: must be >= 1"), (["--mu_rec", "-1"], "--mu_rec -1 / --mu_bwd 0: must be >= 1 (0 = default)"),
