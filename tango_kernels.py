@@ -645,8 +645,9 @@ WINDOW_GROUP_ROWS = 4096  # rows (over batch and heads) per group of chunks in W
 @torch.compiler.disable  # eager inside compiled regions (see "Compilation" above)
 def windowed_fast(qs, kh, g, b, window):
     """Windowed TANGO (WindowedAttention): memory and time O(T (C + W) (32 + F/H)) per head,
-    C = WINDOW_CHUNK query rows per chunk. L == S required (no cache)."""
-    return WindowedAttention.apply(qs, kh, g, b, window, WINDOW_CHUNK)
+    C = WINDOW_CHUNK query rows per chunk. L == S required (no cache). A window W >= T is the whole
+    prefix: W is taken as T (the same function; the padding would grow with W)."""
+    return WindowedAttention.apply(qs, kh, g, b, min(window, qs.shape[2]), WINDOW_CHUNK)
 
 
 def windowed_step(qs, kh, g, b, window, cache):

@@ -86,11 +86,12 @@ def test_tango_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, chu
 @pytest.mark.parametrize("heads_outermost", [False, True])
 @pytest.mark.parametrize("group_rows", [1, 12, 4096])
 @pytest.mark.parametrize("chunk", [1, 3, 8, 64])
-@pytest.mark.parametrize("window", [1, 4, 7, 19, 40])
+@pytest.mark.parametrize("window", [1, 4, 7, 19, 40, 2**62])
 def test_windowed_fast_equals_reference_outputs_and_gradients(f64, monkeypatch, window, chunk, group_rows, heads_outermost):
     """WindowedAttention (any chunk size, chunks alone or in groups) == the plain formula, outputs
     and gradients of qs, kh, g, b. T = 19: W = 4 and 7 do not divide T and leave most queries with
-    old sources (T > 2 W), W = 1 has only the own token in the window, W >= T is full-prefix TANGO.
+    old sources (T > 2 W), W = 1 has only the own token in the window, W >= T is full-prefix TANGO
+    (2**62: a window no tensor could pad to).
     B H = 6 rows per chunk row: group_rows 1 puts every chunk alone, 12 up to 2 chunks of 1 row
     together, 4096 all. Gates (B, H, T, F/H) as given, or heads outermost as the update makes them."""
     monkeypatch.setattr(tango_kernels, "WINDOW_CHUNK", chunk)
