@@ -173,6 +173,18 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
     assert res["main_job"]["command"] == "python train.py --model tango --dataset no-such-corpus/ --device cpu"
 
 
+def test_a_run_where_every_configuration_failed_exits_1(tmp_path, monkeypatch, capsys):
+    """Every row failed (here each child "exits 2"): the tables of statuses are still written, and
+    the command ends with one line saying nothing ran and exit code 1, not 0."""
+    monkeypatch.setattr(bench, "run_config", lambda spec, timeout: {**spec, "status": "error: exit code 2: x",
+                                                                     "wall_s": 0.1, "load_before": None, "load_after": None})
+    out = tmp_path / "f.json"
+    assert bench.main(["--models", "tango,loop", "--device", "cpu", "--size", "tiny", "--block_sizes", "32",
+                       "--peak_n", "64", "--json", str(out), "--md", str(tmp_path / "f.md")]) == 1
+    assert [r["status"] for r in json.loads(out.read_text())["rows"]] == ["error: exit code 2: x"] * 2
+    assert capsys.readouterr().err == "bench.py: error: no configuration ran (each row's status above says why)\n"
+
+
 def test_cuda_defaults_and_quick_plan(monkeypatch):
     """What a GPU user gets (parsed here with CUDA pretended available; nothing runs)."""
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)

@@ -629,6 +629,9 @@ def main(argv=None):
         with open(make_parent(path), "w") as f:
             f.write(text + "\n")
     print(f"wrote {a.json} and {a.md} ({meta['wall_s']:.0f} s)")
+    if not any(r["status"] == "ok" for r in rows):  # tables of failures only: a script must not read success
+        print("bench.py: error: no configuration ran (each row's status above says why)", file=sys.stderr)
+        return 1
     return 0
 
 
