@@ -201,6 +201,15 @@ def is_out_of_memory(e):
     return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or any(m in str(e) for m in SIZE_ERRORS)
 
 
+def seed_flag(text):
+    """argparse type of a seed flag: an int of any size, not int64_flag's range; check_seed gives a
+    seed's range, [0, 2**64), which torch.manual_seed takes."""
+    return int(text)
+
+
+seed_flag.__name__ = "int"  # argparse's message for a non-number: "invalid int value: 'x'"
+
+
 def check_seed(flag, seed):
     """UsageError unless seed lies in [0, 2**64): numpy's default_rng refuses a negative seed and
     torch.manual_seed one of 2**64 or more, each with a traceback."""

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from common import UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command
+from common import UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command, seed_flag
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
@@ -45,7 +45,7 @@ def build_parser():
     p.add_argument("--max_new_tokens", type=int, default=500, help="tokens sampled after the prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens; 0: all")
-    p.add_argument("--seed", type=int, default=1337, help="torch seed of the draws")
+    p.add_argument("--seed", type=seed_flag, default=1337, help="torch seed of the draws")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype; auto: bfloat16 on a GPU that supports it, float32 otherwise")

@@ -55,7 +55,7 @@ from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, chec
                                 eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
 from common import (ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command,
-                    synchronizer)
+                    seed_flag, synchronizer)
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data
@@ -123,7 +123,7 @@ def build_parser(suppress_defaults=False):
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, help="training context length T; " + tier_default("block_size"))
     a("--batch_size", type=int, help="micro-batch size (sequences per process); " + tier_default("batch_size"))
-    a("--data_seed", type=int, help="data-order seed, same value = same batches; default: --seed")
+    a("--data_seed", type=seed_flag, help="data-order seed, same value = same batches; default: --seed")
     a = group("optimization")
     a("--max_iters", type=int, help="number of optimizer updates; " + tier_default("max_iters"))
     a("--gradient_accumulation_steps", type=int, help="micro-batches per update, over all processes "
@@ -135,7 +135,7 @@ def build_parser(suppress_defaults=False):
     a("--min_lr_ratio", type=float, default=0.1, help="final learning rate / peak")
     a("--weight_decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices and embedding")
     a("--grad_clip", type=float, default=1.0, help="gradient norm clipping threshold")
-    a("--seed", type=int, default=1337, help="model seed (initialisation, Parcae/RDM draws)")
+    a("--seed", type=seed_flag, default=1337, help="model seed (initialisation, Parcae/RDM draws)")
     a = group("evaluation")
     a("--eval_interval", type=int, help="updates between dev evaluations; " + tier_default("eval_interval"))
     a("--eval_windows", type=int, help="fixed dev/test windows evaluated; " + tier_default("eval_windows"))

@@ -30,7 +30,7 @@ import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
 from common import (FLOAT32_MAX, ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
-                    check_rate, check_seed, make_parent, nll_unit, run_command)
+                    check_rate, check_seed, make_parent, nll_unit, run_command, seed_flag)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -351,7 +351,7 @@ def pretrain_parser():
     a("--n_dev", type=int, default=384, help="dev samples (best-dev checkpoint)")
     a("--n_test", type=int, default=256, help="samples per level for the final base evaluation")
     a("--eval_interval", type=int, default=500, help="updates between dev evaluations")
-    a("--seed", type=int, default=0, help="torch and numpy seed")
+    a("--seed", type=seed_flag, default=0, help="torch and numpy seed")
     a("--threads", type=int, default=1, help="torch intra-op threads (1 on a shared CPU)")
     return p
 
@@ -362,7 +362,7 @@ def sweep_parser():
     _base_flags(a)
     a("--out_dir", default="out/latent_tokens", help="results_TASK.json and README_table.md go here (results/: only when named)")
     a("--tasks", default="all", help="all or a comma list of " + ", ".join(TASKS))
-    a("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per method")
+    a("--seeds", type=seed_flag, nargs="+", default=[0, 1, 2], help="seeds per method")
     a("--extra", nargs="*", default=[], help="more policies (shared groups) to add to every task")
     a("--resume", action="store_true", help="skip runs already in results_TASK.json")
     a("--ablate_readout", action="store_true", help="add the paper's method with the other --readout")
@@ -415,7 +415,7 @@ def run_parser():
     a("--groups", default="shared", help=f"{', '.join(GROUPINGS)} (function specialization)")
     a("--marker", default=",", help="Comma_m marker token")
     a("--eval_mode", default="tf", help="tf (teacher-forced greedy, exact and fast) or generate (cached decoding)")
-    a("--seed", type=int, default=0, help="torch and numpy seed")
+    a("--seed", type=seed_flag, default=0, help="torch and numpy seed")
     a("--save", default=None, help="write the trained latents (Z, policy) here (default: not saved)")
     a("--json", default=None, help="append the result as one JSON line here (default: not written)")
     _train_flags(a)

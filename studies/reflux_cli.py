@@ -24,7 +24,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights
 from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_rate, check_seed,
-                    make_parent, nll_unit, run_command)
+                    make_parent, nll_unit, run_command, seed_flag)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -157,7 +157,7 @@ def _common(add):
     add("--router_batch", type=int, default=8, help="router training windows per update")
     add("--lr", type=float, default=1e-3, help="router learning rate (AdamW)")
     add("--lam", type=float, default=1e-3, help="λ of the gate penalty λ mean(g)")
-    add("--seed", type=int, default=0, help="router init and training windows")
+    add("--seed", type=seed_flag, default=0, help="router init and training windows")
     add("--json", default=None, help="write the results here as JSON")
 
 

@@ -946,8 +946,13 @@ def command_parser(script, argv, monkeypatch, capsys):
 def test_every_integer_flag_beyond_int64_is_one_line(script, argv, monkeypatch, capsys):
     """Every integer flag of every command given 2**63 or -2**63 - 1 (--width 1e20 written out): one
     line naming the flag and the range, exit 2. Such a value reached torch or numpy and ended in an
-    OverflowError traceback with exit 1."""
+    OverflowError traceback with exit 1. Seeds keep their range [0, 2**64) (common.seed_flag,
+    check_seed): torch.manual_seed takes 2**64 - 1."""
     parser, _ = command_parser(script, argv, monkeypatch, capsys)
+    seeds = {a.option_strings[0] for a in parser._actions if a.type is common.seed_flag}
+    if script == "train.py":
+        assert seeds == {"--seed", "--data_seed"}
+        assert train.parse_args(["--seed", str(2**64 - 1), "--data_seed", str(2**64 - 1)]).seed == 2**64 - 1
     flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.type is int]
     assert flags or script in ("tools.sweep", "tools.flops_fit", "studies.reflux_cli") and argv != ["run"]
     for flag in flags:
