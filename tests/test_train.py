@@ -25,8 +25,9 @@ import torch
 from harness import checkpoint, evaluation
 import data as data_mod
 import train
-from common import ModelConfig
-from models import build_model
+from common import ModelConfig, run_command
+from harness.config import resolve_args
+from models import build_model, model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BPE = os.environ.get("GPT2_BPE_FILE") or os.path.join(REPO, "..", "shared", "data", "gpt2.tiktoken")
@@ -801,6 +802,25 @@ def test_bad_input_in_a_real_process(mdm, data_root, tmp_path):
     p = run_train(flags(mdm, data_root, tmp_path / "out", "--resume"), check=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()]
     assert p.stderr.startswith("error: --resume: no checkpoint") and not (tmp_path / "out").exists()
+
+
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(mdm, data_root, tmp_path, monkeypatch, capsys):
+    """A model whose weights, gradients and AdamW moments alone (16 bytes a parameter) exceed the
+    host's memory (here the host is said to have 1 MB) is one "out of memory" line naming the
+    count, exit 2, before anything is allocated or written: --depth 100000 grew until the kernel's
+    OOM killer ended the run without a message. A model that fits is unaffected (every other test)."""
+    vocab = data_mod.Data(str(next(data_root.iterdir()))).vocab_size
+    args = resolve_args(train.parse_args(flags(mdm, data_root, tmp_path / "o")))
+    n = sum(p.numel() for p in build_model(model_config(args, vocab)[0], device="meta").parameters())
+    assert train.device_memory("cpu") > 16 * n > 2**20
+    monkeypatch.setattr(train.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256)  # 1 MB
+    with pytest.raises(SystemExit) as e:
+        run_command(lambda: train.main(flags(mdm, data_root, tmp_path / "o")))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: out of memory (the model's {n:,} parameters need {16 * n / 1e9:,.1f} GB for weights, "
+                          "gradients and AdamW moments; cpu has 0.0 GB); give smaller sizes"), err
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path, monkeypatch):
