@@ -168,12 +168,22 @@ def trim_log(path, it):
 
 # ----------------------------------------------------------------------------- reading and resuming
 
+def no_checkpoint(flag, path):
+    """The UsageError for a checkpoint path that is not a file; a run's folder given for its
+    checkpoint (--base runs/x) names the file to give instead."""
+    if os.path.isdir(path):
+        best = os.path.join(path, BEST)
+        return UsageError(f"{flag} {path}: a folder, not a checkpoint file"
+                          + (f"; give its best checkpoint, {best}" if os.path.isfile(best) else ""))
+    return UsageError(f"{flag}: no checkpoint at {path}")
+
+
 def load_checkpoint(path, keys=("model", "config"), flag="--resume", mmap=False):
     """Load a checkpoint with weights_only=True on the CPU; UsageError if it is missing (naming
     flag), unreadable (truncated, corrupted, not a checkpoint) or lacks one of keys. mmap: map the
     file instead of reading it, for a caller that reads a few entries of a large checkpoint."""
     if not os.path.isfile(path):
-        raise UsageError(f"{flag}: no checkpoint at {path}")
+        raise no_checkpoint(flag, path)
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - whatever the damage, it is a bad file

@@ -22,7 +22,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import data as data_mod
-from harness.checkpoint import load_checkpoint, load_weights
+from harness.checkpoint import load_checkpoint, load_weights, no_checkpoint
 from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_rate, check_seed,
                     make_parent, nll_unit, run_command, seed_flag)
 from harness.datacheck import data_signature, same_data
@@ -278,7 +278,7 @@ def parse(argv):
         need = "without --no_router" if sweep else "with --router"
         raise UsageError(f"--{flag}: only used {need} (a router flag); drop --{flag}")
     if not os.path.isfile(a.base):
-        raise UsageError(f"--base: no checkpoint at {a.base}")
+        raise no_checkpoint("--base", a.base)
     if a.data_root is not None:  # load prepares the dataset there when it is not
         check_output_folder("--data_root", a.data_root)
     if a.json is not None:  # (an empty path given is refused, not skipped)

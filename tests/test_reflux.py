@@ -483,6 +483,13 @@ def test_cli_errors(ckpt, argv, message):
 def test_cli_bad_checkpoints(tmp_path, ckpt):
     with pytest.raises(UsageError, match="--base: no checkpoint at"):
         reflux_cli.main(["--base", str(tmp_path / "nope.pt")])
+    run = os.path.dirname(ckpt[0])  # a train.py run's folder given for its checkpoint: the file to give
+    with pytest.raises(UsageError) as e:
+        reflux_cli.main(["--base", run])
+    assert str(e.value) == f"--base {run}: a folder, not a checkpoint file; give its best checkpoint, {ckpt[0]}"
+    with pytest.raises(UsageError) as e:
+        reflux_cli.main(["sweep", "--base", str(tmp_path)])
+    assert str(e.value) == f"--base {tmp_path}: a folder, not a checkpoint file"
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(UsageError, match="not a readable checkpoint"):
