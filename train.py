@@ -259,7 +259,6 @@ def setup(args, given):
     data = load_data(args, dist)
     check_scored_windows(data, args.block_size, args.eval_windows)  # an evaluation over nothing is no number
     cfg, target = model_config(args, data.vocab_size)  # --depth, --size, ... -> ModelConfig
-    check_memory(cfg, args.device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     model = build_model(cfg, device=args.device)
@@ -279,31 +278,6 @@ def setup(args, given):
         r.train_model = DistributedDataParallel(
             r.fwd, device_ids=[dist.local_rank] if args.device.startswith("cuda") else None)
     return r, ckpt, changed
-
-
-TRAINING_BYTES_PER_PARAM = 16  # float32 weight, gradient and AdamW's two moments
-
-
-def device_memory(device):
-    """Bytes of memory of a device: the GPU's for cuda, the host's physical memory for cpu; None
-    where it is not known (mps, a platform without sysconf)."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    if device == "cpu" and hasattr(os, "sysconf"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
-
-
-def check_memory(cfg, device):
-    """MemoryError (run_command's one line "error: out of memory ...", exit code 2) before anything is
-    allocated when the weights, gradients and AdamW moments of cfg's model alone (16 bytes a
-    parameter, activations not counted) exceed the device's whole memory: such a run (--depth
-    100000) grew on the CPU until the kernel's OOM killer ended it without a message."""
-    have = device_memory(device)
-    n = sum(p.numel() for p in build_model(cfg, device="meta").parameters())  # (the embedding's padding rows too)
-    if have is not None and TRAINING_BYTES_PER_PARAM * n > have:
-        raise MemoryError(f"the model's {n:,} parameters need {TRAINING_BYTES_PER_PARAM * n / 1e9:,.1f} GB for "
-                          f"weights, gradients and AdamW moments; {device} has {have / 1e9:,.1f} GB")
 
 
 def no_decay_parameters(model):

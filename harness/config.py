@@ -110,17 +110,39 @@ def resolve_args(args, dist=None, reads_out_dir=False):
     check_paths(args, ("data_root",) if reads_out_dir else ("out_dir", "data_root"))
     if not reads_out_dir:
         data_mod.check_outside_dataset(args.dataset, "out_dir", args.out_dir)
-    check_model(args)
+    check_model(args, "eval" if reads_out_dir else "train")
     return args
 
 
-def check_model(args):
-    """Build the flags' model on the meta device (no memory, no time): a value the model rejects
+BYTES_PER_PARAM = {"train": 16, "eval": 4}  # float32 weight (+ gradient and AdamW's two moments when training)
+
+
+def device_memory(device):
+    """Bytes of memory of train.py's --device: the GPU's for cuda, the host's physical memory for
+    cpu; None where the platform does not say (no os.sysconf)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+
+
+def check_model(args, use="train"):
+    """Build the flags' model on the meta device (no memory, little time): a value the model rejects
     (--width off its granularity, --n_core 0, --plt_window 0, ...) or a model flag outside its
     declared range (--fold_rank above d, ...; models.check_flag_ranges) is a UsageError before any
-    data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not depend on it)."""
+    data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not
+    depend on it). So is a model whose non-embedding parameters alone, at BYTES_PER_PARAM[use],
+    exceed the device's whole memory: such a run (--model untied --depth 2000 --size 70M on a CPU)
+    grew until the kernel's OOM killer ended it without a message. Activations are not counted,
+    so a deep shared-block model can still run out of memory later (run_command's one line)."""
     cfg, _ = model_config(args, vocab_size=256)
-    build_model(cfg, device="meta")
+    n = build_model(cfg, device="meta").num_params()
+    have, need = device_memory(args.device), BYTES_PER_PARAM[use] * n
+    if have is not None and need > have:
+        what = "weights, gradients and AdamW moments" if use == "train" else "weights"
+        raise UsageError(f"--size {args.size} --depth {args.depth}" + (f" --width {args.width}" if args.width else "")
+                         + f": the model's {n:,} non-embedding parameters need {need / 1e9:,.1f} GB for its {what} "
+                         f"alone; {args.device} has {have / 1e9:,.1f} GB (give a smaller --size, --depth, --width "
+                         "or block count)")
 
 
 def check_values(args, dist):

@@ -26,6 +26,7 @@ from harness import checkpoint, evaluation
 import data as data_mod
 import train
 from common import ModelConfig, run_command
+from harness import config as harness_config
 from harness.config import resolve_args
 from models import build_model, model_config
 
@@ -804,23 +805,25 @@ def test_bad_input_in_a_real_process(mdm, data_root, tmp_path):
     assert p.stderr.startswith("error: --resume: no checkpoint") and not (tmp_path / "out").exists()
 
 
-def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(mdm, data_root, tmp_path, monkeypatch, capsys):
-    """A model whose weights, gradients and AdamW moments alone (16 bytes a parameter) exceed the
-    host's memory (here the host is said to have 1 MB) is one "out of memory" line naming the
-    count, exit 2, before anything is allocated or written: --depth 100000 grew until the kernel's
-    OOM killer ended the run without a message. A model that fits is unaffected (every other test)."""
-    vocab = data_mod.Data(str(next(data_root.iterdir()))).vocab_size
-    args = resolve_args(train.parse_args(flags(mdm, data_root, tmp_path / "o")))
-    n = sum(p.numel() for p in build_model(model_config(args, vocab)[0], device="meta").parameters())
-    assert train.device_memory("cpu") > 16 * n > 2**20
-    monkeypatch.setattr(train.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256)  # 1 MB
+def test_a_model_larger_than_the_machine_is_refused_before_anything_is_prepared(mdm, tmp_path, monkeypatch, capsys):
+    """A model whose non-embedding weights, gradients and AdamW moments alone (16 bytes a parameter)
+    exceed the host's memory (here the host is said to have 1 MB) is one line naming the flags
+    that size it and the count, exit 2, before any data is prepared or anything is written:
+    --model untied --depth 2000 --size 70M grew until the kernel's OOM killer ended the run
+    without a message. --eval_only needs the weights only (4 bytes). A model that fits is
+    unaffected (every other test)."""
+    argv = flags(mdm, tmp_path / "data", tmp_path / "o")
+    n = build_model(model_config(resolve_args(train.parse_args(argv)), 256)[0], device="meta").num_params()
+    assert harness_config.device_memory("cpu") > 16 * n > 2**20
+    monkeypatch.setattr(harness_config.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256)  # 1 MB
     with pytest.raises(SystemExit) as e:
-        run_command(lambda: train.main(flags(mdm, data_root, tmp_path / "o")))
+        run_command(lambda: train.main(argv))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"error: out of memory (the model's {n:,} parameters need {16 * n / 1e9:,.1f} GB for weights, "
-                          "gradients and AdamW moments; cpu has 0.0 GB); give smaller sizes"), err
-    assert not (tmp_path / "o").exists()
+    assert e.value.code == 2 and err == (f"error: --size cpu --depth 2: the model's {n:,} non-embedding parameters need "
+                                         f"{16 * n / 1e9:,.1f} GB for its weights, gradients and AdamW moments alone; "
+                                         "cpu has 0.0 GB (give a smaller --size, --depth, --width or block count)\n")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "data").exists()
+    assert harness_config.BYTES_PER_PARAM == {"train": 16, "eval": 4}
 
 
 def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path, monkeypatch):
