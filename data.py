@@ -461,11 +461,16 @@ def sha256_file(path):
 
 
 def _count(s):
-    """A token count: 1500000000, 1_500_000_000 or 1.5e9."""
-    v = _try(float, s.replace("_", ""))
-    if not (isinstance(v, float) and math.isfinite(v) and v >= 0 and v == int(v)):
-        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number >= 0 (e.g. 1500000000 or 1.5e9)")
-    return int(v)
+    """A token count: 1500000000, 1_500_000_000 or 1.5e9, below 2**63 (every flag's int64 range;
+    1e30 named the data folder with the float's rounding error). Written out, exactly that number."""
+    t = s.replace("_", "")
+    v = _try(int, t)
+    if not isinstance(v, int):
+        f = _try(float, t)
+        v = int(f) if isinstance(f, float) and math.isfinite(f) and f == int(f) else -1
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number from 0 to 2**63 - 1 (e.g. 1500000000 or 1.5e9)")
+    return v
 
 
 def flag_options(args):

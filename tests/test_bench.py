@@ -173,7 +173,7 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
     assert res["main_job"]["command"] == "python train.py --model tango --dataset no-such-corpus/ --device cpu"
 
 
-def test_a_run_where_every_configuration_failed_exits_1(tmp_path, monkeypatch, capsys):
+def test_a_run_where_no_configuration_completed_exits_1(tmp_path, monkeypatch, capsys):
     """Every row failed (here each child "exits 2"): the tables of statuses are still written, and
     the command ends with one line saying nothing ran and exit code 1, not 0."""
     monkeypatch.setattr(bench, "run_config", lambda spec, timeout: {**spec, "status": "error: exit code 2: x",
@@ -182,7 +182,7 @@ def test_a_run_where_every_configuration_failed_exits_1(tmp_path, monkeypatch, c
     assert bench.main(["--models", "tango,loop", "--device", "cpu", "--size", "tiny", "--block_sizes", "32",
                        "--peak_n", "64", "--json", str(out), "--md", str(tmp_path / "f.md")]) == 1
     assert [r["status"] for r in json.loads(out.read_text())["rows"]] == ["error: exit code 2: x"] * 2
-    assert capsys.readouterr().err == "bench.py: error: no configuration ran (each row's status above says why)\n"
+    assert capsys.readouterr().err == "bench.py: error: no configuration completed (each row's status above says why)\n"
 
 
 def test_cuda_defaults_and_quick_plan(monkeypatch):
@@ -320,6 +320,7 @@ BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py
     (["--warmup", "0"], "--warmup 0: must be >= 1"), (["--rounds", "0"], "--rounds 0: must be >= 1"),
     (["--depth", "0"], "--depth 0: must be >= 1"), (["--peak_reps", "-1"], "--peak_reps -1: must be >= 1"),
     (["--threads", "-1"], "--threads -1: must be >= 0"),
+    (["--block_sizes", f"64,{2**64}"], f"--block_sizes {2**64}: beyond a 64-bit integer (at most 2**63 - 1)"),
     (["--timeout", "-1"], "--timeout -1.0: must be a finite number of seconds > 0"),
     (["--step_budget", "inf"], "--step_budget inf: must be a finite number of seconds > 0"),
     (["--block_sizes", "0,64"], "--block_sizes: need positive integers"),

@@ -496,7 +496,8 @@ def test_cli_help_and_errors(tmp_path, capsys):
                           ("--hf_text_field", "text"), ("--hf_split_key", "auto")]:
         assert entries[flag].endswith(f"(default: {default})"), entries[flag]
     assert "../shared/data/dmmath" in entries["--data_dir"]
-    for argv, needle in [(["--max_tokens", "1.5"], "--max_tokens: '1.5' is not a whole number >= 0"),
+    for argv, needle in [(["--max_tokens", "1.5"], "--max_tokens: '1.5' is not a whole number from 0 to 2**63 - 1"),
+                         (["--max_tokens", "1e30"], "--max_tokens: '1e30' is not a whole number from 0 to 2**63 - 1"),
                          (["--tokenizer", "bpe"], "--tokenizer: invalid choice"),
                          (["--dataset", "nope"], "--dataset: unknown dataset 'nope'"),
                          (["--dataset", "dmmath", "--max_tokens", "300000"],
@@ -507,6 +508,7 @@ def test_cli_help_and_errors(tmp_path, capsys):
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert not (tmp_path / "out").exists()
     assert data._count("1.5e9") == 1_500_000_000 and data._count("1_000") == 1000
+    assert data._count("9007199254740993") == 2**53 + 1 and data._count(str(2**63 - 1)) == 2**63 - 1  # not floats
 
 
 def test_cli_checks_a_folder_prepared_earlier(tmp_path, capsys):

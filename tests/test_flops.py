@@ -189,7 +189,7 @@ def test_cli_paper_rows(capsys):
     (["--size", "tiny", "--gau_s", "96"], "--gau_s 96: must be <= 64 (the residual width d"),
     (["--width", "-8"], "--width -8: must be a positive multiple of 16 for tango, one of the models flops.py computes "
                         "(0: solve"),  # flops.py has no --model
-    (["--width", str(2**63)], f"argument --width: {2**63}: out of range (an integer from -2**63 to 2**63 - 1)"),
+    (["--width", str(2**63)], f"argument --width: {2**63}: beyond a 64-bit integer (at most 2**63 - 1)"),
     (["--n_core", "0"], "--n_core 0: must be >= 1"), (["--plt_window", "0"], "--plt_window 0: must be >= 1"),
     (["--size", "tiny", "--fold_rank", "65"], "--fold_rank 65: must be <= 64"),
     (["--lrt_subsets", "0"], "--lrt_subsets 0: must be >= 1"), (["--mu_rec", "-1"], "--mu_rec -1 / --mu_bwd 0: must be >= 1 (0 = default)"),

@@ -85,6 +85,7 @@ Outputs: a markdown table (printed, and --md, default out/bench/bench_<device>.m
 (--json, default out/bench/bench_<device>.json; out/ is git-ignored, so results/ changes only
 where --json/--md name it) with the settings, definitions, load average, rows and targets.
 """
+import argparse
 import itertools
 import json
 import math
@@ -104,7 +105,8 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 
 import flops
 import models
-from common import ExitParser, UsageError, check_output_files, compile_regions, make_parent, run_command, synchronizer
+from common import (ExitParser, UsageError, check_output_files, compile_regions, int64_flag, make_parent, run_command,
+                    synchronizer)
 from harness.config import Dist, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
@@ -475,7 +477,9 @@ def parse(argv):
         a.block_sizes = ",".join(map(str, QUICK_T["cuda" if cuda else "cpu"]))
     block_sizes = ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES) if a.block_sizes is None else a.block_sizes
     try:
-        a.block_sizes = sorted({int(t) for t in block_sizes.split(",") if t})
+        a.block_sizes = sorted({int64_flag(t) for t in block_sizes.split(",") if t})
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--block_sizes {e}")
     except ValueError:
         p.error(f"--block_sizes {block_sizes}: comma-separated integers")
     if not a.block_sizes or min(a.block_sizes) < 1:
@@ -630,7 +634,7 @@ def main(argv=None):
             f.write(text + "\n")
     print(f"wrote {a.json} and {a.md} ({meta['wall_s']:.0f} s)")
     if not any(r["status"] == "ok" for r in rows):  # tables of failures only: a script must not read success
-        print("bench.py: error: no configuration ran (each row's status above says why)", file=sys.stderr)
+        print("bench.py: error: no configuration completed (each row's status above says why)", file=sys.stderr)
         return 1
     return 0
 
