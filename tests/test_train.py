@@ -734,6 +734,8 @@ CASES = [
     ("problems_out_of_range", [], "problems.npy",
      [_write("folder/extrapolate.problems.npy", lambda p: np.save(p, np.array([[0, 5, 10 ** 9]])))], "fresh"),
     ("resume_nothing", ["--resume"], "no checkpoint", [], "fresh"),
+    ("resume_a_checkpoint_file", ["--resume", "--out_dir", "TMP/out/ckpt_latest.pt"],
+     "--resume: TMP/out/ckpt_latest.pt is a file; give the run's folder, TMP/out", [], "resume"),
     ("ckpt_truncated", ["--resume"], "truncated", [_write("out/ckpt_latest.pt", lambda p: p.write_bytes(p.read_bytes()[:5000]))],
      "resume"),
     ("ckpt_garbage", ["--resume"], "not a readable checkpoint",
@@ -795,7 +797,7 @@ def test_bad_input_one_line_exit_2_nothing_written(case, runs, mdm, data_root, t
     code, err = call_main(argv, capsys)
     lines = err.strip().splitlines()
     assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle.replace("TMP", str(tmp_path)) in lines[0], err
     assert snapshot(out) == before  # fresh: out_dir not even created; resume: not a byte changed
 
 
