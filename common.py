@@ -59,7 +59,8 @@ def int64_flag(text):
     would reach torch or numpy and end in an OverflowError traceback."""
     v = int(text)
     if not INT64_RANGE[0] <= v <= INT64_RANGE[1]:
-        raise argparse.ArgumentTypeError(f"{text}: beyond a 64-bit integer (at {'most 2**63 - 1' if v > 0 else 'least -2**63'})")
+        bound = "most 2**63 - 1" if v > 0 else "least -2**63"
+        raise argparse.ArgumentTypeError(f"{text}: beyond a 64-bit integer (at {bound})")
     return v
 
 
