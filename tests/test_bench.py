@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -191,6 +192,7 @@ def test_cuda_defaults_and_quick_plan(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(bench.torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(bench.torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # (--quick's main job check)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 10**9))
     a = bench.parse(["--device", "cuda"])
     assert (a.size, a.block_sizes, a.compile, a.dtype) == ("70M", [2048, 8192], "both", "bfloat16")
     assert a.batch_tokens == 32768 and a.vocab_size == 50257 and (a.steps, a.warmup, a.peak_n, a.peak_reps) == (2, 1, 8192, 10)

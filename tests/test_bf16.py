@@ -5,6 +5,7 @@ float32 and only the weight x gate products in bfloat16 (tango_kernels.py, "Prec
 "precise enough" is PyTorch's own attention in bfloat16, measured here on the same kind of inputs.
 """
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -243,6 +244,7 @@ def test_bfloat16_on_a_gpu_without_it_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 10**9))
     args = train.parse_args(["--model", "loop", "--device", "cuda", "--dtype", "bfloat16", "--size", "tiny"])
     with pytest.raises(train.UsageError, match=r"^--dtype bfloat16: cuda does not support it .*use --dtype float32$"):
         train.resolve_args(args)

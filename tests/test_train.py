@@ -826,6 +826,12 @@ def test_a_model_larger_than_the_machine_is_refused_before_anything_is_prepared(
                                          "cpu has 0.0 GB (give a smaller --size, --depth, --width or block count)\n")
     assert not (tmp_path / "o").exists() and not (tmp_path / "data").exists()
     assert harness_config.BYTES_PER_PARAM == {"train": 16, "eval": 4}
+    for name, value in [("is_available", lambda: True), ("device_count", lambda: 1), ("set_device", lambda i: None),
+                        ("get_device_properties", lambda d: SimpleNamespace(total_memory=2**20))]:
+        monkeypatch.setattr(torch.cuda, name, value)  # a GPU of 1 MB: its memory is the one compared
+    with pytest.raises(train.UsageError, match=r" need .* GB for its weights, gradients and AdamW moments alone; "
+                                               "cuda has 0.0 GB"):
+        resolve_args(train.parse_args([*argv, "--device", "cuda", "--dtype", "float32"]))
 
 
 def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path, monkeypatch):
