@@ -176,7 +176,7 @@ def test_compiled_rows_count_graphs_and_recompiles(tmp_path):
 
 def test_a_run_where_no_configuration_completed_exits_1(tmp_path, monkeypatch, capsys):
     """Every row failed (here each child "exits 2"): the tables of statuses are still written, and
-    the command ends with one line saying nothing ran and exit code 1, not 0."""
+    the command ends with one line saying no configuration completed and exit code 1, not 0."""
     monkeypatch.setattr(bench, "run_config", lambda spec, timeout: {**spec, "status": "error: exit code 2: x",
                                                                      "wall_s": 0.1, "load_before": None, "load_after": None})
     out = tmp_path / "f.json"
