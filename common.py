@@ -230,6 +230,13 @@ def check_rate(flag, value, positive=True, note=""):
                          f"(at most 3.4e38, a float32){note}")
 
 
+def check_decayed_rate(lr_flag, lr, weight_decay):
+    """UsageError if learning rate x weight decay exceeds a float32: AdamW's decoupled decay
+    multiplies them, with check_rate's overflow after the run has started."""
+    if lr * weight_decay > FLOAT32_MAX:
+        raise UsageError(f"{lr_flag} x --weight_decay = {lr * weight_decay:.3g}: must be at most 3.4e38 (a float32)")
+
+
 def not_a_command(module, use):
     """What a companion module run directly does (python text_data.py, ...): one line on stderr
     naming the command it belongs to, `use`, and exit code 2, instead of exiting silently."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from common import FLOAT32_MAX, UsageError, check_output_folder, check_rate, check_seed
+from common import UsageError, check_decayed_rate, check_output_folder, check_rate, check_seed
 from harness.checkpoint import remove_stale, trim_log
 from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
 
@@ -156,9 +156,7 @@ def check_values(args, dist):
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min_lr_ratio {args.min_lr_ratio}: must be in [0, 1]")
     check_rate("--weight_decay", args.weight_decay, positive=False)
-    if args.learning_rate * args.weight_decay > FLOAT32_MAX:  # AdamW's decoupled decay multiplies them
-        raise UsageError(f"--learning_rate x --weight_decay = {args.learning_rate * args.weight_decay:.3g}: "
-                         "must be at most 3.4e38 (a float32)")
+    check_decayed_rate("--learning_rate", args.learning_rate, args.weight_decay)
     for flag in ("warmup_iters", "sample_tokens"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 0")

@@ -29,7 +29,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (FLOAT32_MAX, ModelConfig, UsageError, UsageParser, check_output_files, check_output_folder,
+from common import (ModelConfig, UsageError, UsageParser, check_decayed_rate, check_output_files, check_output_folder,
                     check_rate, check_seed, make_parent, nll_unit, run_command, seed_flag)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
@@ -433,9 +433,9 @@ def check_args(args):
         raise UsageError(f"--width {args.width}: must be >= 1 (leave it out for the default 4 d)")
     check_rate("--lr", args.lr)
     for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
-        check_rate(f"--{flag}", getattr(args, flag, 0.0), positive=False, note=" (0 = off)" if flag == "grad_clip" else "")
-    if args.lr * getattr(args, "weight_decay", 0.0) > FLOAT32_MAX:  # AdamW's decoupled decay multiplies them
-        raise UsageError(f"--lr x --weight_decay = {args.lr * args.weight_decay:.3g}: must be at most 3.4e38 (a float32)")
+        check_rate(f"--{flag}", getattr(args, flag, 0.0), positive=False,
+                   note=" (0 = off)" if flag == "grad_clip" else "")
+    check_decayed_rate("--lr", args.lr, getattr(args, "weight_decay", 0.0))
     if not 0 <= getattr(args, "warmup", 0.0) < 1:
         raise UsageError(f"--warmup {args.warmup}: a fraction of the updates, in [0, 1)")
     choose("readout", getattr(args, "readout", "latent"), READOUTS)

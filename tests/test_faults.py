@@ -882,6 +882,8 @@ def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message
      "--grad_clip -1.0: must be a finite number >= 0 (at most 3.4e38, a float32) (0 = off)"),
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "1e39"],
      "--lr 1e+39: must be a finite number > 0 (at most 3.4e38, a float32)"),
+    ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "1e38", "--weight_decay", "10"],
+     "--lr x --weight_decay = 1e+39: must be at most 3.4e38 (a float32)"),  # AdamW's decoupled decay multiplies them
     ("studies.reflux_cli", ["--base", "x.pt", "--lr", "1e39"], "--lr 1e+39: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.reflux_cli", ["--base", "x.pt", "--lr", "0"], "--lr 0.0: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.reflux_cli", ["sweep", "--base", "x.pt", "--lam", "-1"], "--lam -1.0: must be a finite number >= 0"),
