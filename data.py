@@ -34,7 +34,7 @@ import tempfile
 import numpy as np
 import torch
 
-from common import UsageError, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
+from common import INT64_RANGE, UsageError, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, EOT, _download_gpt2, _fingerprint, _try, _walk, bin_dtype, gpt2_encoder, read_bin,
@@ -468,8 +468,9 @@ def _count(s):
     if not isinstance(v, int):
         f = _try(float, t)
         v = int(f) if isinstance(f, float) and math.isfinite(f) and f == int(f) else -1
-    if not 0 <= v < 2**63:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number from 0 to 2**63 - 1 (e.g. 1500000000 or 1.5e9)")
+    if not 0 <= v <= INT64_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a whole number from 0 to 2**63 - 1 "
+                                         "(e.g. 1500000000 or 1.5e9)")
     return v
 
 

@@ -43,8 +43,8 @@ import time
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_output_file, check_output_folder, make_parent,
-                    run_command)
+from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_output_file, check_output_folder,
+                    make_parent, run_command)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
