@@ -228,39 +228,26 @@ def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_setting
             (1200, 1200, 600, 600) and s["tokens"] == 1200 * 8 * 256
 
 
-def test_learning_rate_grid_blocks_are_its_summaries_and_the_grids_settings_at_1e_3(monkeypatch):
-    """results/cpugrid_lr: its budget and runs tables are `report --budget` and `report` over its
-    committed runs, byte for byte, and each run was trained with the settings of the grid's run of
-    the same model, K and seed but peak learning rate 1e-3 (the floor, min_lr_ratio x peak, follows)."""
+@pytest.mark.parametrize("root, flag, values, some_rows", [
+    (LR_ROOT, "learning_rate", (1e-3, 2e-3), {("stdlib", "loop", 16)}),  # (the floor, min_lr_ratio x peak, follows)
+    (WARM_ROOT, "warmup_iters", (60, 10), {("stdlib", "loop", 16), ("stdlib", "parcae", 8)}),  # 60 warmup updates
+])
+def test_one_setting_grid_blocks_are_its_summaries_and_the_grids_settings_but_one(root, flag, values, some_rows,
+                                                                                  monkeypatch):
+    """results/cpugrid_lr and results/cpugrid_warmup: each one's budget and runs tables are `report
+    --budget` and `report` over its committed runs, byte for byte, and each run was trained with the
+    settings of the grid's run of the same model, K and seed but one: flag, values[0] for the
+    grid's values[1]."""
     monkeypatch.chdir(HERE)
-    doc = readme(LR_ROOT)
-    assert block(doc, sweep_report.report_markers(LR_ROOT, "budget")) == sweep_report.budget_report(LR_ROOT)
-    assert block(doc, sweep_report.report_markers(LR_ROOT, "runs")) == sweep_report.report(LR_ROOT)
-    rows = sweep_report.load_runs(LR_ROOT)
-    assert ("stdlib", "loop", 16) in rows
+    doc = readme(root)
+    assert block(doc, sweep_report.report_markers(root, "budget")) == sweep_report.budget_report(root)
+    assert block(doc, sweep_report.report_markers(root, "runs")) == sweep_report.report(root)
+    rows = sweep_report.load_runs(root)
+    assert some_rows <= set(rows)
     for (ds, m, k), summaries in rows.items():
         for s in summaries:
             saved, grid = args_beside_grid(s, ds, m, k)
-            keys = set(saved) - set(MACHINE_FLAGS) - {"learning_rate"}
+            keys = set(saved) - set(MACHINE_FLAGS) - {flag}
             assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
-            assert (saved["learning_rate"], grid["learning_rate"]) == (1e-3, 2e-3)
-            assert s["tokens"] == s["best_iter"] * 8 * 256 and s["seed"] == saved["seed"] == saved["data_seed"]
-
-
-def test_warmup_grid_blocks_are_its_summaries_and_the_grids_settings_with_60_warmup_updates(monkeypatch):
-    """results/cpugrid_warmup: its budget and runs tables are `report --budget` and `report` over its
-    committed runs, byte for byte, and each run was trained with the settings of the grid's run of
-    the same model, K and seed but 60 warmup updates instead of 10."""
-    monkeypatch.chdir(HERE)
-    doc = readme(WARM_ROOT)
-    assert block(doc, sweep_report.report_markers(WARM_ROOT, "budget")) == sweep_report.budget_report(WARM_ROOT)
-    assert block(doc, sweep_report.report_markers(WARM_ROOT, "runs")) == sweep_report.report(WARM_ROOT)
-    rows = sweep_report.load_runs(WARM_ROOT)
-    assert {("stdlib", "loop", 16), ("stdlib", "parcae", 8)} <= set(rows)
-    for (ds, m, k), summaries in rows.items():
-        for s in summaries:
-            saved, grid = args_beside_grid(s, ds, m, k)
-            keys = set(saved) - set(MACHINE_FLAGS) - {"warmup_iters"}
-            assert {x: saved[x] for x in keys} == {x: grid[x] for x in keys}, s["_dir"]
-            assert (saved["warmup_iters"], grid["warmup_iters"]) == (60, 10)
+            assert (saved[flag], grid[flag]) == values
             assert s["tokens"] == s["best_iter"] * 8 * 256 and s["seed"] == saved["seed"] == saved["data_seed"]
