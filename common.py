@@ -581,6 +581,16 @@ class LM(nn.Module):
         return out
 
 
+def past_context_note(prompt_len, max_new_tokens, block_size):
+    """The note (str) for a decode whose positions pass the trained context block_size, or None
+    within it: prompt_len + max_new_tokens - 1 positions are fed (the last new token is sampled,
+    never fed). RoPE still gives those positions an angle; the model never trained on them."""
+    if prompt_len + max_new_tokens - 1 <= block_size:
+        return None
+    return (f"note: {prompt_len} prompt + {max_new_tokens} new tokens exceed the trained context of {block_size} "
+            "by more than the last token: the later tokens are sampled at positions never trained on")
+
+
 def nll_unit(tokenizer):
     """The unit of an NLL on data of `tokenizer`: nats/char for characters, else nats/token."""
     return "nats/char" if tokenizer == "char" else "nats/token"

@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from common import UsageError, UsageParser, check_sampling, check_seed, nll_unit, run_command, seed_flag
+from common import (UsageError, UsageParser, check_sampling, check_seed, nll_unit, past_context_note, run_command,
+                    seed_flag)
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
 from harness.config import Dist, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
@@ -166,10 +167,9 @@ def run(args, out=None, err=None):
     print(f"{path}: {cfg.model} depth {cfg.depth}, update {ck.get('iter')}"
           + (f", dev NLL {dev:.4f} {nll_unit(tok.kind)}" if isinstance(dev, float) else "")
           + f"; {tok.kind} tokenizer, vocab {tok.vocab_size}; {args.device} {args.dtype}", file=err)
-    if len(prompt) + args.max_new_tokens - 1 > cfg.block_size:  # (the last new token is sampled, never fed)
-        print(f"note: {len(prompt)} prompt + {args.max_new_tokens} new tokens exceed the trained context of "
-              f"{cfg.block_size} by more than the last token: the later tokens are sampled at positions never "
-              "trained on", file=err)
+    note = past_context_note(len(prompt), args.max_new_tokens, cfg.block_size)
+    if note:
+        print(note, file=err)
     torch.manual_seed(args.seed)
     rows = sample(model, prompt, args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
                   autocast_ctx(args))

@@ -6,12 +6,13 @@ mode for its duration (Parcae/RDM: fixed depth, seeded initial state) and restor
 own mode after it.
 """
 import contextlib
+import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import UsageError, nll_unit
+from common import UsageError, nll_unit, past_context_note
 from harness.config import Dist
 
 
@@ -144,6 +145,14 @@ def print_report(s, data, args):
                                               "before)" if s.get("wall_s_this_process_only") else "all processes)")))
 
 
+def note_past_context(prompt_len, args):
+    """print_sample's note on stderr (common.past_context_note) when --sample_tokens after the
+    prompt pass --block_size."""
+    note = past_context_note(prompt_len, args.sample_tokens, args.block_size)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
 def print_sample(model, data, args, device, ctx):
     """A short decoded sample from the best checkpoint (dmmath: one problem, answered greedily),
     in eval mode (Parcae/RDM: fixed depth and seeded initial state); the model's mode is restored."""
@@ -154,11 +163,13 @@ def print_sample(model, data, args, device, ctx):
         if data.problems(data.test_split) is not None:
             q0, a0, a1 = problem = data.problems(data.test_split)[0]
             tok = data.tokens(data.test_split)
+            note_past_context(a0 - q0, args)
             answer = greedy_answer(model, data, data.test_split, problem, args.sample_tokens, ctx, device)
             print(f"\n--- sample ({data.test_split}, greedy) ---\nQ: {data.decode(tok[q0:a0 - 1])}\n"
                   f"model: {answer.strip()}\nreference: {data.decode(tok[a0:a1])}")
             return
         prompt = torch.tensor([[data.eot]], device=device)
+        note_past_context(1, args)
         with ctx:
             out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=200)
     print(f"\n--- sample (temperature 0.8, top-k 200) ---\n{data.decode(out[0, 1:].tolist())}\n---")

@@ -678,8 +678,26 @@ def test_helpers_restore_the_mode_they_found(long_questions):
         assert [m.training for m in model.modules()] == before, setting
         train.exact_match(model, d, "interpolate", 2, "cpu", ctx)
         assert [m.training for m in model.modules()] == before, setting
-        train.print_sample(model, d, SimpleNamespace(sample_tokens=3, seed=0), "cpu", ctx)
+        train.print_sample(model, d, SimpleNamespace(sample_tokens=3, seed=0, block_size=8), "cpu", ctx)
         assert [m.training for m in model.modules()] == before, setting
+
+
+def test_the_end_of_training_sample_notes_positions_past_the_trained_context(long_questions, capsys):
+    """train.py's sample says on stderr, as sample.py does, when its tokens pass --block_size (the
+    last sampled token is never fed): prompt + n - 1 fed positions. The prompt is one end-of-text
+    token on text, a problem's question on dmmath."""
+    _, _, mdm = long_questions
+    q0, a0, _ = mdm.problems(mdm.test_split)[0]
+    text = SimpleNamespace(problems=lambda split: None, test_split="test", eot=0, decode=lambda ids: "x" * len(ids))
+    ctx = contextlib.nullcontext()
+    for d, prompt in ((text, 1), (mdm, a0 - q0)):
+        model = build_model(small_cfg("loop", vocab_size=mdm.vocab_size, block_size=8))
+        for block_size, note in ((prompt + 3, False), (prompt + 2, True)):  # 4 new tokens: prompt + 3 positions fed
+            train.print_sample(model, d, SimpleNamespace(sample_tokens=4, seed=0, block_size=block_size), "cpu", ctx)
+            err = capsys.readouterr().err
+            want = (f"note: {prompt} prompt + 4 new tokens exceed the trained context of {block_size} by more than "
+                    "the last token: the later tokens are sampled at positions never trained on\n")
+            assert err == (want if note else ""), (prompt, block_size, err)
 
 
 # ============================================================================ 9. weight decay
