@@ -302,6 +302,27 @@ def test_bench_decode_builds_the_model_train_py_builds(size, flags, tmp_path):
         assert row["config"] == cfg.to_dict() and row["width"] == cfg.width, model
 
 
+def test_bench_decode_shows_n_core_only_for_the_models_that_read_it():
+    """n_core is a column of the decode table; a model without the flag (tango, ponder) shows "-"
+    (None in the JSON row), not ModelConfig's unused default."""
+    from tools import bench_decode
+    rows = [bench_decode.decode_row(m, "tiny", 2, 0, 2, 1, 0, vocab_size=50, n_core=3) if m == "loopstack" else
+            bench_decode.decode_row(m, "tiny", 2, 0, 2, 1, 0, vocab_size=50) for m in ("loopstack", "tango")]
+    assert [r["n_core"] for r in rows] == [3, None]
+    table = bench_decode.decode_table(rows).splitlines()
+    assert table[2].startswith("| loopstack | 2 | 3 | ") and table[3].startswith("| tango | 2 | - | "), table
+
+
+def test_eager_rows_show_no_compile_figures():
+    """compile s and recompiles describe compiled rows; an eager row's table cells are "-" (its JSON
+    keeps compile_s 0 and the graph count it measured)."""
+    eager = {**_row("loop", 64, 100, 1, 4e9), "first_step_s": 1.5, "compile_s": 0.0, "recompiles": 0}
+    compiled = {**eager, "compile": True, "compile_s": 12.3, "recompiles": 1}
+    bench_report.add_ratios([eager, compiled], peak=1e10)
+    lines = bench_report.table([eager, compiled]).splitlines()
+    assert lines[2].endswith("| 1.5 | - | - |") and lines[3].endswith("| 1.5 | 12.3 | 1 |"), lines
+
+
 def test_cpugrid_bench_commands_build_flash_with_the_grids_chunk():
     """The two tools.bench commands of results/cpugrid/README.md (--size cpu, T = 256) parse and
     build every model as the grid's train.py runs did: FLASH with chunk 64, not 256."""

@@ -40,9 +40,9 @@ glibc's default, under which the page faults of each step's fresh large tensors 
 a half of a step on this project's CPU: docs/training.md, "Training on CPU").
 
 compile s   compiled rows: the first training step's seconds minus a timed step's (the compile of the
-            forward and backward graphs); 0 for eager rows.
+            forward and backward graphs); 0 for eager rows in the JSON, "-" in the table.
 recompiles  graphs torch.compile captured after the first training step (graphs: all it captured);
-            0 when the first step's graphs serve every later step.
+            0 when the first step's graphs serve every later step; eager rows as compile s.
 main job    with --quick (--main_job FLAGS, default "--model tango --depth 8"): `python train.py FLAGS
             --device DEV` run until it prints its time to first update (data, model and compile
             included; its data prepared first if not yet), then stopped.
@@ -566,8 +566,9 @@ def main(argv=None):
                 failed[model, comp] = f"T={T} {row['status'].split(':')[0]}"
         parts.setdefault((model, comp, T), []).append(row)
         msg = (f"{row['tokens_per_s']:,.0f} tokens/s  MFU {100 * row['achieved_flops_per_s'] / peak:.1f}%  "
-               f"{row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s  compile {row['compile_s']:.1f} s  "
-               f"recompiles {row['recompiles']} ({row['wall_s']:.0f} s, load {row['load_before']})"
+               f"{row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s  "
+               + (f"compile {row['compile_s']:.1f} s  recompiles {row['recompiles']} " if comp else "")
+               + f"({row['wall_s']:.0f} s, load {row['load_before']})"
                if row["status"] == "ok" else row["status"])
         print(f"  {model:<15} T={T:<5} compile={'on ' if comp else 'off'} "
               + (f"round {rnd + 1}/{a.rounds} " if a.rounds > 1 else "") + msg, flush=True)

@@ -62,17 +62,21 @@ def decode_row(model_name, size, depth, width, prompt, tokens, warmup, device="c
                 times.append(time.perf_counter() - t)
     passes = getattr(model.body, "sequential_passes", None)
     rows = depth if model_name in ("loopstack", "plt", "loopfold") else None
+    n_core = cfg.n_core if "n_core" in models.spec_of(model_name).flags else None  # None: a model without it
     return {"model": model_name, "width": cfg.width, "non_embedding_params": model.num_params(), "depth": depth,
-            "n_core": cfg.n_core, "passes": passes, "rows": rows, "prompt": prompt, "tokens": tokens,
+            "n_core": n_core, "passes": passes, "rows": rows, "prompt": prompt, "tokens": tokens,
             "ms_per_token": 1e3 * statistics.median(times), "ms_per_token_mean": 1e3 * statistics.fmean(times),
             "config": cfg.to_dict()}
 
 
 def decode_table(rows):
+    """The markdown table of decode_row dicts; "-" where a model has no such number (n_core,
+    passes, rows)."""
     lines = ["| model | N loops | n_core | width | passes/token | rows/token | ms/token (median) | ms/token (mean) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['depth']} | {r['n_core']} | {r['width']} | {r['passes'] if r['passes'] else '-'} | "
+        n_core = "-" if r["n_core"] is None else r["n_core"]
+        lines.append(f"| {r['model']} | {r['depth']} | {n_core} | {r['width']} | {r['passes'] if r['passes'] else '-'} | "
                      f"{r['rows'] if r['rows'] else '-'} | {r['ms_per_token']:.2f} | {r['ms_per_token_mean']:.2f} |")
     return "\n".join(lines)
 

@@ -121,7 +121,8 @@ def table(rows):
         lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {c} | {r['tokens_per_s']:,.0f} | "
                      f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}% | {ratio} | "
                      + (f"{r['first_step_s']:.1f} |" if "first_step_s" in r else " |")
-                     + (f" {r['compile_s']:.1f} | {r['recompiles']} |" if "compile_s" in r else " | |"))
+                     + (" - | - |" if not r["compile"] else
+                        f" {r['compile_s']:.1f} | {r['recompiles']} |" if "compile_s" in r else " | |"))
     notes = nominal_notes(rows)
     return "\n".join(lines + ([""] + notes if notes else []))
 
