@@ -89,9 +89,10 @@ HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (on
 BOOL = Choice((False, True))
 # Ranges: a rank or dimension above d adds parameters but no rank (--fold_rank 9999 would build 2.6M
 # non-embedding parameters at the tiny tier's 400k); a block index past the last.
-# Windows (--window, --chunk, --plt_window) and LRT's subsets have no upper bound: above --block_size
+# Windows (--window, --chunk, --plt_window), LRT's subsets and --fold have no upper bound: above --block_size
 # a window equals it in training, but it still bounds decoding past T, and the tier defaults exceed
-# short runs' T; subsets beyond a sequence's slot rows are as many as its rows, at any length.
+# short runs' T; subsets beyond a sequence's slot rows are as many as its rows, at any length; a
+# --fold past the loops after the first puts them all in one stage, as the default 2 does at --depth 2.
 _D = lambda c: (c.n_embd, "the residual width d; a larger one adds parameters, not rank")
 _LAST_BLOCK = lambda c: (c.depth - 1, "the last block, --depth - 1")
 _DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")

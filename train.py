@@ -138,7 +138,8 @@ def build_parser(suppress_defaults=False):
     a("--seed", type=seed_flag, default=1337, help="model seed (initialisation, Parcae/RDM draws)")
     a = group("evaluation")
     a("--eval_interval", type=int, help="updates between dev evaluations; " + tier_default("eval_interval"))
-    a("--eval_windows", type=int, help="fixed dev/test windows evaluated; " + tier_default("eval_windows"))
+    a("--eval_windows", type=int, help="fixed dev/test windows evaluated (non-overlapping, evenly spaced; above "
+      "the split's count: all of them); " + tier_default("eval_windows"))
     a("--eval_batch_size", type=int, default=8, help="windows per evaluation forward pass")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
       f"1,2,4,8,16,32 (shared-block models: {', '.join(shared_block_models())}); default: none")
