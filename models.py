@@ -231,11 +231,25 @@ def solve_width(cfg: ModelConfig, target: int, strict: bool = True) -> ModelConf
     best = min((k * m for k in range(max(1, guess - 2), guess + 3)),
                key=lambda w: abs(count_params(_with(cfg, width=w)) - target))
     out = _with(cfg, width=best)
-    err = count_params(out) / target - 1
-    if strict and abs(err) > TOLERANCE:
+    n = count_params(out)
+    if strict and abs(n / target - 1) > TOLERANCE:
         raise UsageError(f"--size: cannot reach {target:,} non-embedding parameters with {cfg.model} "
-                         f"at d={cfg.n_embd}, depth {cfg.depth} (closest {count_params(out):,}, {err:+.2%})")
+                         f"at d={cfg.n_embd}, depth {cfg.depth} (closest {n:,}, {n / target - 1:+.2%}: "
+                         f"{mismatch_reason(out, n, target)})")
     return out
+
+
+def mismatch_reason(cfg: ModelConfig, n: int, target: int) -> str:
+    """Why cfg's solved width, with n non-embedding parameters, misses target by more than
+    TOLERANCE ("" within it): the smallest width already has more (attention, norms and other
+    parameters that do not scale with the width: untied Transformer++ at --size tiny --depth 64), or
+    the width's steps are coarser than the tolerance."""
+    if abs(n / target - 1) <= TOLERANCE:
+        return ""
+    if cfg.width == width_multiple(cfg) and n > target:
+        return (f"the smallest width ({cfg.width}) already has {n:,}: the parameters that do not scale with "
+                "the width exceed the target (give a larger --size, or fewer blocks)")
+    return "the width's steps are coarser than 0.20 % at this tier and depth"
 
 
 def width_multiple(cfg: ModelConfig) -> int:

@@ -60,7 +60,8 @@ from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_fl
                             tier_default)
 from harness.datacheck import load_data
 from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
-from models import REGISTRY, TIERS, build_model, model_config, shared_block_models
+from models import (REGISTRY, TIERS, TOLERANCE, build_model, mismatch_reason, model_config,
+                    shared_block_models)
 # a name other code uses as train.X (studies/latent_experiments.py: eval_mode)
 from harness.evaluation import eval_mode  # noqa: F401,E402
 
@@ -364,7 +365,7 @@ def open_outputs(r, resumed, changed):
     log.say(f"model {args.model}  depth {args.depth}  tier {args.size}  d={r.cfg.n_embd} heads={r.cfg.n_head} "
             f"width={r.cfg.width}  non-embedding params {n_params:,} (target {r.target:,}, {err:+.3%})"
             + ("  [--width given: not matched]" if args.width else
-               "" if abs(err) <= 0.002 else "  [outside 0.20 %: this tier is too small to match exactly]"))
+               "" if abs(err) <= TOLERANCE else f"  [outside 0.20 %: {mismatch_reason(r.cfg, n_params, r.target)}]"))
     log.say(f"data {r.data.folder}: {r.data.tokenizer} vocab {r.data.vocab_size}, "
             + ", ".join(f"{k} {v:,}" for k, v in r.data.meta["splits"].items()) + " tokens"
             + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))

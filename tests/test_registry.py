@@ -246,3 +246,23 @@ def test_every_model_starts_from_its_documented_initial_values(name):
         else:
             want = want if torch.is_tensor(want) else torch.full_like(got, want)
             torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_a_missed_parameter_target_says_why():
+    """The solved width misses the tier's target for one of two reasons, and the header (train.py)
+    or the error (strict tiers) names which: untied Transformer++ at d = 64, depth 64 has 1,155,136
+    non-embedding parameters at its smallest width 8 (target 400,000); at depth 8 a step of the width
+    (8) moves the count by 12,288 (3 %), and the closest width, 176, lands at +0.62 %."""
+    base = ModelConfig(model="untied", vocab_size=256, block_size=32, n_embd=64, n_head=2)
+    deep = models.solve_width(ModelConfig(**{**base.to_dict(), "depth": 64}), 400_000, strict=False)
+    assert (deep.width, models.count_params(deep)) == (8, 1_155_136)
+    assert models.mismatch_reason(deep, 1_155_136, 400_000).startswith(
+        "the smallest width (8) already has 1,155,136: the parameters that do not scale with the width exceed")
+    shallow = models.solve_width(ModelConfig(**{**base.to_dict(), "depth": 8}), 400_000, strict=False)
+    assert (shallow.width, models.count_params(shallow)) == (176, 402_496)
+    assert models.mismatch_reason(shallow, 402_496, 400_000) == ("the width's steps are coarser than 0.20 % at "
+                                                                  "this tier and depth")
+    assert models.count_params(ModelConfig(**{**shallow.to_dict(), "width": 184})) - 402_496 == 12_288
+    assert models.mismatch_reason(shallow, 400_700, 400_000) == ""  # within 0.20 %
+    with pytest.raises(UsageError, match=r"\(closest 1,155,136, \+188\.78%: the smallest width \(8\) already has"):
+        models.solve_width(ModelConfig(**{**base.to_dict(), "depth": 64}), 400_000, strict=True)
