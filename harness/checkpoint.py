@@ -170,12 +170,14 @@ def trim_log(path, it):
 
 def no_checkpoint(flag, path):
     """The UsageError for a checkpoint path that is not a file; a run's folder given for its
-    checkpoint (--base runs/x) names the file to give instead, a checkpoint given for its run's
+    checkpoint (--base runs/x) names the file to give instead (its best checkpoint, else its
+    latest: a run stopped before its first evaluation), a checkpoint given for its run's
     folder (--resume --out_dir runs/x/ckpt_latest.pt) the folder."""
     if os.path.isdir(path):
-        best = os.path.join(path, BEST)
+        best, latest = os.path.join(path, BEST), os.path.join(path, LATEST)
         return UsageError(f"{flag} {path}: a folder, not a checkpoint file"
-                          + (f"; give its best checkpoint, {best}" if os.path.isfile(best) else ""))
+                          + (f"; give its best checkpoint, {best}" if os.path.isfile(best) else
+                             f"; give its latest checkpoint, {latest}" if os.path.isfile(latest) else ""))
     folder = os.path.dirname(path)
     if os.path.isfile(folder):  # --resume/--eval_only --out_dir runs/x/ckpt_latest.pt: the file for its folder
         return UsageError(f"{flag}: {folder} is a file; give the run's folder, {os.path.dirname(folder) or '.'}")

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -487,6 +488,13 @@ def test_cli_bad_checkpoints(tmp_path, ckpt):
     with pytest.raises(UsageError) as e:
         reflux_cli.main(["--base", run])
     assert str(e.value) == f"--base {run}: a folder, not a checkpoint file; give its best checkpoint, {ckpt[0]}"
+    only_latest = tmp_path / "stopped"  # a run with no evaluation yet has only its latest checkpoint
+    only_latest.mkdir()
+    shutil.copy(ckpt[0], only_latest / "ckpt_latest.pt")
+    with pytest.raises(UsageError) as e:
+        reflux_cli.main(["--base", str(only_latest)])
+    assert str(e.value) == (f"--base {only_latest}: a folder, not a checkpoint file; give its latest checkpoint, "
+                            f"{only_latest / 'ckpt_latest.pt'}")
     with pytest.raises(UsageError) as e:
         reflux_cli.main(["sweep", "--base", str(tmp_path)])
     assert str(e.value) == f"--base {tmp_path}: a folder, not a checkpoint file"
