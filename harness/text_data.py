@@ -69,9 +69,15 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
     file, few files), the token stream (documents in order) is cut by position 90/5/5 instead.
     gpt2: GPT-2 BPE ids. char: the characters of the train split, in code point order, then the
     end-of-text symbol, then the unknown id (decoded as U+FFFD) for characters unseen in train;
-    the first pass writes code points (uint32) and ``_char_vocab`` maps them. Returns the meta dict.
+    the first pass writes code points (uint32) and ``_char_vocab`` maps them. num_proc: worker
+    processes, at most this machine's CPUs (a larger value is lowered, with a note). Returns the
+    meta dict.
     """
     from tqdm import tqdm
+    cpus = os.cpu_count() or 1
+    if num_proc > cpus:  # more workers than CPUs only add processes (and no Pool starts 2**62 of them)
+        print(f"note: --num_proc {num_proc}: more than this machine's CPUs ({cpus}); tokenizing with {cpus}", flush=True)
+        num_proc = cpus
     if tokenizer == "gpt2":
         gpt2_encoder()  # fails fast (UsageError) without a vocabulary, before any worker starts
     names, ext = ("train", "dev", "test"), ".bin" if tokenizer == "gpt2" else ".cp"

@@ -450,6 +450,7 @@ def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path, monkeypatch):
     pools, context, batches = [], text_data._pool_context, text_data._batches
     monkeypatch.setattr(text_data, "_pool_context", lambda: pools.append(1) or context())
     monkeypatch.setattr(text_data, "_batches", lambda docs, n: batches(docs, 200))
+    monkeypatch.setattr(text_data.os, "cpu_count", lambda: 2)  # the same on any machine
     one = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "a"), num_proc=1))
     assert pools == []
     two = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "b"), num_proc=2))
@@ -460,6 +461,23 @@ def test_worker_processes_write_the_same_bins(gpt2_bpe, tmp_path, monkeypatch):
     monkeypatch.setattr(text_data, "_batches", batches)  # all of it one batch: no workers
     data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "c"), num_proc=2)
     assert pools == [1]
+
+
+def test_more_workers_than_cpus_are_lowered_to_the_cpus(gpt2_bpe, tmp_path, monkeypatch, capsys):
+    """--num_proc above the machine's CPUs only adds processes (2**62 would make Pool fail): the
+    tokenizer uses the CPUs' count, says so, and writes the bins one process writes."""
+    write_files(tmp_path / "src", {f"f{i}.py": f"x = {i}\n" * 50 for i in range(20)})
+    pools, context, batches = [], text_data._pool_context, text_data._batches
+    monkeypatch.setattr(text_data, "_pool_context", lambda: pools.append(1) or context())
+    monkeypatch.setattr(text_data, "_batches", lambda docs, n: batches(docs, 100))  # many batches
+    monkeypatch.setattr(text_data.os, "cpu_count", lambda: 1)
+    one = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "a"), num_proc=1))
+    capsys.readouterr()
+    many = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "b"), num_proc=2**62))
+    assert f"note: --num_proc {2**62}: more than this machine's CPUs (1); tokenizing with 1\n" in capsys.readouterr().out
+    assert pools == [] and one.meta == many.meta  # one worker: this process, as with --num_proc 1
+    for s in ("train", "dev", "test"):
+        assert np.array_equal(one.tokens(s), many.tokens(s))
 
 
 def test_tokenizer_errors(tmp_path):
