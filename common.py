@@ -156,8 +156,9 @@ def _on_sigterm(main_pid, signum, frame):
     raise Terminated
 
 
-def run_command(main):
-    """Run a command's main() (its return value is the exit code, None for 0). A reader that closes
+def run_command(main, sizes=()):
+    """Run a command's main() (its return value is the exit code, None for 0). sizes: the command's
+    flags that set how much memory it takes, named by its out-of-memory line. A reader that closes
     the pipe early (python sample.py | head) ends the command quietly with exit code 1 instead of a
     BrokenPipeError traceback (the way the Python docs give, see signal's "Note on SIGPIPE"); a
     character the console's encoding lacks prints as its escape (\ufffd), not a UnicodeEncodeError. Sizes
@@ -182,8 +183,8 @@ def run_command(main):
         if not is_out_of_memory(e):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        print(f"error: out of memory ({first}); give smaller sizes (--batch_size, --block_size, --width, --depth, "
-              "--num_samples, ...)", file=sys.stderr)
+        print(f"error: out of memory ({first})" + (f"; give smaller sizes ({', '.join(sizes)})" if sizes else ""),
+              file=sys.stderr)
         code = 2
     finally:
         if previous is not None:  # (a caller in this process, a test, keeps its own handling)

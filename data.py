@@ -499,5 +499,9 @@ def main(argv=None):
     print(f"source {d.meta['source']}; split {d.meta['split_rule']}")
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--max_tokens",)
+
+
 if __name__ == "__main__":
-    run_command(main)
+    run_command(main, sizes=SIZE_FLAGS)

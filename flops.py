@@ -540,5 +540,9 @@ def parcae_train_flops(cfg: ModelConfig, tokens: float, T=None) -> float:
     return parcae_effective_flops(n1, n2, tokens)
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--vocab_size", "--block_size", "--width", "--depth")
+
+
 if __name__ == "__main__":
-    run_command(main)
+    run_command(main, sizes=SIZE_FLAGS)

@@ -189,5 +189,9 @@ def main(argv=None):
         sys.exit(2)
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--num_samples", "--max_new_tokens")
+
+
 if __name__ == "__main__":
-    run_command(main)
+    run_command(main, sizes=SIZE_FLAGS)

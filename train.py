@@ -667,5 +667,9 @@ def main(argv=None):
         sys.exit(code)
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--batch_size", "--block_size", "--width", "--depth", "--eval_batch_size")
+
+
 if __name__ == "__main__":
-    run_command(main)
+    run_command(main, sizes=SIZE_FLAGS)

@@ -12,6 +12,7 @@ the bodies of this module's commands:
 They train through latent_tokens.fit (the one training loop); pretrain writes its checkpoint
 with checkpoint.save_atomic. Bad input raises UsageError (exit code 2), a non-finite loss TrainingError (1).
 """
+import itertools
 import json
 import math
 import os
@@ -136,7 +137,10 @@ def pretrain(args):
         weights = []
     if len(weights) != len(names) or min(weights) < 1:
         raise UsageError(f"--mix {args.mix}: one positive integer weight per task ({', '.join(names)})")
-    cycle = [n for n, w in zip(names, weights) for _ in range(w)]  # the mix, in a fixed rotation
+    # the mix, in a fixed rotation; only its first max(n_samples, n_dev) turns are ever reached, so a
+    # weight beyond them (--mix 1099511627776,1) builds no more
+    turns = (n for n, w in zip(names, weights) for _ in range(w))
+    cycle = list(itertools.islice(turns, max(args.n_samples, args.n_dev)))
     tok = task_tokenizer() if args.vocab == "task" else CharTokenizer(TASK_ALPHABET)
     rng = np.random.default_rng(args.seed)
     rows = task_rows(cycle, args.n_samples, tok, rng)
@@ -482,5 +486,9 @@ def main(argv=None):
         sys.exit(2 if isinstance(e, UsageError) else 1)
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--batch_size", "--n_train", "--n_test", "--mix", "--seeds", "--d", "--width", "--depth")
+
+
 if __name__ == "__main__":
-    run_command(main)
+    run_command(main, sizes=SIZE_FLAGS)

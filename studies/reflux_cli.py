@@ -451,5 +451,9 @@ def cli(argv=None):
         sys.exit(2 if isinstance(e, UsageError) else 1)
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--batch_size", "--eval_windows", "--router_batch", "--sample")
+
+
 if __name__ == "__main__":
-    run_command(cli)
+    run_command(cli, sizes=SIZE_FLAGS)

@@ -962,6 +962,27 @@ def command_parser(script, argv, monkeypatch, capsys):
     return shown[0], out
 
 
+def test_every_out_of_memory_line_names_flags_of_its_own_command(monkeypatch, capsys):
+    """run_command's out-of-memory line names the command's SIZE_FLAGS; it named --num_samples for
+    train.py and --width for data.py, flags they lack. Each is a flag of one of the command's
+    parsers (COMMANDS), and sweep --seeds 2**40 ... would name --seeds."""
+    import runpy
+    accepted, sizes = {}, {}
+    for script, argv in COMMANDS:
+        parser, _ = command_parser(script, argv, monkeypatch, capsys)
+        accepted.setdefault(script, set()).update(s for a in parser._actions for s in a.option_strings)
+        if script.endswith(".py"):
+            sizes[script] = runpy.run_path(os.path.join(REPO, script)).get("SIZE_FLAGS", ())
+        else:
+            sizes[script] = getattr(__import__(script, fromlist=["_"]), "SIZE_FLAGS", ())
+    assert all(sizes[s] for s in ("train.py", "sample.py", "flops.py", "data.py", "tools.bench", "tools.sweep",
+                                  "studies.reflux_cli", "studies.latent_experiments"))
+    assert "--seeds" in sizes["tools.sweep"] and "--num_samples" in sizes["sample.py"]
+    assert "--num_samples" not in sizes["train.py"] and "--width" not in sizes["data.py"]
+    for script, flags in sizes.items():
+        assert set(flags) <= accepted[script], (script, set(flags) - accepted[script])
+
+
 @pytest.mark.parametrize("script,argv", COMMANDS)
 def test_every_integer_flag_beyond_int64_is_one_line(script, argv, monkeypatch, capsys):
     """Every integer flag of every command given 2**63 or -2**63 - 1 (--width 1e20 written out): one
@@ -1218,10 +1239,12 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
     def main():
         raise error
     with pytest.raises(SystemExit) as e:
-        common.run_command(main)
+        common.run_command(main, sizes=("--batch_size", "--block_size"))
     assert e.value.code == 2
-    assert capsys.readouterr().err == (f"error: out of memory ({line}); give smaller sizes (--batch_size, "
-                                       "--block_size, --width, --depth, --num_samples, ...)\n")
+    assert capsys.readouterr().err == f"error: out of memory ({line}); give smaller sizes (--batch_size, --block_size)\n"
+    with pytest.raises(SystemExit) as e:
+        common.run_command(main)  # a command without size flags (tools.flops_fit)
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: out of memory ({line})\n"
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
         common.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(ValueError, match="^bad value$"):
@@ -1236,11 +1259,14 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
      "error: --datasets: a/multi and b/multi/ would share the runs' folder multi/ under --root; rename one of them"),
     (["--", "--out_dir=elsewhere"], "error: -- --out_dir: the sweep sets this itself per run; use --models/--depths/"
                                     "--seeds/--datasets/--lrs/--root instead"),
+    (["--seeds", str(2**40)], "error: --models (1) x --depths (1) x --seeds (1,099,511,627,776) x --datasets (1) x "
+                              "--lrs (1) = 1,099,511,627,776 runs; at most 100,000 per sweep"),
 ])
 def test_sweep_refuses_flags_that_would_merge_or_override_grid_runs(argv, message, tmp_path, monkeypatch, capsys):
     """Flags that would make a sweep train fewer or other runs than its grid names are one line,
     exit 2, nothing made: two datasets of one folder name (one folder for both), -- --learning_rate
-    beside --lrs (--lrs would win), one rate written twice (1e-3, 0.001) and a flag the sweep sets."""
+    beside --lrs (--lrs would win), one rate written twice (1e-3, 0.001) and a flag the sweep sets;
+    a grid of more runs than a sweep lists and checks (--seeds 2**40 grew a list until memory ran out)."""
     monkeypatch.chdir(tmp_path)
     for d in ("a/multi", "b/multi"):
         (tmp_path / d).mkdir(parents=True)

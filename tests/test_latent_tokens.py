@@ -483,3 +483,16 @@ def test_load_base_reads_a_local_hugging_face_folder(tmp_path):
     torch.testing.assert_close(base(ids).logits, model(ids).logits)
     with pytest.raises(UsageError, match=r"^--base hf:.*nope: cannot load a Hugging Face model"):
         latent_bases.load_base(f"hf:{tmp_path / 'nope'}")
+
+
+def test_pretrain_mix_weights_beyond_the_samples_build_only_the_turns_used(tmp_path):
+    """--mix 1099511627776,1 built a rotation list of 2**40 entries (memory until the OOM killer);
+    only the first max(n_samples, n_dev) turns are reached, so it writes what a weight of exactly
+    that many writes: every sample from the first task."""
+    common = ["--task", "repetition,summation", "--d", "32", "--depth", "1", "--steps", "1", "--eval_interval", "1",
+              "--n_samples", "6", "--n_dev", "3", "--n_test", "2"]
+    for name, mix in (("huge", str(2**40) + ",1"), ("six", "6,1")):
+        latent_experiments.main(["pretrain", "--out_dir", str(tmp_path / name), "--mix", mix, *common])
+    texts = [open(tmp_path / n / "train.txt").read() for n in ("huge", "six")]
+    assert texts[0] == texts[1] and texts[0].count("\n") >= 6
+    assert json.load(open(tmp_path / "huge" / "meta.json"))["mix"] == [2**40, 1]

@@ -640,9 +640,13 @@ def main(argv=None):
     return 0
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--batch_tokens", "--block_sizes", "--vocab_size", "--prompt", "--tokens")
+
+
 if __name__ == "__main__":
     try:
-        run_command(main)
+        run_command(main, sizes=SIZE_FLAGS)
     except UsageError as e:  # one line, exit code 2 like every other bad input (sys.exit(str) exits 1)
         print(f"bench.py: error: {e}", file=sys.stderr)
         sys.exit(2)

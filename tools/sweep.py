@@ -32,6 +32,7 @@ sweep_report.py.
 import concurrent.futures
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -125,6 +126,8 @@ def cmd_run(args, extra):
     say(f"sweep: {len(grid)} run{'s' * (len(grid) != 1)}, {failed} failed, wall time {time.time() - t0:.0f} s", log)
     return 1 if failed else 0
 
+
+MAX_RUNS = 100_000  # runs per sweep: each a train.py process of minutes to hours, all checked before the first
 
 # train.py flags every grid run sets itself (train_argv); given after `--` they would win and, for
 # --out_dir, make every run write into one folder
@@ -359,6 +362,11 @@ def check_run_flags(args, extra):
         raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
     if lrs and "learning_rate" in given:
         raise UsageError("-- --learning_rate: --lrs sets each run's learning rate; give the rates to --lrs only")
+    counts = {"models": len(args.models.split(",")), "depths": len(args.depths.split(",")), "seeds": args.seeds,
+              "datasets": len(args.datasets.split(",")), "lrs": max(1, len(lrs))}
+    if math.prod(counts.values()) > MAX_RUNS:  # (the grid is listed and checked before its first run starts)
+        raise UsageError(" x ".join(f"--{f} ({c:,})" for f, c in counts.items())
+                         + f" = {math.prod(counts.values()):,} runs; at most {MAX_RUNS:,} per sweep")
     names = {}
     for ds in dict.fromkeys(args.datasets.split(",")):
         name = os.path.basename(ds.rstrip("/"))
@@ -452,9 +460,13 @@ def main(argv=None):
         print(text, end="")
 
 
+# the flags that set how much memory the command takes: its out-of-memory line names them
+SIZE_FLAGS = ("--seeds", "--models", "--depths", "--lrs", "--datasets")
+
+
 if __name__ == "__main__":
     try:
-        run_command(main)
+        run_command(main, sizes=SIZE_FLAGS)
     except UsageError as e:  # bad flags, an empty root, no GPT-2 vocabulary while preparing data
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
