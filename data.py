@@ -442,7 +442,7 @@ def add_arguments(add):
     add("--max_tokens", type=_count, default=0, help="keep the first N tokens of the source, all splits "
         "together (e.g. 1.7e9); 0: all")
     add("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizer worker processes for text "
-        "datasets (default and most: this machine's CPUs; dmmath's characters are tokenized in one)")
+        "datasets (at most this machine's CPUs; dmmath's characters are tokenized in one)")
     add("--hf_split", default="train", help="hf: the source split to read (this repo splits it by document)")
     add("--hf_text_field", default="text", help="hf: the column holding each document's text")
     add("--hf_split_key", default="auto", help="hf: column whose value picks the split; equal values share one "
