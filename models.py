@@ -258,15 +258,42 @@ def width_multiple(cfg: ModelConfig) -> int:
     return m(cfg) if callable(m) else m
 
 
+def flags_config(args, vocab_size) -> ModelConfig:
+    """The ModelConfig of train.py's flags before its width is set (ModelConfig's default)."""
+    d, H, _ = TIERS[args.size]
+    return ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size, n_embd=d, n_head=H,
+                       depth=args.depth, **{flag: getattr(args, flag) for flag in model_flags()})
+
+
+AFFINE_FROM = 3  # every registered model's count is affine in the depth from here on (test_registry)
+
+
+def params_lower_bound(args) -> int:
+    """At most the non-embedding parameters model_config(args) builds, without building its depth:
+    two meta builds at depths AFFINE_FROM and AFFINE_FROM + 1, at --width or the smallest width,
+    extrapolated to --depth. Each model's count is affine in the depth from AFFINE_FROM on (below
+    it, stages and cross-loop terms appear: PLT, LoopFold; TANGO with three sets needs 3) and
+    grows with the width, so this is exact at that width and a lower bound for the solved one.
+    0 for a smaller --depth (its build is quick) or where those depths do not build (the flags'
+    own error comes from the full build)."""
+    if args.depth <= AFFINE_FROM + 1:
+        return 0
+    cfg = flags_config(args, vocab_size=256)
+    cfg = _with(cfg, width=args.width or width_multiple(cfg))
+    try:
+        a, b = (count_params(_with(cfg, depth=k)) for k in (AFFINE_FROM, AFFINE_FROM + 1))
+    except (UsageError, ValueError):
+        return 0
+    return a + (args.depth - AFFINE_FROM) * (b - a)
+
+
 def model_config(args, vocab_size):
     """The ModelConfig of train.py's flags (args: its parsed, resolved flags), its width solved
     to the tier's parameter target (or --width, taken as given: equal block shape instead of
     equal parameters); returns (config, target non-embedding parameter count). UsageError for a
     --width that is not a positive multiple of the model's width granularity, a value the model
     rejects, or a model flag outside its declared range (check_flag_ranges)."""
-    d, H, target = TIERS[args.size]
-    cfg = ModelConfig(model=args.model, vocab_size=vocab_size, block_size=args.block_size, n_embd=d, n_head=H,
-                      depth=args.depth, **{flag: getattr(args, flag) for flag in model_flags()})
+    cfg, target = flags_config(args, vocab_size), TIERS[args.size][2]
     if args.width:
         m = width_multiple(cfg)
         if args.width < 0 or args.width % m:

@@ -15,7 +15,8 @@ import torch.distributed as tdist
 import data as data_mod
 from common import UsageError, check_decayed_rate, check_output_folder, check_rate, check_seed
 from harness.checkpoint import remove_stale, trim_log
-from models import REGISTRY, TIERS, build_model, model_config, model_flags, shared_block_models
+from models import (REGISTRY, TIERS, build_model, model_config, model_flags, params_lower_bound,
+                    shared_block_models)
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
 # characters, takes under 5 minutes on 2 cores),
@@ -132,15 +133,22 @@ def check_model(args, use="train"):
     data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not
     depend on it). So is a model whose non-embedding parameters alone, at BYTES_PER_PARAM[use],
     exceed the device's whole memory: such a run (--model untied --depth 2000 --size 70M on a CPU)
-    grew until the kernel's OOM killer ended it without a message. Activations are not counted,
+    grew until the kernel's OOM killer ended it without a message; a depth far beyond memory is
+    refused from models.params_lower_bound before the model is built (a meta build of 100,000
+    blocks takes minutes), with that lower count. Activations are not counted,
     so a deep shared-block model can still run out of memory later (run_command's one line)."""
-    cfg, _ = model_config(args, vocab_size=256)
-    n = build_model(cfg, device="meta").num_params()
-    have, need = device_memory(args.device), BYTES_PER_PARAM[use] * n
+    have = device_memory(args.device)
+    n = params_lower_bound(args)  # first: --model untied --depth 100000 would build for minutes
+    at_least = have is not None and BYTES_PER_PARAM[use] * n > have
+    if not at_least:
+        cfg, _ = model_config(args, vocab_size=256)
+        n = build_model(cfg, device="meta").num_params()
+    need = BYTES_PER_PARAM[use] * n
     if have is not None and need > have:
         what = "weights, gradients and AdamW moments" if use == "train" else "weights"
         raise UsageError(f"--size {args.size} --depth {args.depth}" + (f" --width {args.width}" if args.width else "")
-                         + f": the model's {n:,} non-embedding parameters need {need / 1e9:,.1f} GB for its {what} "
+                         + f": the model's {'at least ' if at_least else ''}{n:,} non-embedding parameters need "
+                         f"{need / 1e9:,.1f} GB for its {what} "
                          f"alone; {args.device} has {have / 1e9:,.1f} GB (give a smaller --size, --depth, --width "
                          "or block count)")
 

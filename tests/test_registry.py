@@ -266,3 +266,38 @@ def test_a_missed_parameter_target_says_why():
     assert models.mismatch_reason(shallow, 400_700, 400_000) == ""  # within 0.20 %
     with pytest.raises(UsageError, match=r"\(closest 1,155,136, \+188\.78%: the smallest width \(8\) already has"):
         models.solve_width(ModelConfig(**{**base.to_dict(), "depth": 64}), 400_000, strict=True)
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_the_parameter_count_is_affine_in_the_depth_and_bounded_below_without_building_it(name):
+    """models.params_lower_bound extrapolates the count from depths 3 and 4 (AFFINE_FROM); it is
+    exact at the smallest width only if every model's count is affine in the depth from there on
+    (checked up to 9), and a lower bound of the solved model's count because the count grows with
+    the width."""
+    assert models.AFFINE_FROM == 3
+    for depth in (6, 9):
+        args = resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", str(depth),
+                                              "--block_size", "32", "--device", "cpu"]))
+        cfg = models.flags_config(args, 256)
+        smallest = models._with(cfg, width=models.width_multiple(cfg))
+        counts = [models.count_params(models._with(smallest, depth=k)) for k in range(3, depth + 1)]
+        assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, counts
+        assert models.params_lower_bound(args) == counts[-1]
+        solved, _ = models.model_config(args, 256)
+        assert counts[-1] <= models.count_params(solved)
+
+
+def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypatch):
+    """untied Transformer++ at --depth 1,000,000,000 was built block by block on the meta device
+    (a millisecond each): check_model refuses it from the lower bound, without the build."""
+    from harness import config
+    args = resolve_args(train.parse_args(["--model", "untied", "--size", "tiny", "--depth", "8",
+                                          "--block_size", "32", "--device", "cpu"]))
+    args.depth = 10**9  # (resolve_args itself calls check_model)
+    built = []
+    monkeypatch.setattr(config, "model_config", lambda *a: built.append(a))
+    bound = models.params_lower_bound(args)
+    with pytest.raises(UsageError, match=rf"^--size tiny --depth 1000000000: the model's at least {bound:,} "
+                                         r"non-embedding parameters need [\d,.]+ GB for its weights, gradients"):
+        config.check_model(args)
+    assert built == [] and bound > 10**9 * 4 * 64 * 64  # at least the attention's 4 d^2 per block
