@@ -541,7 +541,7 @@ def parcae_train_flops(cfg: ModelConfig, tokens: float, T=None) -> float:
 
 
 # the flags that set how much memory the command takes: its out-of-memory line names them
-SIZE_FLAGS = ("--vocab_size", "--block_size", "--width", "--depth")
+SIZE_FLAGS = ("--size", "--depth", "--width", "--vocab_size", "--block_size")
 
 
 if __name__ == "__main__":

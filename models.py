@@ -92,7 +92,8 @@ BOOL = Choice((False, True))
 # Windows (--window, --chunk, --plt_window), LRT's subsets and --fold have no upper bound: above --block_size
 # a window equals it in training, but it still bounds decoding past T, and the tier defaults exceed
 # short runs' T; subsets beyond a sequence's slot rows are as many as its rows, at any length; a
-# --fold past the loops after the first puts them all in one stage, as the default 2 does at --depth 2.
+# --fold past the loops puts all but the first (--fold_layout last: the last) in one stage, as the default
+# 2 does at --depth 3.
 _D = lambda c: (c.n_embd, "the residual width d; a larger one adds parameters, not rank")
 _LAST_BLOCK = lambda c: (c.depth - 1, "the last block, --depth - 1")
 _DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")
@@ -247,8 +248,9 @@ def mismatch_reason(cfg: ModelConfig, n: int, target: int) -> str:
     if abs(n / target - 1) <= TOLERANCE:
         return ""
     if cfg.width == width_multiple(cfg) and n > target:
+        larger = any(t > target for _, _, t in TIERS.values())
         return (f"the smallest width ({cfg.width}) already has {n:,}: the parameters that do not scale with "
-                "the width exceed the target (give a larger --size, or fewer blocks)")
+                "the width exceed the target (give " + ("a larger --size, or " if larger else "") + "fewer blocks)")
     return "the width's steps are coarser than 0.20 % at this tier and depth"
 
 
@@ -270,21 +272,38 @@ AFFINE_FROM = 3  # every registered model's count is affine in the depth from he
 
 def params_lower_bound(args) -> int:
     """At most the non-embedding parameters model_config(args) builds, without building its depth:
-    two meta builds at depths AFFINE_FROM and AFFINE_FROM + 1, at --width or the smallest width,
-    extrapolated to --depth. Each model's count is affine in the depth from AFFINE_FROM on (below
-    it, stages and cross-loop terms appear: PLT, LoopFold; TANGO with three sets needs 3) and
-    grows with the width, so this is exact at that width and a lower bound for the solved one.
-    0 for a smaller --depth (its build is quick) or where those depths do not build (the flags'
-    own error comes from the full build)."""
-    if args.depth <= AFFINE_FROM + 1:
-        return 0
+    two meta builds at depths k and k + 1, at --width or the smallest width, extrapolated to
+    --depth. k is AFFINE_FROM, doubled until the model builds there (a block index such as
+    --lrt_tgt 5 needs 6 blocks). Each model's count is affine in the depth from there on (below
+    AFFINE_FROM, stages and cross-loop terms appear: PLT, LoopFold; TANGO with three sets needs 3)
+    and grows with the width, so this is exact at that width and a lower bound for the solved one.
+    The flags are checked as model_config checks them, --width first, the model's own checks (a
+    build) before the ranges (UsageError: --width off its granularity, a flag outside its range
+    at --depth). 0 for a --depth of at most 2 AFFINE_FROM (its build is quick) or when no k below
+    --depth builds (the full build then raises the model's own error, if any)."""
     cfg = flags_config(args, vocab_size=256)
-    cfg = _with(cfg, width=args.width or width_multiple(cfg))
-    try:
-        a, b = (count_params(_with(cfg, depth=k)) for k in (AFFINE_FROM, AFFINE_FROM + 1))
-    except (UsageError, ValueError):
+    check_width(cfg, args.width)
+    if args.depth <= 2 * AFFINE_FROM:
         return 0
-    return a + (args.depth - AFFINE_FROM) * (b - a)
+    cfg = _with(cfg, width=args.width or width_multiple(cfg))
+    k = AFFINE_FROM
+    while k + 1 < args.depth:
+        try:
+            a, b = (count_params(_with(cfg, depth=j)) for j in (k, k + 1))
+        except UsageError:
+            k *= 2
+            continue
+        check_flag_ranges(cfg)  # (--gau_s 320000000 builds: its range error, not a count from it)
+        return a + (args.depth - k) * (b - a)
+    return 0
+
+
+def check_width(cfg, width):
+    """UsageError unless --width (0: solved) is a positive multiple of the model's granularity."""
+    m = width_multiple(cfg)
+    if width and (width < 0 or width % m):
+        raise UsageError(f"--width {width}: must be a positive multiple of {m} for --model {cfg.model} "
+                         "(0: solve it to the tier's parameter target)")
 
 
 def model_config(args, vocab_size):
@@ -295,10 +314,7 @@ def model_config(args, vocab_size):
     rejects, or a model flag outside its declared range (check_flag_ranges)."""
     cfg, target = flags_config(args, vocab_size), TIERS[args.size][2]
     if args.width:
-        m = width_multiple(cfg)
-        if args.width < 0 or args.width % m:
-            raise UsageError(f"--width {args.width}: must be a positive multiple of {m} for --model {args.model} "
-                             "(0: solve it to the tier's parameter target)")
+        check_width(cfg, args.width)
         cfg = replace(cfg, width=args.width)
         build_model(cfg, device="meta")  # the model's own checks first, as solve_width's builds do
     else:

@@ -668,7 +668,7 @@ def main(argv=None):
 
 
 # the flags that set how much memory the command takes: its out-of-memory line names them
-SIZE_FLAGS = ("--batch_size", "--block_size", "--width", "--depth", "--eval_batch_size")
+SIZE_FLAGS = ("--size", "--depth", "--width", "--batch_size", "--block_size", "--eval_batch_size")
 
 
 if __name__ == "__main__":

@@ -147,10 +147,9 @@ def check_model(args, use="train"):
     if have is not None and need > have:
         what = "weights, gradients and AdamW moments" if use == "train" else "weights"
         raise UsageError(f"--size {args.size} --depth {args.depth}" + (f" --width {args.width}" if args.width else "")
-                         + f": the model's {'at least ' if at_least else ''}{n:,} non-embedding parameters need "
-                         f"{need / 1e9:,.1f} GB for its {what} "
-                         f"alone; {args.device} has {have / 1e9:,.1f} GB (give a smaller --size, --depth, --width "
-                         "or block count)")
+                         + f": the model's {'at least ' if at_least and not args.width else ''}{n:,} non-embedding "
+                         f"parameters need {need / 1e9:,.1f} GB for its {what} alone; {args.device} has "
+                         f"{have / 1e9:,.1f} GB (give a smaller --size, --depth, --width or block count)")
 
 
 def check_values(args, dist):

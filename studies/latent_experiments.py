@@ -487,7 +487,8 @@ def main(argv=None):
 
 
 # the flags that set how much memory the command takes: its out-of-memory line names them
-SIZE_FLAGS = ("--batch_size", "--n_train", "--n_test", "--mix", "--seeds", "--d", "--width", "--depth")
+SIZE_FLAGS = ("--d", "--depth", "--width", "--batch_size", "--n_train", "--n_test", "--n_samples", "--n_dev",
+              "--seeds")
 
 
 if __name__ == "__main__":

@@ -979,6 +979,7 @@ def test_every_out_of_memory_line_names_flags_of_its_own_command(monkeypatch, ca
                                   "studies.reflux_cli", "studies.latent_experiments"))
     assert "--seeds" in sizes["tools.sweep"] and "--num_samples" in sizes["sample.py"]
     assert "--num_samples" not in sizes["train.py"] and "--width" not in sizes["data.py"]
+    assert {"--size", "--depth", "--width"} <= set(sizes["train.py"]) & set(sizes["flops.py"]) & set(sizes["tools.bench"])
     for script, flags in sizes.items():
         assert set(flags) <= accepted[script], (script, set(flags) - accepted[script])
 

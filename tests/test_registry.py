@@ -5,6 +5,7 @@ written); the summed NLL the model returns is the one training uses."""
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -264,6 +265,9 @@ def test_a_missed_parameter_target_says_why():
                                                                   "this tier and depth")
     assert models.count_params(ModelConfig(**{**shallow.to_dict(), "width": 184})) - 402_496 == 12_288
     assert models.mismatch_reason(shallow, 400_700, 400_000) == ""  # within 0.20 %
+    top = max(t for _, _, t in models.TIERS.values())  # no larger --size to give at the largest tier
+    assert models.mismatch_reason(deep, 2 * top, top).endswith("exceed the target (give fewer blocks)")
+    assert models.mismatch_reason(deep, 1_155_136, 400_000).endswith("(give a larger --size, or fewer blocks)")
     with pytest.raises(UsageError, match=r"\(closest 1,155,136, \+188\.78%: the smallest width \(8\) already has"):
         models.solve_width(ModelConfig(**{**base.to_dict(), "depth": 64}), 400_000, strict=True)
 
@@ -275,14 +279,18 @@ def test_the_parameter_count_is_affine_in_the_depth_and_bounded_below_without_bu
     (checked up to 9), and a lower bound of the solved model's count because the count grows with
     the width."""
     assert models.AFFINE_FROM == 3
-    for depth in (6, 9):
+    # flags that need more blocks than AFFINE_FROM (the bound builds at 6 and 7 then), or change the count
+    extra = {"lrt": ["--lrt_tgt", "5"], "lrt-think": ["--lrt_src", "6"], "depth-attn": ["--da_recent", "5"],
+             "loopfold": ["--fold", "3", "--fold_layout", "last"], "parcae": ["--n_core", "2", "--n_coda", "2"]}
+    for depth, flags in ((9, []), (14, extra.get(name, []))):
         args = resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", str(depth),
-                                              "--block_size", "32", "--device", "cpu"]))
+                                              "--block_size", "32", "--device", "cpu", *flags]))
         cfg = models.flags_config(args, 256)
         smallest = models._with(cfg, width=models.width_multiple(cfg))
-        counts = [models.count_params(models._with(smallest, depth=k)) for k in range(3, depth + 1)]
-        assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, counts
-        assert models.params_lower_bound(args) == counts[-1]
+        first = 7 if flags and name.startswith("lrt") else 6 if flags and name == "depth-attn" else 3
+        counts = [models.count_params(models._with(smallest, depth=k)) for k in range(first, depth + 1)]
+        assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, (flags, counts)
+        assert models.params_lower_bound(args) == counts[-1], flags
         solved, _ = models.model_config(args, 256)
         assert counts[-1] <= models.count_params(solved)
 
@@ -301,3 +309,12 @@ def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypa
                                          r"non-embedding parameters need [\d,.]+ GB for its weights, gradients"):
         config.check_model(args)
     assert built == [] and bound > 10**9 * 4 * 64 * 64  # at least the attention's 4 d^2 per block
+    # the flags' own errors come first, at any depth: a bad --width, a flag outside its range
+    for flags, message in ((["--width", "-8"], "--width -8: must be a positive multiple of 8"),
+                           (["--width", "7"], "--width 7: must be a positive multiple of 8"),
+                           (["--model", "gau", "--gau_s", "320000000"], "--gau_s 320000000: must be <= 64")):
+        args = train.parse_args(["--model", "untied", "--size", "tiny", "--depth", "8", "--block_size", "32",
+                                 "--device", "cpu", *flags])
+        args.depth = 10**8
+        with pytest.raises(UsageError, match="^" + re.escape(message)):
+            models.params_lower_bound(args)

@@ -360,6 +360,19 @@ def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
                               ["--size", "tiny", "--warmup_iters", "5"])
 
 
+def test_run_counts_distinct_runs_against_the_limit():
+    """A sweep holds at most MAX_RUNS runs; a repeated model or depth (4 and 04 are one folder, K4)
+    is one run, as cmd_run keeps it."""
+    ns = lambda **kw: argparse.Namespace(**{**dict(models="tango", depths="4", seeds=1, jobs=1, lrs="",
+                                                   datasets="stdlib"), **kw})
+    assert sweep.MAX_RUNS == 100_000
+    sweep.check_run_flags(ns(models="tango,tango", depths="4,04", seeds=100_000), [])
+    with pytest.raises(UsageError) as e:
+        sweep.check_run_flags(ns(models="tango,loop", depths="4,04", seeds=50_001), [])
+    assert str(e.value) == ("--models (2) x --depths (1) x --seeds (50,001) x --datasets (1) x --lrs (1) = 100,002 "
+                            "runs; at most 100,000 per sweep")
+
+
 def test_grid_report_prints_the_wall_time_from_the_sweep_output(tmp_path):
     fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1, 2))
     for i, p in enumerate(sorted(tmp_path.glob("stdlib/*/summary.json"))):  # 14 runs, 10.5 s to 23.5 s

@@ -641,7 +641,8 @@ def main(argv=None):
 
 
 # the flags that set how much memory the command takes: its out-of-memory line names them
-SIZE_FLAGS = ("--batch_tokens", "--block_sizes", "--vocab_size", "--prompt", "--tokens")
+SIZE_FLAGS = ("--size", "--depth", "--width", "--batch_tokens", "--block_sizes", "--vocab_size", "--prompt",
+              "--tokens")
 
 
 if __name__ == "__main__":

@@ -362,9 +362,9 @@ def check_run_flags(args, extra):
         raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
     if lrs and "learning_rate" in given:
         raise UsageError("-- --learning_rate: --lrs sets each run's learning rate; give the rates to --lrs only")
-    counts = {"models": len(args.models.split(",")), "depths": len(args.depths.split(",")), "seeds": args.seeds,
-              "datasets": len(args.datasets.split(",")), "lrs": max(1, len(lrs))}
-    if math.prod(counts.values()) > MAX_RUNS:  # (the grid is listed and checked before its first run starts)
+    counts = {"models": len(set(args.models.split(","))), "depths": len({int(k) for k in args.depths.split(",")}),
+              "seeds": args.seeds, "datasets": len(set(args.datasets.split(","))), "lrs": max(1, len(lrs))}
+    if math.prod(counts.values()) > MAX_RUNS:  # distinct runs (cmd_run drops repeats), listed and checked first
         raise UsageError(" x ".join(f"--{f} ({c:,})" for f, c in counts.items())
                          + f" = {math.prod(counts.values()):,} runs; at most {MAX_RUNS:,} per sweep")
     names = {}
