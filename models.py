@@ -233,10 +233,10 @@ def solve_width(cfg: ModelConfig, target: int, strict: bool = True) -> ModelConf
                key=lambda w: abs(count_params(_with(cfg, width=w)) - target))
     out = _with(cfg, width=best)
     n = count_params(out)
-    if strict and abs(n / target - 1) > TOLERANCE:
+    reason = mismatch_reason(out, n, target)  # "" within the tolerance
+    if strict and reason:
         raise UsageError(f"--size: cannot reach {target:,} non-embedding parameters with {cfg.model} "
-                         f"at d={cfg.n_embd}, depth {cfg.depth} (closest {n:,}, {n / target - 1:+.2%}: "
-                         f"{mismatch_reason(out, n, target)})")
+                         f"at d={cfg.n_embd}, depth {cfg.depth} (closest {n:,}, {n / target - 1:+.2%}: {reason})")
     return out
 
 

@@ -60,8 +60,7 @@ from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_fl
                             tier_default)
 from harness.datacheck import load_data
 from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
-from models import (REGISTRY, TIERS, TOLERANCE, build_model, mismatch_reason, model_config,
-                    shared_block_models)
+from models import REGISTRY, TIERS, build_model, mismatch_reason, model_config, shared_block_models
 # a name other code uses as train.X (studies/latent_experiments.py: eval_mode)
 from harness.evaluation import eval_mode  # noqa: F401,E402
 
@@ -362,10 +361,10 @@ def open_outputs(r, resumed, changed):
     r.log = log = Log(args.out_dir, r.dist, resumed_at=r.it if resumed else None, quiet=args.quiet,
                       total=args.max_iters, desc=args.model)
     n_params, err = r.model.num_params(), r.model.num_params() / r.target - 1
+    reason = mismatch_reason(r.cfg, n_params, r.target)  # "" within the tolerance
     log.say(f"model {args.model}  depth {args.depth}  tier {args.size}  d={r.cfg.n_embd} heads={r.cfg.n_head} "
             f"width={r.cfg.width}  non-embedding params {n_params:,} (target {r.target:,}, {err:+.3%})"
-            + ("  [--width given: not matched]" if args.width else
-               "" if abs(err) <= TOLERANCE else f"  [outside 0.20 %: {mismatch_reason(r.cfg, n_params, r.target)}]"))
+            + ("  [--width given: not matched]" if args.width else f"  [outside 0.20 %: {reason}]" if reason else ""))
     log.say(f"data {r.data.folder}: {r.data.tokenizer} vocab {r.data.vocab_size}, "
             + ", ".join(f"{k} {v:,}" for k, v in r.data.meta["splits"].items()) + " tokens"
             + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))
