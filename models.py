@@ -211,8 +211,28 @@ def checkpoint_config(saved, where) -> ModelConfig:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Non-embedding parameter count of cfg, built on the meta device: no parameter memory, but every
-    module is still constructed, so it takes time that grows with the depth."""
+    """Non-embedding parameter count of cfg, from meta builds (no parameter memory) of at most
+    2 AFFINE_FROM + 1 blocks per block count (BLOCK_COUNTS: --depth, --n_core, ...): each count
+    above k is set to k, and to k + 1 one at a time, and the count is extrapolated along each.
+    k is AFFINE_FROM, doubled until the model builds there (a block index such as --lrt_tgt 5
+    needs 6 blocks). Exact: each model's count is affine in each block count from AFFINE_FROM on,
+    without cross terms (test_registry); below it, stages and cross-loop terms appear (PLT,
+    LoopFold; TANGO with three sets needs 3). A whole meta build of 100,000 blocks takes minutes.
+    Raises the model's UsageError (from the whole build when no k builds)."""
+    counts = {f: getattr(cfg, f) for f in block_counts(cfg)}
+    k = AFFINE_FROM
+    while max(counts.values()) > 2 * AFFINE_FROM:
+        big = {f: v for f, v in counts.items() if v > k + 1}
+        if not big:
+            break
+        at = {f: k for f in big}
+        try:
+            base = build_model(_with(cfg, **at), device="meta").num_params()
+            slopes = {f: build_model(_with(cfg, **{**at, f: k + 1}), device="meta").num_params() - base for f in big}
+        except UsageError:
+            k *= 2
+            continue
+        return base + sum((v - k) * slopes[f] for f, v in big.items())
     return build_model(cfg, device="meta").num_params()
 
 
@@ -267,35 +287,26 @@ def flags_config(args, vocab_size) -> ModelConfig:
                        depth=args.depth, **{flag: getattr(args, flag) for flag in model_flags()})
 
 
-AFFINE_FROM = 3  # every registered model's count is affine in the depth from here on (test_registry)
+AFFINE_FROM = 3  # every registered model's count is affine in each block count from here on (test_registry)
+BLOCK_COUNTS = ("depth", "n_prelude", "n_core", "n_coda")  # the flags that add blocks (count_params)
+
+
+def block_counts(cfg) -> tuple:
+    """The block counts (BLOCK_COUNTS) that cfg.model reads (cfg: a ModelConfig or train.py's
+    flags): --depth, and Parcae's, RDM's and the loop stacks' blocks per stage."""
+    return tuple(f for f in BLOCK_COUNTS if f == "depth" or f in spec_of(cfg.model).flags)
 
 
 def params_lower_bound(args) -> int:
-    """At most the non-embedding parameters model_config(args) builds, without building its depth:
-    two meta builds at depths k and k + 1, at --width or the smallest width, extrapolated to
-    --depth. k is AFFINE_FROM, doubled until the model builds there (a block index such as
-    --lrt_tgt 5 needs 6 blocks). Each model's count is affine in the depth from there on (below
-    AFFINE_FROM, stages and cross-loop terms appear: PLT, LoopFold; TANGO with three sets needs 3)
-    and grows with the width, so this is exact at that width and a lower bound for the solved one.
-    The flags are checked as model_config checks them, --width first, the model's own checks (a
-    build) before the ranges (UsageError: --width off its granularity, a flag outside its range
-    at --depth). 0 for a --depth of at most 2 AFFINE_FROM (its build is quick) or when no k below
-    --depth builds (the full build then raises the model's own error, if any)."""
+    """At most the non-embedding parameters model_config(args) builds, without solving the width:
+    the count at --width, or at the smallest width (the count grows with the width). The flags are
+    checked as model_config checks them, --width first, the model's own checks (count_params's
+    builds) before the ranges (UsageError: --width off its granularity, a flag outside its range)."""
     cfg = flags_config(args, vocab_size=256)
     check_width(cfg, args.width)
-    if args.depth <= 2 * AFFINE_FROM:
-        return 0
-    cfg = _with(cfg, width=args.width or width_multiple(cfg))
-    k = AFFINE_FROM
-    while k + 1 < args.depth:
-        try:
-            a, b = (count_params(_with(cfg, depth=j)) for j in (k, k + 1))
-        except UsageError:
-            k *= 2
-            continue
-        check_flag_ranges(cfg)  # (--gau_s 320000000 builds: its range error, not a count from it)
-        return a + (args.depth - k) * (b - a)
-    return 0
+    n = count_params(_with(cfg, width=args.width or width_multiple(cfg)))
+    check_flag_ranges(cfg)  # (--gau_s 320000000 builds: its range error, not a count from it)
+    return n
 
 
 def check_width(cfg, width):
@@ -316,7 +327,7 @@ def model_config(args, vocab_size):
     if args.width:
         check_width(cfg, args.width)
         cfg = replace(cfg, width=args.width)
-        build_model(cfg, device="meta")  # the model's own checks first, as solve_width's builds do
+        count_params(cfg)  # the model's own checks first, as solve_width's builds do
     else:
         cfg = solve_width(cfg, target, strict=args.size not in ("tiny", "cpu"))
     check_flag_ranges(cfg)

@@ -15,7 +15,7 @@ import torch.distributed as tdist
 import data as data_mod
 from common import UsageError, check_decayed_rate, check_output_folder, check_rate, check_seed
 from harness.checkpoint import remove_stale, trim_log
-from models import (REGISTRY, TIERS, build_model, model_config, model_flags, params_lower_bound,
+from models import (REGISTRY, TIERS, block_counts, count_params, model_config, model_flags, params_lower_bound,
                     shared_block_models)
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
@@ -133,20 +133,21 @@ def check_model(args, use="train"):
     data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not
     depend on it). So is a model whose non-embedding parameters alone, at BYTES_PER_PARAM[use],
     exceed the device's whole memory: such a run (--model untied --depth 2000 --size 70M on a CPU)
-    grew until the kernel's OOM killer ended it without a message; a depth far beyond memory is
-    refused from models.params_lower_bound before the model is built (a meta build of 100,000
-    blocks takes minutes), with that lower count. Activations are not counted,
+    grew until the kernel's OOM killer ended it without a message; a depth or block count (--n_core,
+    ...) far beyond memory is refused from models.params_lower_bound before the model is built (a
+    meta build of 100,000 blocks takes minutes), with that lower count. Activations are not counted,
     so a deep shared-block model can still run out of memory later (run_command's one line)."""
     have = device_memory(args.device)
     n = params_lower_bound(args)  # first: --model untied --depth 100000 would build for minutes
     at_least = have is not None and BYTES_PER_PARAM[use] * n > have
     if not at_least:
         cfg, _ = model_config(args, vocab_size=256)
-        n = build_model(cfg, device="meta").num_params()
+        n = count_params(cfg)
     need = BYTES_PER_PARAM[use] * n
     if have is not None and need > have:
         what = "weights, gradients and AdamW moments" if use == "train" else "weights"
-        raise UsageError(f"--size {args.size} --depth {args.depth}" + (f" --width {args.width}" if args.width else "")
+        given = " ".join(f"--{f} {getattr(args, f)}" for f in block_counts(args))
+        raise UsageError(f"--size {args.size} {given}" + (f" --width {args.width}" if args.width else "")
                          + f": the model's {'at least ' if at_least and not args.width else ''}{n:,} non-embedding "
                          f"parameters need {need / 1e9:,.1f} GB for its {what} alone; {args.device} has "
                          f"{have / 1e9:,.1f} GB (give a smaller --size, --depth, --width or block count)")

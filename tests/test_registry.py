@@ -273,13 +273,14 @@ def test_a_missed_parameter_target_says_why():
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))
-def test_the_parameter_count_is_affine_in_the_depth_and_bounded_below_without_building_it(name):
-    """models.params_lower_bound extrapolates the count from depths 3 and 4 (AFFINE_FROM); it is
-    exact at the smallest width only if every model's count is affine in the depth from there on
-    (checked up to 9), and a lower bound of the solved model's count because the count grows with
-    the width."""
+def test_the_parameter_count_is_affine_in_each_block_count_and_counted_without_building_them(name):
+    """models.count_params extrapolates from builds at 3 and 4 blocks (AFFINE_FROM) per block count
+    (--depth, --n_core, ...): exact only if every model's count is affine in each block count from
+    there on (checked up to 14 by whole meta builds) without cross terms (a point with every count
+    large); params_lower_bound, the count at the smallest width, is at most the solved count."""
     assert models.AFFINE_FROM == 3
-    # flags that need more blocks than AFFINE_FROM (the bound builds at 6 and 7 then), or change the count
+    built = lambda cfg: models.build_model(cfg, device="meta").num_params()
+    # flags that need more blocks than AFFINE_FROM (the count builds at 6 and 7 then), or change the count
     extra = {"lrt": ["--lrt_tgt", "5"], "lrt-think": ["--lrt_src", "6"], "depth-attn": ["--da_recent", "5"],
              "loopfold": ["--fold", "3", "--fold_layout", "last"], "parcae": ["--n_core", "2", "--n_coda", "2"]}
     for depth, flags in ((9, []), (14, extra.get(name, []))):
@@ -288,20 +289,26 @@ def test_the_parameter_count_is_affine_in_the_depth_and_bounded_below_without_bu
         cfg = models.flags_config(args, 256)
         smallest = models._with(cfg, width=models.width_multiple(cfg))
         first = 7 if flags and name.startswith("lrt") else 6 if flags and name == "depth-attn" else 3
-        counts = [models.count_params(models._with(smallest, depth=k)) for k in range(first, depth + 1)]
-        assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, (flags, counts)
-        assert models.params_lower_bound(args) == counts[-1], flags
+        for f in models.block_counts(cfg):
+            counts = [built(models._with(smallest, **{f: k})) for k in range(first if f == "depth" else 3, 15)]
+            assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, (f, flags, counts)
+        large = models._with(smallest, **{f: 9 + i for i, f in enumerate(models.block_counts(cfg))})
+        assert models.count_params(large) == built(large) and models.count_params(smallest) == built(smallest)
+        assert models.params_lower_bound(args) == built(smallest), flags
         solved, _ = models.model_config(args, 256)
-        assert counts[-1] <= models.count_params(solved)
+        assert built(smallest) <= built(solved) == models.count_params(solved)
 
 
 def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypatch):
-    """untied Transformer++ at --depth 1,000,000,000 was built block by block on the meta device
-    (a millisecond each): check_model refuses it from the lower bound, without the build."""
+    """untied Transformer++ at --depth 1,000,000,000 (Parcae at --n_core 10**9) was built block by
+    block on the meta device (a millisecond each): check_model refuses it from the lower bound,
+    without the build."""
     from harness import config
     args = resolve_args(train.parse_args(["--model", "untied", "--size", "tiny", "--depth", "8",
                                           "--block_size", "32", "--device", "cpu"]))
     args.depth = 10**9  # (resolve_args itself calls check_model)
+    looped = [resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", "8", "--block_size", "32",
+                                             "--device", "cpu"])) for name in ("parcae", "rdm", "loopstack", "plt", "loopfold")]
     built = []
     monkeypatch.setattr(config, "model_config", lambda *a: built.append(a))
     bound = models.params_lower_bound(args)
@@ -309,6 +316,14 @@ def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypa
                                          r"non-embedding parameters need [\d,.]+ GB for its weights, gradients"):
         config.check_model(args)
     assert built == [] and bound > 10**9 * 4 * 64 * 64  # at least the attention's 4 d^2 per block
+    # every block count: Parcae's and the loop stacks' --n_core 10**9 too
+    for args in looped:
+        args.n_core = 10**9
+        given = " ".join(f"--{f} {getattr(args, f)}" for f in models.block_counts(args))
+        assert "--n_core 1000000000" in given
+        with pytest.raises(UsageError, match=rf"^--size tiny {given}: the model's at least [\d,]+ non-embedding"):
+            config.check_model(args)
+    assert built == []
     # the flags' own errors come first, at any depth: a bad --width, a flag outside its range
     for flags, message in ((["--width", "-8"], "--width -8: must be a positive multiple of 8"),
                            (["--width", "7"], "--width 7: must be a positive multiple of 8"),
@@ -318,3 +333,20 @@ def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypa
         args.depth = 10**8
         with pytest.raises(UsageError, match="^" + re.escape(message)):
             models.params_lower_bound(args)
+
+
+def test_solving_the_width_of_a_deep_model_builds_no_more_than_seven_blocks(monkeypatch):
+    """A deep model that fits (untied Transformer++ at --depth 20000, Parcae at --n_core 20000) had
+    its width solved by 8 whole meta builds, minutes before the first update; count_params's builds
+    have at most 2 AFFINE_FROM + 1 blocks per block count, and its count equals the whole build."""
+    sizes = []
+    build = models.build_model
+    monkeypatch.setattr(models, "build_model", lambda cfg, **kw: sizes.append(
+        max(getattr(cfg, f) for f in models.block_counts(cfg))) or build(cfg, **kw))
+    for name, flag in (("untied", "depth"), ("parcae", "n_core")):
+        args = train.parse_args(["--model", name, "--size", "tiny", "--depth", "8", "--block_size", "32",
+                                 "--device", "cpu", f"--{flag}", "20000"])
+        cfg, _ = models.model_config(args, 256)
+        assert max(sizes) <= 2 * models.AFFINE_FROM + 1 and getattr(cfg, flag) == 20000
+        whole = [build(models._with(cfg, **{flag: k}), device="meta").num_params() for k in (1000, 1001)]
+        assert models.count_params(cfg) == whole[0] + 19000 * (whole[1] - whole[0])
