@@ -128,8 +128,8 @@ def device_memory(device):
 
 def check_model(args, use="train"):
     """Count the flags' model from meta-device builds (no memory, little time; models.count_params):
-    a value the model rejects (--width off its granularity, --n_core 0, --plt_window 0, ...) or a model flag outside its
-    declared range (--fold_rank above d, ...; models.check_flag_ranges) is a UsageError before any
+    a value the model rejects (--width off its granularity, --n_core 0, --plt_window 0, ...) or a
+    model flag outside its declared range (--fold_rank above d, ...; models.check_flag_ranges) is a UsageError before any
     data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not
     depend on it). So is a model whose non-embedding parameters alone, at BYTES_PER_PARAM[use],
     exceed the device's whole memory: such a run (--model untied --depth 2000 --size 70M on a CPU)

@@ -308,7 +308,8 @@ def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypa
                                           "--block_size", "32", "--device", "cpu"]))
     args.depth = 10**9  # (resolve_args itself calls check_model)
     looped = [resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", "8", "--block_size", "32",
-                                             "--device", "cpu"])) for name in ("parcae", "rdm", "loopstack", "plt", "loopfold")]
+                                             "--device", "cpu"]))
+              for name in ("parcae", "rdm", "loopstack", "plt", "loopfold")]
     built = []
     monkeypatch.setattr(config, "model_config", lambda *a: built.append(a))
     bound = models.params_lower_bound(args)
