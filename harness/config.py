@@ -127,18 +127,19 @@ def device_memory(device):
 
 
 def check_model(args, use="train"):
-    """Count the flags' model from meta-device builds (no memory, little time; models.count_params):
-    a value the model rejects (--width off its granularity, --n_core 0, --plt_window 0, ...) or a
-    model flag outside its declared range (--fold_rank above d, ...; models.check_flag_ranges) is a UsageError before any
-    data is prepared. The vocabulary size is a placeholder (the non-embedding parameters do not
-    depend on it). So is a model whose non-embedding parameters alone, at BYTES_PER_PARAM[use],
-    exceed the device's whole memory: such a run (--model untied --depth 2000 --size 70M on a CPU)
-    grew until the kernel's OOM killer ended it without a message; a depth or block count (--n_core,
-    ...) far beyond memory is refused from models.params_lower_bound before the model is built (a
-    meta build of 100,000 blocks takes minutes), with that lower count. Activations are not counted,
-    so a deep shared-block model can still run out of memory later (run_command's one line)."""
+    """Count the flags' model from meta-device builds (no memory, little time; models.count_params): a
+    value the model rejects (--width off its granularity, --n_core 0, --plt_window 0, ...) or a
+    model flag outside its declared range (--fold_rank above d, ...; models.check_flag_ranges) is a
+    UsageError before any data is prepared. The vocabulary size is a placeholder (the non-embedding
+    parameters do not depend on it). So is a model whose non-embedding parameters alone, at
+    BYTES_PER_PARAM[use], exceed the device's whole memory: such a run (--model untied --depth 2000
+    --size 70M on a CPU) grew until the kernel's OOM killer ended it without a message; a depth or
+    block count (--n_core, ...) far beyond memory is refused from models.params_lower_bound (the
+    count at the smallest width) before the width is solved, with that lower count.
+    Activations are not counted, so a deep shared-block model can still run out of memory later
+    (run_command's one line)."""
     have = device_memory(args.device)
-    n = params_lower_bound(args)  # first: --model untied --depth 100000 would build for minutes
+    n = params_lower_bound(args)  # first: no width to solve for a model that cannot fit at any
     at_least = have is not None and BYTES_PER_PARAM[use] * n > have
     if not at_least:
         cfg, _ = model_config(args, vocab_size=256)
