@@ -54,7 +54,7 @@ from common import HEAD_DIM, UsageError, apply_rope, causal_attention, compiled_
 def candidates(l, stride, recent):
     """C(l): sorted earlier layers j < l whose (key, mixed value) layer l mixes (docstring above).
     stride -1: none from the stride rule; stride 0 or 1: all j < l."""
-    strided = set() if stride < 0 else {j for j in range(l) if stride <= 1 or j % stride == 0}
+    strided = set() if stride < 0 else set(range(0, l, max(stride, 1)))  # the multiples of stride below l
     return sorted(strided | set(range(max(0, l - recent), l)))
 
 

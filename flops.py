@@ -304,7 +304,7 @@ def main(argv=None):
             print(f"{name:<16}  skipped: {cfg}")
             continue
         macs = forward_macs(cfg, a.block_size)["total"]
-        row = f"{name:<16}{cfg.width:>7}{models.count_params(cfg):>16,}{_sci(macs):>10}"
+        row = f"{name:<16}{cfg.width:>7} {models.count_params(cfg):>15,} {_sci(macs):>9}"  # a space at any size
         if paper and name in PAPER_MACS:
             row += f"{_sci(PAPER_MACS[name]):>10}{macs / PAPER_MACS[name] - 1:>+9.2%}"
         print(row)

@@ -39,6 +39,8 @@ def test_candidate_sets():
     assert [da.candidates(l, 3, 1) for l in range(6)] == [[], [0], [0, 1], [0, 2], [0, 3], [0, 3, 4]]
     assert [da.candidates(l, -1, 2) for l in range(4)] == [[], [0], [0, 1], [1, 2]]
     assert all(da.candidates(l, -1, 0) == [] for l in range(8))
+    rule = lambda l, s, r: sorted({j for j in range(l) if s >= 0 and (s <= 1 or j % s == 0) or j >= l - r})
+    assert all(da.candidates(l, s, r) == rule(l, s, r) for l in range(20) for s in range(-1, 22) for r in range(22))
     body = build(cfg(depth=8)).body
     assert body.candidates[7] == [0, 4]  # da_stride 0 -> floor(K/2)
 

@@ -303,3 +303,12 @@ def test_a_parameter_count_draws_no_weights_and_equals_the_built_models(name, mo
     drawn = []
     monkeypatch.setattr(common.LM, "_init_weights", staticmethod(drawn.append))
     assert models.count_params(cfg) == on_cpu and drawn == []
+
+
+def test_the_table_keeps_its_columns_apart_at_any_count(capsys):
+    """A count of 16 characters or more (untied Transformer++ at --depth 1,000,000) ran into the
+    width column ("4096" then "1,638,656,000,128" read as one number); the columns keep a space."""
+    assert flops.main(["--size", "cpu", "--depth", "1000000", "--width", "4096"]) == 0
+    rows, _ = cli_rows(capsys.readouterr().out)
+    d, F = 128, 4096  # K (4 d^2 + 3 d F + 2 d) + d: attention, SwiGLU and two norms per block, the final norm
+    assert rows["untied"] == (4096, 10**6 * (4 * d * d + 3 * d * F + 2 * d) + d) == (4096, 1_638_656_000_128)
