@@ -134,22 +134,24 @@ def check_model(args, use="train"):
     parameters do not depend on it). So is a model whose non-embedding parameters alone, at
     BYTES_PER_PARAM[use], exceed the device's whole memory: such a run (--model untied --depth 2000
     --size 70M on a CPU) grew until the kernel's OOM killer ended it without a message; a depth or
-    block count (--n_core, ...) far beyond memory is refused from models.params_lower_bound (the
-    count at the smallest width) before the width is solved, with that lower count.
+    block count (--n_core, ...) far beyond memory at any width is refused with the count at the
+    smallest width (models.params_lower_bound) when a strict tier's width cannot be solved.
     Activations are not counted, so a deep shared-block model can still run out of memory later
     (run_command's one line)."""
     have = device_memory(args.device)
-    n = params_lower_bound(args)  # first: no width to solve for a model that cannot fit at any
+    n = params_lower_bound(args)  # first: a strict tier's solve refuses a model too deep for any width
     at_least = have is not None and BYTES_PER_PARAM[use] * n > have
-    if not at_least:
-        cfg, _ = model_config(args, vocab_size=256)
-        n = count_params(cfg)
+    try:
+        n, at_least = count_params(model_config(args, vocab_size=256)[0]), False  # the exact count
+    except UsageError:
+        if not at_least:
+            raise
     need = BYTES_PER_PARAM[use] * n
     if have is not None and need > have:
         what = "weights, gradients and AdamW moments" if use == "train" else "weights"
         given = " ".join(f"--{f} {getattr(args, f)}" for f in block_counts(args))
         raise UsageError(f"--size {args.size} {given}" + (f" --width {args.width}" if args.width else "")
-                         + f": the model's {'at least ' if at_least and not args.width else ''}{n:,} non-embedding "
+                         + f": the model's {'at least ' if at_least else ''}{n:,} non-embedding "
                          f"parameters need {need / 1e9:,.1f} GB for its {what} alone; {args.device} has "
                          f"{have / 1e9:,.1f} GB (give a smaller --size, --depth, --width or block count)")
 

@@ -1074,7 +1074,7 @@ def train_main_fails(argv, capsys):
 ])
 def test_a_value_the_model_rejects_stops_the_run_before_the_data_is_prepared(model, flags, message, text_file,
                                                                               capsys):
-    """The model is built (on the meta device) with the flag checks, so a bad model value is reported
+    """The model's checks run in meta-device builds (models.count_params), so a bad model value is reported
     in a second, not after the dataset was tokenized (a GPT-2 stdlib preparation takes minutes), and
     neither --data_root nor --out_dir is created."""
     root = text_file.parent

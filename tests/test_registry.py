@@ -280,9 +280,11 @@ def test_the_parameter_count_is_affine_in_each_block_count_and_counted_without_b
     large); params_lower_bound, the count at the smallest width, is at most the solved count."""
     assert models.AFFINE_FROM == 3
     built = lambda cfg: models.build_model(cfg, device="meta").num_params()
-    # flags that need more blocks than AFFINE_FROM (the count builds at 6 and 7 then), or change the count
+    # flags that change the count, or need more blocks than AFFINE_FROM (--lrt_tgt 5: builds of 6 and 7;
+    # --lrt_src 6: 12 and 13)
     extra = {"lrt": ["--lrt_tgt", "5"], "lrt-think": ["--lrt_src", "6"], "depth-attn": ["--da_recent", "5"],
-             "loopfold": ["--fold", "3", "--fold_layout", "last"], "parcae": ["--n_core", "2", "--n_coda", "2"]}
+             "loopfold": ["--fold", "3", "--fold_layout", "last"],
+             "parcae": ["--n_prelude", "0", "--n_core", "3", "--n_coda", "1"]}
     for depth, flags in ((9, []), (14, extra.get(name, []))):
         args = resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", str(depth),
                                               "--block_size", "32", "--device", "cpu", *flags]))
@@ -299,32 +301,40 @@ def test_the_parameter_count_is_affine_in_each_block_count_and_counted_without_b
         assert built(smallest) <= built(solved) == models.count_params(solved)
 
 
-def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypatch):
+def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
     """untied Transformer++ at --depth 1,000,000,000 (Parcae at --n_core 10**9) was built block by
-    block on the meta device (a millisecond each): check_model refuses it from the lower bound,
-    without the build."""
+    block on the meta device (a millisecond each): check_model refuses it from builds of at most
+    7 blocks, with the solved count, or with the count at the smallest width ("at least") where a
+    strict tier cannot solve the width."""
     from harness import config
     args = resolve_args(train.parse_args(["--model", "untied", "--size", "tiny", "--depth", "8",
                                           "--block_size", "32", "--device", "cpu"]))
-    args.depth = 10**9  # (resolve_args itself calls check_model)
     looped = [resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", "8", "--block_size", "32",
                                              "--device", "cpu"]))
               for name in ("parcae", "rdm", "loopstack", "plt", "loopfold")]
-    built = []
-    monkeypatch.setattr(config, "model_config", lambda *a: built.append(a))
-    bound = models.params_lower_bound(args)
-    with pytest.raises(UsageError, match=rf"^--size tiny --depth 1000000000: the model's at least {bound:,} "
+    strict = resolve_args(train.parse_args(["--model", "untied", "--size", "70M", "--depth", "8",
+                                            "--block_size", "32", "--device", "cpu"]))
+    args.depth = strict.depth = 10**9  # (resolve_args itself calls check_model)
+    sizes = []
+    build = models.build_model
+    monkeypatch.setattr(models, "build_model", lambda cfg, **kw: sizes.append(
+        max(getattr(cfg, f) for f in models.block_counts(cfg))) or build(cfg, **kw))
+    n = models.count_params(models.model_config(args, 256)[0])
+    with pytest.raises(UsageError, match=rf"^--size tiny --depth 1000000000: the model's {n:,} "
                                          r"non-embedding parameters need [\d,.]+ GB for its weights, gradients"):
         config.check_model(args)
-    assert built == [] and bound > 10**9 * 4 * 64 * 64  # at least the attention's 4 d^2 per block
+    assert n > 10**9 * 4 * 64 * 64  # at least the attention's 4 d^2 per block
+    bound = models.params_lower_bound(strict)  # 70M: no width within 0.20 % of 44,270,000
+    with pytest.raises(UsageError, match=rf"^--size 70M --depth 1000000000: the model's at least {bound:,} "):
+        config.check_model(strict)
     # every block count: Parcae's and the loop stacks' --n_core 10**9 too
     for args in looped:
         args.n_core = 10**9
-        given = " ".join(f"--{f} {getattr(args, f)}" for f in models.block_counts(args))
-        assert "--n_core 1000000000" in given
-        with pytest.raises(UsageError, match=rf"^--size tiny {given}: the model's at least [\d,]+ non-embedding"):
+        given = ("--depth 8 --n_prelude 2 --n_core 1000000000 --n_coda 2" if args.model in ("parcae", "rdm")
+                 else "--depth 8 --n_core 1000000000")
+        with pytest.raises(UsageError, match=rf"^--size tiny {given}: the model's [\d,]+ non-embedding"):
             config.check_model(args)
-    assert built == []
+    assert max(sizes) <= 2 * models.AFFINE_FROM + 1
     # the flags' own errors come first, at any depth: a bad --width, a flag outside its range
     for flags, message in ((["--width", "-8"], "--width -8: must be a positive multiple of 8"),
                            (["--width", "7"], "--width 7: must be a positive multiple of 8"),
@@ -338,8 +348,9 @@ def test_a_depth_far_beyond_memory_is_refused_before_the_model_is_built(monkeypa
 
 def test_solving_the_width_of_a_deep_model_builds_no_more_than_seven_blocks(monkeypatch):
     """A deep model that fits (untied Transformer++ at --depth 20000, Parcae at --n_core 20000) had
-    its width solved by 8 whole meta builds, minutes before the first update; count_params's builds
-    have at most 2 AFFINE_FROM + 1 blocks per block count, and its count equals the whole build."""
+    its width solved by 8 whole meta builds, minutes before the first update; without a block index
+    (--lrt_tgt) count_params's builds have at most 2 AFFINE_FROM + 1 blocks per block count, and its
+    count equals the whole build's."""
     sizes = []
     build = models.build_model
     monkeypatch.setattr(models, "build_model", lambda cfg, **kw: sizes.append(

@@ -497,7 +497,7 @@ def parse(argv):
                 "increment into an earlier block D)")
     given = flops.given_train_flags(a)
     a.flags = flops.train_flags(a.size, given)
-    try:  # every model built as train.py would (on the meta device): a value train.py refuses is refused here
+    try:  # every model solved as train.py would (models.count_params): a value train.py refuses is refused here
         error = flops.unread_flags_error(given, a.models)
         if error:
             raise UsageError(error)

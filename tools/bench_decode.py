@@ -125,7 +125,7 @@ def decode_main(argv):
     md_path = os.path.splitext(path)[0] + ".md"
     given = flops.given_train_flags(a)
     flags = flops.train_flags(a.size, given)
-    try:  # every model built as train.py would (on the meta device) before any is timed; the outputs writable
+    try:  # every model solved as train.py would (count_params) before any is timed; the outputs writable
         check_output_files([("--json", path), ("--json's .md", md_path)])
         error = flops.unread_flags_error(given, names)
         if error:
