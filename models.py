@@ -211,14 +211,15 @@ def checkpoint_config(saved, where) -> ModelConfig:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Non-embedding parameter count of cfg, from meta builds (no parameter memory) of at most
-    2 AFFINE_FROM + 1 blocks per block count (BLOCK_COUNTS: --depth, --n_core, ...), or about
-    twice a block index that needs more: each count above k is set to k, and to k + 1 one at a
-    time, and the count is extrapolated along each. k is AFFINE_FROM, doubled until the model
-    builds there (--lrt_tgt 5 needs 6 blocks: builds of 6 and 7). Exact: each model's count is affine in each block count from AFFINE_FROM on,
-    without cross terms (test_registry); below it, stages and cross-loop terms appear (PLT,
-    LoopFold; TANGO with three sets needs 3). A whole meta build of 100,000 blocks takes minutes.
-    Raises the model's UsageError (from the whole build when no k builds)."""
+    """Non-embedding parameter count of cfg, from meta builds (no parameter memory) of at most 2
+    AFFINE_FROM + 1 blocks per block count (BLOCK_COUNTS: --depth, --n_core, ...), or about twice a
+    block index that needs more: each count above k is set to k, and to k + 1 one at a time, and the
+    count is extrapolated along each. k is AFFINE_FROM, doubled until the model builds there
+    (--lrt_tgt 5 needs 6 blocks: builds of 6 and 7). Exact: each model's count is affine in each
+    block count from AFFINE_FROM on, without cross terms (test_registry); below it, stages and
+    cross-loop terms appear (PLT, LoopFold; TANGO with three sets needs 3). A whole meta build of
+    100,000 blocks takes minutes. Raises the model's UsageError (from the whole build when no k
+    builds)."""
     counts = {f: getattr(cfg, f) for f in block_counts(cfg)}
     k = AFFINE_FROM
     while max(counts.values()) > 2 * AFFINE_FROM:
