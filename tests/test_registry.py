@@ -301,6 +301,14 @@ def test_the_parameter_count_is_affine_in_each_block_count_and_counted_without_b
         assert built(smallest) <= built(solved) == models.count_params(solved)
 
 
+def record_build_sizes(monkeypatch):
+    """Patch models.build_model to record each build's largest block count: (that list, the real build_model)."""
+    sizes, build = [], models.build_model
+    monkeypatch.setattr(models, "build_model", lambda cfg, **kw: sizes.append(
+        max(getattr(cfg, f) for f in models.block_counts(cfg))) or build(cfg, **kw))
+    return sizes, build
+
+
 def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
     """untied Transformer++ at --depth 1,000,000,000 (Parcae at --n_core 10**9) was built block by
     block on the meta device (a millisecond each): check_model refuses it from builds of at most
@@ -315,10 +323,7 @@ def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
     strict = resolve_args(train.parse_args(["--model", "untied", "--size", "70M", "--depth", "8",
                                             "--block_size", "32", "--device", "cpu"]))
     args.depth = strict.depth = 10**9  # (resolve_args itself calls check_model)
-    sizes = []
-    build = models.build_model
-    monkeypatch.setattr(models, "build_model", lambda cfg, **kw: sizes.append(
-        max(getattr(cfg, f) for f in models.block_counts(cfg))) or build(cfg, **kw))
+    sizes, build = record_build_sizes(monkeypatch)
     n = models.count_params(models.model_config(args, 256)[0])
     with pytest.raises(UsageError, match=rf"^--size tiny --depth 1000000000: the model's {n:,} "
                                          r"non-embedding parameters need [\d,.]+ GB for its weights, gradients"):
@@ -351,10 +356,7 @@ def test_solving_the_width_of_a_deep_model_builds_no_more_than_seven_blocks(monk
     its width solved by 8 whole meta builds, minutes before the first update; without a block index
     (--lrt_tgt) count_params's builds have at most 2 AFFINE_FROM + 1 blocks per block count, and its
     count equals the whole build's."""
-    sizes = []
-    build = models.build_model
-    monkeypatch.setattr(models, "build_model", lambda cfg, **kw: sizes.append(
-        max(getattr(cfg, f) for f in models.block_counts(cfg))) or build(cfg, **kw))
+    sizes, build = record_build_sizes(monkeypatch)
     for name, flag in (("untied", "depth"), ("parcae", "n_core")):
         args = train.parse_args(["--model", name, "--size", "tiny", "--depth", "8", "--block_size", "32",
                                  "--device", "cpu", f"--{flag}", "20000"])
