@@ -139,12 +139,12 @@ def check_model(args, use="train"):
     Activations are not counted, so a deep shared-block model can still run out of memory later
     (run_command's one line)."""
     have = device_memory(args.device)
-    n = params_lower_bound(args)  # first: a strict tier's solve refuses a model too deep for any width
-    at_least = have is not None and BYTES_PER_PARAM[use] * n > have
     try:
         n, at_least = count_params(model_config(args, vocab_size=256)[0]), False  # the exact count
     except UsageError:
-        if not at_least:
+        # the width, model and range errors come first, as in model_config; what is left is a strict tier's solve
+        n, at_least = params_lower_bound(args), True
+        if have is None or BYTES_PER_PARAM[use] * n <= have:
             raise
     need = BYTES_PER_PARAM[use] * n
     if have is not None and need > have:
