@@ -221,11 +221,10 @@ def count_params(cfg: ModelConfig) -> int:
     100,000 blocks takes minutes. Raises the model's UsageError (from the whole build when no k
     builds)."""
     counts = {f: getattr(cfg, f) for f in block_counts(cfg)}
+    if max(counts.values()) <= 2 * AFFINE_FROM:
+        return build_model(cfg, device="meta").num_params()  # as cheap as the builds at k and k + 1
     k = AFFINE_FROM
-    while max(counts.values()) > 2 * AFFINE_FROM:
-        big = {f: v for f, v in counts.items() if v > k + 1}
-        if not big:
-            break
+    while big := {f: v for f, v in counts.items() if v > k + 1}:  # k doubles until the model builds at k
         at = {f: k for f in big}
         try:
             base = build_model(_with(cfg, **at), device="meta").num_params()
