@@ -56,7 +56,7 @@ def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
 
 
-@pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3), (WARM_ROOT, 9, 2e-3)])
+@pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3), (WARM_ROOT, 11, 2e-3)])
 def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, monkeypatch):
     """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
     run` command resolves to at today's code (machine flags aside), so the printed commands
