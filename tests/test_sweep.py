@@ -272,7 +272,8 @@ def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sweep, "run_process", fake_call)
     prepared = []
-    monkeypatch.setattr(sweep, "prepare_data", lambda ds, extra: prepared.append((ds, extra)))
+    monkeypatch.setattr(sweep, "prepare_data",
+                        lambda resolved: prepared.append({(a.dataset, a.size) for a in resolved}))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(sweep.os, "cpu_count", lambda: 4)
     done = tmp_path / "stdlib" / "tango-K4-s1"
@@ -284,7 +285,7 @@ def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
     rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop,tango", "--depths", "4,8",
                      "--seeds", "2", "--jobs", "2", "--", "--size", "tiny"])
     assert rc == 1  # the loop runs failed
-    assert prepared == [(["stdlib"], ["--size", "tiny"])]
+    assert prepared == [{("stdlib", "tiny")}]
     assert len(calls) == 7 and all(env == "2" for _, env in calls)  # the repeated "tango" is run once
     first = calls[0][0]
     assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]
@@ -479,6 +480,22 @@ def test_collect_creates_a_missing_output_folder(tmp_path, monkeypatch):
     fake_grid("g", {("tango", 4): 3.0}, seeds=(1,))
     assert sweep.main(["collect", "--root", "g", "--to", "new/c"]) == 0
     assert os.path.isfile("new/c/stdlib/tango-K4-s1/summary.json")
+
+
+def test_run_prepares_each_folder_its_runs_read_once_with_their_resolved_tokenizer(tmp_path, monkeypatch):
+    """run prepares the data as train.py's resolved flags of its runs ask, each folder once: at the
+    cpu tier --tokenizer auto is char (train.py resolves it by tier; data.py alone would make GPT-2
+    BPE bins that no run reads); at tiny it stays auto (GPT-2 BPE; dmmath: char)."""
+    import data
+    prepared = []
+    monkeypatch.setattr(data, "prepare", lambda ds, data_dir, data_root, **kw: prepared.append(
+        (ds, data_dir, kw["tokenizer"])))
+    monkeypatch.setattr(sweep, "run_process", lambda cmd, stdout, env: 0)
+    for size, tokenizer in (("cpu", "char"), ("tiny", "auto")):
+        prepared.clear()
+        assert sweep.main(["run", "--root", str(tmp_path / size), "--models", "tango,loop", "--depths", "2",
+                           "--seeds", "2", "--datasets", "stdlib,dmmath", "--", "--size", size]) == 0
+        assert prepared == [("stdlib", None, tokenizer), ("dmmath", None, tokenizer)]
 
 
 def no_runs(monkeypatch):
@@ -680,7 +697,7 @@ def test_collect_reads_everything_first_keeps_args_and_merges_the_output(tmp_pat
 def test_lrs_with_a_trailing_comma_and_an_lr_report_under_a_dash_lr_path(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(sweep, "run_process", lambda cmd, stdout, env: calls.append(cmd) or 0)
-    monkeypatch.setattr(sweep, "prepare_data", lambda ds, extra: None)
+    monkeypatch.setattr(sweep, "prepare_data", lambda resolved: None)
     root = tmp_path / "my-lr-K9"
     assert sweep.main(["run", "--root", str(root), "--models", "tango", "--depths", "2", "--lrs", "1e-3,",
                        "--", "--size", "tiny"]) == 0

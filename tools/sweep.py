@@ -85,8 +85,8 @@ def cmd_run(args, extra):
     for flag, reader in dataset_flags().items():  # flags_for drops it for the other datasets: one must read it
         if flag in train.given_flags(extra) and reader not in datasets:
             raise UsageError(f"-- --{flag}: no dataset of --datasets {args.datasets} reads it (used by {reader})")
-    for g in grid:  # before anything starts: train.py's own checks, and an existing run trained as requested
-        check_existing_run(run_dir(args.root, *g), train_argv(args.root, *g, extra))
+    resolved = [check_existing_run(run_dir(args.root, *g), train_argv(args.root, *g, extra))
+                for g in grid]  # before anything starts: train.py's own checks, an existing run trained as asked
 
     def one(i, ds, m, k, s, lr):
         out = run_dir(args.root, ds, m, k, s, lr)
@@ -106,7 +106,7 @@ def cmd_run(args, extra):
             say(f"  {out} failed with exit code {rc}; see {out}/stdout.txt", log)
         return rc
 
-    prepare_data(args.datasets.split(","), extra)  # once, here: parallel runs never prepare the same folder
+    prepare_data(resolved)  # once, here: parallel runs never prepare the same folder
     os.makedirs(args.root, exist_ok=True)  # only now: a sweep refused above leaves no folder
     log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
     _runs["stopping"] = False
@@ -187,20 +187,23 @@ def check_existing_run(out, argv):
     the run folder out already holds a run (its log's last start event, or the args.json of a run
     copied in from collected results: run_args) whose train.py settings differ from those argv
     asks for, after train.py's own defaults are filled in (machine flags such as --out_dir or
-    --device aside): skipping or resuming it would mix settings in one grid cell."""
+    --device aside): skipping or resuming it would mix settings in one grid cell. Returns train.py's
+    resolved flags for the run (an argparse.Namespace)."""
     import train
     from harness.checkpoint import MACHINE_FLAGS
     from harness.config import unread_model_flags
     try:
-        requested = vars(train.check_flags(train.parse_args(argv), train.given_flags(argv)))
+        resolved = train.check_flags(train.parse_args(argv), train.given_flags(argv))
     except UsageError as e:  # the run it would fail (a model may refuse a value the others take)
         raise UsageError(f"{out}: {e}") from None
+    requested = vars(resolved)
     saved = run_args(out)
     unread = unread_model_flags(requested["model"])  # flags this model ignores are not compared
     for k in sorted(set(saved) & set(requested) - set(MACHINE_FLAGS) - unread):
         if saved[k] != requested[k]:
             raise UsageError(f"{out}: trained with --{k} {saved[k]}, this sweep asks for --{k} {requested[k]}; "
                              "use another --root (or delete that run) to change a setting")
+    return resolved
 
 
 def flags_for(dataset, extra, model=None):
@@ -232,19 +235,19 @@ def dataset_flags():
     return {"data_dir": "dmmath", **DATASET_FLAGS}
 
 
-def prepare_data(datasets, extra):
-    """data.prepare every dataset with the --data_root/--data_dir that the runs will get."""
+def prepare_data(resolved):
+    """data.prepare each folder that the runs' resolved train.py flags (check_existing_run's) will
+    read, once: the same dataset, tokenizer (auto resolved by the tier, as train.py does), data
+    folders and options."""
     import data
-    a = train_flags(extra)
-    for ds in datasets:
-        data.prepare(ds, a.data_dir if ds == "dmmath" else None, a.data_root, **data.flag_options(a),
-                     allow_empty_splits=False)  # an empty split would fail every run of the dataset
-
-
-def train_flags(extra):
-    """The train.py flags in extra, with train.py's own defaults (its parser, so the two agree)."""
-    import train
-    return train.build_parser().parse_known_args(extra)[0]
+    done = set()
+    for a in resolved:
+        key = (a.dataset, a.data_dir if a.dataset == "dmmath" else None, a.data_root,
+               tuple(sorted(data.flag_options(a).items())))
+        if key not in done:
+            done.add(key)
+            data.prepare(*key[:3], **data.flag_options(a),
+                         allow_empty_splits=False)  # an empty split would fail every run of the dataset
 
 
 def cmd_collect(root, to):
