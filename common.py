@@ -304,6 +304,38 @@ def make_parent(path):
     return path
 
 
+def write_atomic(path, write, binary=False):
+    """Write the file at path through write(f) (a file object, binary or text) into a temporary file
+    beside it, flushed to disk, then os.replace it onto path: a crash or an error at any point
+    leaves the previous file at path whole, or none, never a half-written one (and no temporary
+    file behind; one that a killed process left is removed by the next write, remove_orphans).
+    Returns path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    remove_orphans(folder, os.path.basename(path) + ".tmp-")
+    tmp = f"{path}.tmp-{owner_tag()}"
+    try:
+        with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows it
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return path
+
+
+def write_text(path, text):
+    """write_atomic of a text file (UTF-8) whose whole content is text. Returns path."""
+    return write_atomic(path, lambda f: f.write(text))
+
+
 HEAD_DIM = 32  # d_h = 32 everywhere (MATH.md glossary)
 VOCAB_MULTIPLE = 64  # the embedding/head has ceil(V / 64) * 64 rows (aligned matmul); rows >= V are padding
 

@@ -55,7 +55,7 @@ from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, chec
                                 eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
 from common import (ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command,
-                    seed_flag, synchronizer)
+                    seed_flag, synchronizer, write_text)
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data
@@ -597,8 +597,8 @@ def finish(r, rates):
     for split in data.meta.get("em_splits", []):
         summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, args.device, r.ctx)
     r.log.emit(event="summary", **summary)
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    # atomic: sweep.py takes a run with summary.json as finished
+    write_text(os.path.join(args.out_dir, "summary.json"), json.dumps(summary, indent=1))
     print_report(summary, data, args)
     print_sample(model, data, args, args.device, r.ctx)
     return summary

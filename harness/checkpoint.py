@@ -14,7 +14,6 @@ explicitly override it and the change is printed and logged. Every bad file or c
 is a one-line UsageError before anything is written. --eval_only (eval_only_args) takes the flags
 of ckpt_best.pt the same way.
 """
-import contextlib
 import json
 import os
 import random
@@ -22,7 +21,7 @@ import random
 import torch
 
 import data as data_mod
-from common import ModelConfig, UsageError, owner_tag, remove_orphans
+from common import ModelConfig, UsageError, write_atomic, write_text
 from harness.datacheck import data_signature, same_data
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
@@ -64,26 +63,9 @@ def save_checkpoints(r, dev, improved):
 
 
 def save_atomic(obj, path):
-    """torch.save to a temporary file beside path, flushed to disk, then os.replace: a crash or an
-    error at any point leaves the previous file at path whole (and no temporary file behind; one
-    that a killed process left is removed by the next save, common.remove_orphans)."""
-    remove_orphans(os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".tmp-")
-    tmp = f"{path}.tmp-{owner_tag()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    with contextlib.suppress(OSError):  # make the rename itself durable where the OS allows it
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """torch.save to a temporary file beside path, flushed to disk, then os.replace
+    (common.write_atomic): a crash or an error at any point leaves the previous file at path whole."""
+    write_atomic(path, lambda f: torch.save(obj, f), binary=True)
 
 
 def strip_prefixes(sd):
@@ -161,9 +143,7 @@ def trim_log(path, it):
                 continue  # a line cut short by a crash
             if isinstance(rec, dict) and rec.get("event") not in FINISH_EVENTS and rec.get("iter", 0) <= it:
                 keep.append(json.dumps(rec) + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
+    write_text(path, "".join(keep))
 
 
 # ----------------------------------------------------------------------------- reading and resuming

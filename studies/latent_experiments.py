@@ -31,7 +31,7 @@ import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
 from common import (ModelConfig, UsageError, UsageParser, check_decayed_rate, check_output_files, check_output_folder,
-                    check_rate, check_seed, make_parent, nll_unit, run_command, seed_flag)
+                    check_rate, check_seed, make_parent, nll_unit, run_command, seed_flag, write_text)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -155,12 +155,11 @@ def pretrain(args):
 
     def write_data():  # with the first checkpoint: a run stopped before it leaves no folder behind
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, "train.txt"), "w") as f:
-            f.write("".join(tok.decode(r) for r in rows))
-        with open(os.path.join(args.out_dir, "meta.json"), "w") as f:
-            json.dump({"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
-                       "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
-                       "command": getattr(args, "command", None)}, f, indent=1)
+        write_text(os.path.join(args.out_dir, "train.txt"), "".join(tok.decode(r) for r in rows))
+        write_text(os.path.join(args.out_dir, "meta.json"), json.dumps(
+            {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
+             "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
+             "command": getattr(args, "command", None)}, indent=1))
     print(f"pretrain {args.model} d={args.d} depth={args.depth} width={width}: "
           f"{model.num_params():,} non-embedding params, vocab {tok.vocab_size}, rows <= {block} tokens, "
           f"{len(rows):,} samples of {', '.join(names)}")
@@ -257,16 +256,14 @@ def sweep(args, base, tok):
                 print(f"[{time.time() - t0:5.0f} s] {task.name:10s} {policy:16s} {groups:6s} {readout:6s} seed {seed}: "
                       + "  ".join(f"{k} {v:.3f}" for k, v in rec["metrics"].items())
                       + f"  (train {rec['train_s']} s, eval {rec['eval_s']} s)", flush=True)
-                with open(raw_path, "w") as f:
-                    json.dump(runs, f, indent=1)
+                write_text(raw_path, json.dumps(runs, indent=1))
     runs = []
     for name in TASKS:  # the table covers every task's results in out_dir
         path = os.path.join(args.out_dir, f"results_{name}.json")
         if os.path.exists(path):
             runs += read_results(path)
     table = make_table(runs)
-    with open(os.path.join(args.out_dir, "README_table.md"), "w") as f:
-        f.write(table_header(args, runs) + table)
+    write_text(os.path.join(args.out_dir, "README_table.md"), table_header(args, runs) + table)
     print(table)
     return runs
 

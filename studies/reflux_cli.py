@@ -24,7 +24,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights, no_checkpoint
 from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_rate, check_seed,
-                    make_parent, nll_unit, run_command, seed_flag)
+                    make_parent, nll_unit, run_command, seed_flag, write_text)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -434,10 +434,7 @@ def main(argv=None):
     res = run_sweep(a) if a.sweep else run_one(a)
     res["command"] = "python -m studies.reflux_cli " + " ".join(argv)
     if a.json:
-        tmp = make_parent(a.json) + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, a.json)
+        write_text(make_parent(a.json), json.dumps(res, indent=1))
         print(f"wrote {a.json}")
     return res
 

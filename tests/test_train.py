@@ -535,6 +535,43 @@ def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch
         checkpoint.load_checkpoint(str(tmp_path / "cut.pt"))
 
 
+def test_output_files_are_replaced_whole_or_not_at_all(tmp_path):
+    """common.write_atomic (summary.json, which sweep.py takes as a finished run; collected runs;
+    report --into; the benchmarks' JSON): a write that fails midway leaves the previous file whole
+    and no temporary file. No project module opens an output file for writing in place, but the
+    run's append-only log, files inside a temporary folder renamed whole, and /proc."""
+    import common
+    path = tmp_path / "summary.json"
+    path.write_text('{"dev_nll": 1.5}')
+
+    def dies_mid_write(f):
+        f.write('{"dev_nll": ')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        common.write_atomic(str(path), dies_mid_write)
+    assert path.read_text() == '{"dev_nll": 1.5}' and os.listdir(tmp_path) == ["summary.json"]
+    assert common.write_text(str(path), "é 2.0\n") == str(path) and path.read_bytes() == "é 2.0\n".encode()
+    allowed = {"harness/config.py": 'open(self.path, "w" if self.resumed_at is None else "a")',  # the log
+               "tools/cpu_memory.py": 'open("/proc/self/clear_refs", "w")'}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for folder, _, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        if rel.split(os.sep)[0] in ("tests", ".git", "data", "runs", "out") or rel.startswith("."):
+            continue
+        for name in files:
+            if name.endswith(".py") and name not in ("test_all.py", "conftest.py"):
+                file = os.path.normpath(os.path.join(rel, name))
+                with open(os.path.join(root, file)) as f:
+                    for line in f:
+                        m = re.search(r"open\([^()]*(\([^()]*\)[^()]*)*, *[\"'][wx]b?[\"']", line)
+                        in_tmp = re.search(r"open\((os\.path\.join\()?tmp\b", line)  # renamed into place whole
+                        if m and not in_tmp and allowed.get(file, "\0") not in line:
+                            found.append(f"{file}: {line.strip()}")
+    assert found == []
+
+
 def test_nonfinite_loss_stops_with_the_step_and_keeps_checkpoint(runs, mdm, data_root, tmp_path, capsys):
     """A learning rate of 1e30 (allowed: finite and positive) makes AdamW move every weight by ~1e30
     in one update; the next forward pass overflows float32, so the loss or gradient is not finite."""

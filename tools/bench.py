@@ -106,7 +106,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 import flops
 import models
 from common import (ExitParser, UsageError, check_output_files, compile_regions, int64_flag, make_parent, run_command,
-                    synchronizer)
+                    synchronizer, write_text)
 from harness.config import Dist, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
@@ -631,8 +631,7 @@ def main(argv=None):
           + "".join(f"\nNote: {n}\n" for n in a.note))
     print("\n" + md)
     for path, text in ((a.json, json.dumps(out, indent=1)), (a.md, md)):
-        with open(make_parent(path), "w") as f:
-            f.write(text + "\n")
+        write_text(make_parent(path), text + "\n")
     print(f"wrote {a.json} and {a.md} ({meta['wall_s']:.0f} s)")
     if not any(r["status"] == "ok" for r in rows):  # tables of failures only: a script must not read success
         print("bench.py: error: no configuration completed (each row's status above says why)", file=sys.stderr)

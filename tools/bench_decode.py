@@ -19,7 +19,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 import flops
 import models
 from tools.cpu_memory import loadavg
-from common import ExitParser, UsageError, check_output_files, make_parent, not_a_command, synchronizer
+from common import ExitParser, UsageError, check_output_files, make_parent, not_a_command, synchronizer, write_text
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -148,10 +148,9 @@ def decode_main(argv):
           f"batch 1, prompt {a.prompt}, {a.tokens} timed tokens after {a.warmup} untimed; load average {loadavg()}.\n\n"
           + decode_table(rows) + "\n")
     print("\n" + md)
-    with open(make_parent(path), "w") as f:
-        json.dump({"command": command, "threads": torch.get_num_threads(), "load_average": loadavg(), "rows": rows}, f, indent=1)
-    with open(md_path, "w") as f:
-        f.write(md)
+    write_text(make_parent(path), json.dumps({"command": command, "threads": torch.get_num_threads(),
+                                              "load_average": loadavg(), "rows": rows}, indent=1))
+    write_text(md_path, md)
     return 0
 
 

@@ -15,7 +15,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
-from common import ExitParser, ModelConfig, UsageError, check_output_file, make_parent, run_command
+from common import ExitParser, ModelConfig, UsageError, check_output_file, make_parent, run_command, write_text
 from flops import RECURRENT_MODELS, unembedding_params, unrolled_params
 
 
@@ -301,8 +301,7 @@ def main(argv=None):
         else:
             print(f"{row['law']:<9}{row['model']:<8}{row['points']:>4} pts  skipped: {row['error']}  [{row['label']}]")
     if a.out:
-        with open(make_parent(a.out), "w") as f:
-            json.dump(rows, f, indent=1)
+        write_text(make_parent(a.out), json.dumps(rows, indent=1))
     return 0
 
 

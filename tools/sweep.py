@@ -35,7 +35,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -45,7 +44,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_output_file, check_output_folder,
-                    make_parent, run_command)
+                    make_parent, run_command, write_text)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
@@ -282,21 +281,18 @@ def cmd_collect(root, to):
         if os.path.exists(kept):
             with open(kept, encoding="utf-8", errors="replace") as f:
                 text = merge_output(f.read(), text)
-        with open(kept, "w", encoding="utf-8") as f:
-            f.write(text)
+        write_text(kept, text)
     for path, dest, summary, curves, args in runs:
         os.makedirs(dest, exist_ok=True)
         if summary is not None:
-            with open(os.path.join(dest, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=1)
+            write_text(os.path.join(dest, "summary.json"), json.dumps(summary, indent=1))
         else:
-            shutil.copyfile(path, os.path.join(dest, "summary.json"))
+            with open(path) as f:
+                write_text(os.path.join(dest, "summary.json"), f.read())
         if curves is not None:
-            with open(os.path.join(dest, "curves.json"), "w") as f:
-                json.dump(curves, f, separators=(",", ":"))
+            write_text(os.path.join(dest, "curves.json"), json.dumps(curves, separators=(",", ":")))
         if args:  # train.py's resolved flags, so a committed run's settings can be checked
-            with open(os.path.join(dest, "args.json"), "w") as f:
-                json.dump(args, f, indent=0, sort_keys=True)
+            write_text(os.path.join(dest, "args.json"), json.dumps(args, indent=0, sort_keys=True))
     print(f"collected {len(runs)} run{'s' * (len(runs) != 1)} from {root} into {to}")
     return 0
 
@@ -458,8 +454,7 @@ def main(argv=None):
         if args.into:
             replace_between_markers(args.into, report_markers(args.root, args.mode), text)
         if args.out:
-            with open(make_parent(args.out), "w") as f:
-                f.write(text)
+            write_text(make_parent(args.out), text)
         print(text, end="")
 
 

@@ -17,7 +17,7 @@ import sys
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UsageError, nll_unit, not_a_command
+from common import UsageError, nll_unit, not_a_command, write_text
 
 
 def log_records(run):
@@ -680,8 +680,7 @@ def replace_between_markers(path, markers, text):
     if i < 0 or j < 0:
         missing = begin.strip() if i < 0 else f"{end} after {begin.strip()}"
         raise UsageError(f"--into {path}: no line {missing}; put the two marker lines where the report goes")
-    with open(path, "w") as f:
-        f.write(doc[:i + len(begin)] + text + doc[j:])
+    write_text(path, doc[:i + len(begin)] + text + doc[j:])
 
 
 if __name__ == "__main__":  # a part of another command: say which, instead of exiting silently
