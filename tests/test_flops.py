@@ -21,6 +21,7 @@ flops.counter_expected_macs (not a tolerance):
 The reference TANGO path computes exactly the convention, so there the counter equals forward_macs.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -172,8 +173,17 @@ def test_train_and_parcae_flops():
 
 
 def test_cli_paper_rows(capsys):
+    """The paper's four figures, and results/cost/README.md's table is this command's output, byte
+    for byte (the block after the command's own)."""
     assert flops.main(["--size", "70M", "--depth", "4", "--block_size", "8192"]) == 0
-    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    out = capsys.readouterr().out
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "cost",
+                           "README.md")) as f:
+        doc = f.read()
+    command = "```\npython flops.py --size 70M --depth 4 --block_size 8192\n```\n```\n"
+    start = doc.index(command) + len(command)
+    assert doc[start:doc.index("```", start)] == out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
     assert rows["tango"][3] == rows["tango"][4] == "9.44e12"
     assert rows["tango-windowed"][3] == "1.90e12"
     assert rows["loop"][3] == "1.94e12"
