@@ -51,6 +51,7 @@ def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     doc = readme()
     assert block(doc, sweep_report.report_markers(ROOT, "budget")) == sweep_report.budget_report(ROOT)
     assert block(doc, sweep_report.report_markers(ROOT, "grid")) == sweep_report.grid_report(ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "runs")) == sweep_report.report(ROOT)  # K = 16's test NLL
     rows = sweep_report.load_runs(ROOT)
     assert rows and {k[0] for k in rows} == {"stdlib"}
     assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
