@@ -51,7 +51,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """(SiLU(u W_1) * (u W_3)) W_2 with W_1, W_3: d x F (fused: w13, rows [W_1; W_3]) and W_2: F x d."""
+    """(SiLU(u W_1) * (u W_3)) W_2 with W_1, W_3: d x F (fused: w13, rows [W_1; W_3]) and W_2: F x d.
+    forward(u (..., d)) -> (..., d)."""
 
     def __init__(self, d, width):
         super().__init__()
@@ -66,7 +67,10 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x <- x + Attn(Norm(x)); x <- x + SwiGLU(Norm(x)). Parameters: 4d^2 + 3dF + 2d."""
+    """x <- x + Attn(Norm(x)); x <- x + SwiGLU(Norm(x)). Parameters: 4d^2 + 3dF + 2d.
+
+    forward(x (B, T, d), cos, sin (B|1, 1, T, d_h / 2) RoPE tables (common.rope_cos_sin), cache:
+    this application's KV-cache dict or None) -> (B, T, d)."""
 
     def __init__(self, d, n_head, width):
         super().__init__()

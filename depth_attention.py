@@ -116,7 +116,10 @@ class DepthAttention(Attention):
 
 class DepthBlock(TransformerBlock):
     """Transformer++ block with DepthAttention: x <- x + Attn~(Norm x); x <- x + SwiGLU(Norm x).
-    Parameters 4d^2 + 3dF + 2d (named as in TransformerBlock). Returns (x, k, v~) of its rows."""
+    Parameters 4d^2 + 3dF + 2d (named as in TransformerBlock).
+
+    forward(x (B, T, d), cos, sin, cache, src_k, src_v: the candidate layers' keys and values,
+    record) -> (x (B, T, d), k, v~: this layer's keys and mixed values, as DepthAttention returns)."""
 
     def __init__(self, d, n_head, width, impl="fast"):
         super().__init__(d, n_head, width)

@@ -342,7 +342,9 @@ def parcae(cfg):
 
 # ============================================================================= RDM
 class SandwichBlock(nn.Module):
-    """x' = n2(x + Attn(n1 x)); x'' = n4(x' + SwiGLU(n3 x')). Parameters: 4d^2 + 3dF + 4d."""
+    """x' = n2(x + Attn(n1 x)); x'' = n4(x' + SwiGLU(n3 x')). Parameters: 4d^2 + 3dF + 4d.
+
+    forward(x (B, T, d), cos, sin, cache) -> (B, T, d), as TransformerBlock."""
 
     def __init__(self, d, n_head, width):
         super().__init__()
