@@ -333,11 +333,24 @@ def depth_attn_macs(cfg: ModelConfig, T: int) -> dict:
 
 def depth_extra_macs(cfg: ModelConfig, T: int) -> int:
     """Depth-Attention's depth-score MACs (= its depth-mix MACs) of one length-T forward:
-    T d sum over layers with C(l) non-empty of (|C(l)| + 1)."""
-    import depth_attention
-    stride = cfg.da_stride if cfg.da_stride != 0 else cfg.depth // 2
-    n = sum(len(c) + 1 for c in (depth_attention.candidates(l, stride, cfg.da_recent) for l in range(cfg.depth)) if c)
-    return T * cfg.n_embd * n
+    T d sum over layers l with C(l) non-empty of (|C(l)| + 1). In closed form (any --depth at once):
+    |C(l)| = a(max(0, l - r)) + min(r, l), a(m) = ceil(m / s) multiples of the stride s below m (0
+    without a stride rule), as the r recent layers [l - r, l) hold a(l) - a(l - r) of those below l;
+    C(0) is empty, and so is every C(l) without a stride rule and r = 0 (depth_attention.candidates)."""
+    L, r = cfg.depth, cfg.da_recent
+    s = cfg.da_stride if cfg.da_stride != 0 else L // 2  # (the model's default: floor(K/2))
+    if L < 2 or (s < 0 and r == 0):
+        return 0
+
+    def floor_sum(n):  # sum of floor(t / s) over t = 0..n
+        q, rem = divmod(n + 1, s)
+        return s * q * (q - 1) // 2 + q * rem
+
+    m = L - 1 - r  # sum over l = 1..L-1 of a(l - r) = sum over m' = 0..m of ceil(m' / s)
+    strided = floor_sum(m + s - 1) if s >= 0 and m >= 0 else 0
+    k = min(r, L - 1)
+    recent = k * (k + 1) // 2 + (L - 1 - k) * r  # sum over l = 1..L-1 of min(r, l)
+    return T * cfg.n_embd * (strided + recent + L - 1)
 
 
 def ponder_slots(cfg: ModelConfig) -> list:
@@ -440,7 +453,6 @@ def lrt_decode_macs(cfg: ModelConfig, L: int) -> int:
 
 def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
     """Forward MACs (the convention above) of loopstack, PLT or LoopFold (same keys as forward_macs)."""
-    import plt
     d, F, N, n = cfg.n_embd, cfg.width, cfg.depth, cfg.n_core
     apps = N * n
     out = {"linear": apps * (4 * d * d + 3 * d * F) * T, "scores": apps * T * T * d, "mix": apps * T * T * d,
@@ -452,7 +464,7 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
         out["mix"] += extra
     if cfg.model == "loopfold":
         r = cfg.fold_rank or d // 4
-        predicted = N - len(plt.fold_stages(N, cfg.fold, cfg.fold_layout))
+        predicted = N - (1 + -(-(N - 1) // cfg.fold))  # S = 1 + ceil((N - 1) / f) stages (plt.fold_stages)
         out["linear"] += predicted * 4 * d * r * T
     out["total"] = sum(out.values())
     return out

@@ -105,6 +105,21 @@ def test_counter_covers_depth_attention_and_ponder_settings(kw):
     assert (counted > counted_macs(plain, 13)) == (cfg.model != "ponder" or cfg.n_thoughts > 0)
 
 
+def test_depth_attention_closed_form_is_the_per_layer_count():
+    """depth_extra_macs' closed form equals T d sum over layers with C(l) non-empty of (|C(l)| + 1),
+    counted from depth_attention.candidates, at every depth, stride and recent window up to 40."""
+    import depth_attention
+    from types import SimpleNamespace
+    for L in range(1, 41):
+        for stride in range(-1, L + 3):
+            s = stride if stride != 0 else L // 2
+            cs = [depth_attention.candidates(l, s, r) for r in range(L + 3) for l in range(L)]
+            for r in range(L + 3):
+                n = sum(len(c) + 1 for c in cs[r * L:(r + 1) * L] if c)
+                cfg = SimpleNamespace(depth=L, da_stride=stride, da_recent=r, n_embd=3)
+                assert flops.depth_extra_macs(cfg, 5) == 5 * 3 * n, (L, stride, r)
+
+
 def test_untied_gau_same_macs_as_tied():
     tied, untied = small("gau"), small("gau", tie_unit=False)
     assert flops.forward_macs(tied, 60) == flops.forward_macs(untied, 60)
