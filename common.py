@@ -614,14 +614,15 @@ class LM(nn.Module):
         return out
 
 
-def past_context_note(prompt_len, max_new_tokens, block_size):
+def past_context_note(prompt_len, max_new_tokens, block_size, verb="sampled"):
     """The note (str) for a decode whose positions pass the trained context block_size, or None
     within it: prompt_len + max_new_tokens - 1 positions are fed (the last new token is sampled,
-    never fed). RoPE still gives those positions an angle; the model never trained on them."""
+    never fed). RoPE still gives those positions an angle; the model never trained on them. verb:
+    how the tokens are chosen ("decoded" for greedy benchmarks)."""
     if prompt_len + max_new_tokens - 1 <= block_size:
         return None
     return (f"note: {prompt_len} prompt + {max_new_tokens} new tokens exceed the trained context of {block_size} "
-            "by more than the last token: the later tokens are sampled at positions never trained on")
+            f"by more than the last token: the later tokens are {verb} at positions never trained on")
 
 
 def nll_unit(tokenizer):

@@ -394,7 +394,7 @@ def test_bad_values_are_one_line_errors_and_nothing_is_written(argv, message, tm
     assert os.listdir(tmp_path) == []
 
 
-def test_default_outputs_go_to_the_ignored_out_folder(tmp_path, monkeypatch):
+def test_default_outputs_go_to_the_ignored_out_folder(tmp_path, monkeypatch, capsys):
     """Without --json/--md the outputs are out/bench/{bench,decode}_<device>.{json,md} (out/ is
     git-ignored), so following docs/benchmarks.md leaves results/ as it is."""
     with open(os.path.join(bench.ROOT, ".gitignore")) as f:
@@ -407,7 +407,14 @@ def test_default_outputs_go_to_the_ignored_out_folder(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["out"]
     assert sorted(os.listdir(tmp_path / "out" / "bench")) == ["decode_cpu.json", "decode_cpu.md"]
     md = (tmp_path / "out" / "bench" / "decode_cpu.md").read_text()
-    assert "tier tiny, T=128, V=64, train.py's default model flags, batch 1" in md
+    assert "tier tiny, T=128, V=64, train.py's default model flags, batch 1" in md and "Note" not in md
+    # past the trained context: the note sample.py gives, on stderr and under the table
+    assert bench.main(["decode", "--models", "loopstack", "--size", "tiny", "--depth", "2", "--prompt", "127",
+                       "--tokens", "2", "--warmup", "1", "--vocab_size", "64", "--block_size", "128"]) == 0
+    md = (tmp_path / "out" / "bench" / "decode_cpu.md").read_text()
+    note = ("note: 127 prompt + 3 new tokens exceed the trained context of 128 by more than the last token: the later "
+            "tokens are decoded at positions never trained on")
+    assert capsys.readouterr().err.splitlines() == [note] and md.endswith("\nN" + note[1:] + ".\n")
 
 
 def test_child_error_drops_the_childs_own_prefix():

@@ -19,7 +19,8 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 import flops
 import models
 from tools.cpu_memory import loadavg
-from common import ExitParser, UsageError, check_output_files, make_parent, not_a_command, synchronizer, write_text
+from common import (ExitParser, UsageError, check_output_files, make_parent, not_a_command, past_context_note,
+                    synchronizer, write_text)
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -136,6 +137,9 @@ def decode_main(argv):
         p.error(str(e))
     if a.threads:
         torch.set_num_threads(a.threads)
+    note = past_context_note(a.prompt, a.warmup + a.tokens, a.block_size, "decoded")  # as sample.py says it
+    if note:
+        print(note, file=sys.stderr)
     rows = []
     for m in names:
         rows.append(decode_row(m, a.size, a.depth, flags["width"], a.prompt, a.tokens, a.warmup, a.device,
@@ -146,7 +150,7 @@ def decode_main(argv):
     md = (f"`{command}`\n\n{a.device}, {torch.get_num_threads()} threads, tier {a.size}, T={a.block_size}, "
           f"V={a.vocab_size}, {flops.flags_text(flags, names)}, "
           f"batch 1, prompt {a.prompt}, {a.tokens} timed tokens after {a.warmup} untimed; load average {loadavg()}.\n\n"
-          + decode_table(rows) + "\n")
+          + decode_table(rows) + "\n" + (f"\n{note[0].upper()}{note[1:]}.\n" if note else ""))
     print("\n" + md)
     write_text(make_parent(path), json.dumps({"command": command, "threads": torch.get_num_threads(),
                                               "load_average": loadavg(), "rows": rows}, indent=1))
