@@ -287,7 +287,7 @@ def cmd_collect(root, to):
         if summary is not None:
             write_text(os.path.join(dest, "summary.json"), json.dumps(summary, indent=1))
         else:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:  # (json.dump writes ASCII: the same bytes)
                 write_text(os.path.join(dest, "summary.json"), f.read())
         if curves is not None:
             write_text(os.path.join(dest, "curves.json"), json.dumps(curves, separators=(",", ":")))
