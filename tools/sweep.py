@@ -392,7 +392,7 @@ def main(argv=None):
     p = UsageParser(prog="-m tools.sweep", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,collect,plot,report}")
     r = sub.add_parser("run", help="train the grid (flags after -- go to every train.py run)",
-                       usage="sweep.py run --root ROOT [options] [-- TRAIN.PY FLAGS]")
+                       usage="python -m tools.sweep run --root ROOT [options] [-- TRAIN.PY FLAGS]")
     r.add_argument("--root", required=True, help="folder of the runs: <root>/<dataset>/<model>-K<depth>-s<seed>/")
     r.add_argument("--models", default="tango,tango-windowed,loop,untied,gau,flash",
                    help="comma-separated train.py --model names")
