@@ -561,7 +561,10 @@ class LM(nn.Module):
         if positions is None:
             start = cache.get("len", 0) if cache is not None else 0
             positions = torch.arange(start, start + T, device=x.device)
-        cos, sin = rope_cos_sin(positions, dtype=compute_dtype(x))  # once per forward, for every application
+        dtype = compute_dtype(x)
+        if getattr(self.body, "rope_float32", False):  # TANGO: its scores' precision (Tango.rope_float32)
+            dtype = torch.promote_types(dtype, torch.float32)
+        cos, sin = rope_cos_sin(positions, dtype=dtype)  # once per forward, for every application
         x = self.body(x, cos, sin, cache)
         if cache is not None:
             cache["len"] = cache.get("len", 0) + T

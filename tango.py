@@ -91,6 +91,7 @@ class Tango(nn.Module):
     width that is not a multiple of n_head, or three sets with K < 3.
     """
     no_decay = ("log_tau", "null")  # temperature and null score: no weight decay (train.no_decay_parameters)
+    rope_float32 = True  # LM builds its RoPE tables in float32 or wider: a bf16 table's rounding unnormalises q, k
 
     def __init__(self, cfg, windowed=False, n_sets=1, impl="fast"):
         super().__init__()
@@ -127,8 +128,10 @@ class Tango(nn.Module):
         H = self.n_head
         u = self.norm(x)
         heads = lambda t: t.view(B, T, H, -1).transpose(1, 2)  # (B, H, T, 32)
-        qs = apply_rope(F.normalize(heads(self.wq(u)), dim=-1), cos, sin) * self.log_tau.exp().view(1, H, 1, 1)
-        kh = apply_rope(F.normalize(heads(self.wk(u)), dim=-1), cos, sin)
+        # unit q, k in float32 or wider under autocast: tau = 10 would magnify bfloat16's rounding
+        unit = lambda t: F.normalize(heads(t).to(torch.promote_types(t.dtype, torch.float32)), dim=-1)
+        qs = apply_rope(unit(self.wq(u)), cos, sin) * self.log_tau.exp().view(1, H, 1, 1)
+        kh = apply_rope(unit(self.wk(u)), cos, sin)
         if self.impl == "reference":
             return self.update_reference(u, qs, kh, gset, cache)
         return gated_update(u, qs, kh, gset.wg.weight, gset.wv.weight, gset.wo.weight, self.null,
@@ -170,5 +173,5 @@ def tango_windowed(cfg, impl="fast"):
 
 
 def tango_3set(cfg, impl="fast"):
-    """TANGO with three gated-projection sets (TANGO paper §4.2). Parameters: 2d^2 + 9dF + d + 2H + d."""
+    """TANGO with three gated-projection sets (TANGO paper §2; results §4.2). Parameters: 2d^2 + 9dF + d + 2H + d."""
     return Tango(cfg, n_sets=3, impl=impl)

@@ -160,6 +160,25 @@ def test_bf16_scores_stay_float32():
     assert (out.double() - exact).abs().max() < 2e-3
 
 
+def test_tango_unit_queries_and_keys_stay_float32_under_bf16_autocast(monkeypatch):
+    """Under bfloat16 autocast TANGO's queries and keys reach the average as float32 unit vectors
+    (qs of norm tau = 10): the LM builds its RoPE tables in float32 for TANGO (Tango.rope_dtype)
+    and the normalisation runs in float32 (bfloat16 tables or normalisation leave them off unit
+    norm by bfloat16's rounding, which tau multiplies in every score)."""
+    import tango
+    seen = []
+    real = tango.gated_update
+    monkeypatch.setattr(tango, "gated_update", lambda u, qs, kh, *a: seen.append((qs, kh)) or real(u, qs, kh, *a))
+    for name in ("tango", "tango-windowed", "tango-3set"):
+        model = build_model(small(name))
+        with torch.autocast(**BF16):
+            model(torch.randint(0, 61, (2, 40)), positions=torch.arange(1000, 1040))  # large angles too
+    assert len(seen) == 9
+    for qs, kh in seen:
+        assert qs.dtype == kh.dtype == torch.float32
+        assert (kh.norm(dim=-1) - 1).abs().max() < 1e-6 and (qs.norm(dim=-1) - 10).abs().max() < 1e-5
+
+
 # ----------------------------------------------------------------------------- train.py end to end
 
 @pytest.fixture(scope="module")
