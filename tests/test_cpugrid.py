@@ -229,20 +229,23 @@ def test_twice_the_budget_block_is_its_committed_summaries_and_the_grids_setting
             (1200, 1200, 600, 600) and s["tokens"] == 1200 * 8 * 256
 
 
-@pytest.mark.parametrize("root, flag, values, some_rows", [
-    (LR_ROOT, "learning_rate", (1e-3, 2e-3), {("stdlib", "loop", 16)}),  # (the floor, min_lr_ratio x peak, follows)
-    (WARM_ROOT, "warmup_iters", (60, 10), {("stdlib", "loop", 16), ("stdlib", "parcae", 8)}),  # 60 warmup updates
+@pytest.mark.parametrize("root, flag, values, some_rows, reports", [
+    (LR_ROOT, "learning_rate", (1e-3, 2e-3), {("stdlib", "loop", 16)},  # (the floor, min_lr_ratio x peak, follows)
+     ("budget", "runs")),
+    (WARM_ROOT, "warmup_iters", (60, 10), {("stdlib", "loop", 16), ("stdlib", "parcae", 8)},  # 60 warmup updates
+     ("budget", "grid", "runs")),
 ])
 def test_one_setting_grid_blocks_are_its_summaries_and_the_grids_settings_but_one(root, flag, values, some_rows,
-                                                                                  monkeypatch):
-    """results/cpugrid_lr and results/cpugrid_warmup: each one's budget and runs tables are `report
-    --budget` and `report` over its committed runs, byte for byte, and each run was trained with the
-    settings of the grid's run of the same model, K and seed but one: flag, values[0] for the
-    grid's values[1]."""
+                                                                                  reports, monkeypatch):
+    """results/cpugrid_lr and results/cpugrid_warmup: each one's budget, grid (cpugrid_warmup) and runs
+    tables are `report --budget`, `report --grid` and `report` over its committed runs, byte for
+    byte, and each run was trained with the settings of the grid's run of the same model, K and seed
+    but one: flag, values[0] for the grid's values[1]."""
     monkeypatch.chdir(HERE)
     doc = readme(root)
-    assert block(doc, sweep_report.report_markers(root, "budget")) == sweep_report.budget_report(root)
-    assert block(doc, sweep_report.report_markers(root, "runs")) == sweep_report.report(root)
+    make = {"budget": sweep_report.budget_report, "grid": sweep_report.grid_report, "runs": sweep_report.report}
+    for mode in reports:
+        assert block(doc, sweep_report.report_markers(root, mode)) == make[mode](root), mode
     rows = sweep_report.load_runs(root)
     assert some_rows <= set(rows)
     for (ds, m, k), summaries in rows.items():
