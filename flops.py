@@ -511,10 +511,11 @@ def recurrent_forward_macs(cfg: ModelConfig, T: int) -> dict:
 
 
 def recurrent_param_split(cfg: ModelConfig):
-    """(N_core, N_noncore): non-embedding parameters of the recurrent core (all L_R blocks) and of
-    everything else (prelude, coda, injection, norms), from a meta-device build."""
+    """(N_core, N_noncore): non-embedding parameters applied at every recurrence (all L_R core
+    blocks, and RDM's adapter W) and those applied once (prelude, coda, Parcae's injection B and
+    output C, norms), from a meta-device build (body.recurrence_parameters)."""
     model = models.build_model(cfg, device="meta")
-    core = sum(p.numel() for p in model.body.core.parameters())
+    core = sum(p.numel() for p in model.body.recurrence_parameters())
     return core, model.num_params() - core
 
 

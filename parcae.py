@@ -171,6 +171,10 @@ class LoopedBody(nn.Module):
         start = cache.get("len", 0) if cache is not None else 0
         return eval_state(start, T, d, self.h0_std, e.device, e.dtype).expand(B, T, d)
 
+    def recurrence_parameters(self):
+        """The parameters applied at every recurrence: the core's blocks (RDM adds its adapter W)."""
+        return list(self.core.parameters())
+
     @torch.compiler.disable  # host-side dict work: always eager, never traced
     def core_caches(self, cache, t):
         """The decoding caches of the core's blocks at recurrence t (None when not decoding)."""
@@ -396,6 +400,10 @@ class RecurrentDepth(LoopedBody):
         for j, blk in enumerate(self.coda):
             h = blk(h, cos, sin, sub_cache(cache, ("coda", j)))
         return h
+
+    def recurrence_parameters(self):
+        """The core's blocks and the adapter W: both run at every recurrence."""
+        return list(self.adapter.parameters()) + list(self.core.parameters())
 
     def _step(self, h, e, cos, sin, caches=None):
         """One recurrence: h <- Core(W [h; e])."""

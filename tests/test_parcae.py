@@ -322,6 +322,12 @@ def test_forward_macs_and_effective_flops():
     # mu_bwd above mu_rec: every recurrence carries gradients (N1 = 0), never a negative N1
     q = small("parcae", depth=5, mu_rec=2, mu_bwd=4)
     assert flops.parcae_train_flops(q, 1000) == 6 * (rest + head + 2 * attn + (core + 2 * attn) * 2) * 1000
+    # RDM's adapter W (2d -> d) runs at every recurrence, as its MACs count it: N unrolls it with the core
+    body = models.build_model(r, device="meta").body
+    r_core, r_rest = flops.recurrent_param_split(r)
+    assert r_core == sum(p.numel() for p in body.core.parameters()) + 2 * 64 * 64
+    assert r_core + r_rest == models.count_params(r)
+    assert flops.unrolled_params(r) - flops.unrolled_params(r, mu_rec=1) == (5 - 1) * r_core  # mu_rec = depth
 
 
 def _rel_ok(fit, true, tol=0.02):
