@@ -60,10 +60,13 @@ def candidates(l, stride, recent):
 
 def depth_weights(q, keys):
     """w = softmax_j <q, k_j> / sqrt(32) over candidates. q: (B, H, T, 32), keys: list of n
-    (B, H, T, 32) tensors (the last is the layer's own key) -> w: (B, H, T, n), float32 or wider."""
-    kc = torch.stack(keys, dim=-2)                                    # (B, H, T, n, 32)
-    s = (q.unsqueeze(-2) @ kc.transpose(-1, -2)).squeeze(-2) / math.sqrt(HEAD_DIM)  # (B, H, T, n)
-    return s.to(torch.promote_types(s.dtype, torch.float32)).softmax(-1)
+    (B, H, T, 32) tensors (the last is the layer's own key) -> w: (B, H, T, n); scores and w in
+    float32 or wider under bfloat16 autocast too."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kc = torch.stack(keys, dim=-2).to(acc)                                # (B, H, T, n, 32)
+    with torch.autocast(q.device.type, enabled=False):  # a bfloat16 matmul would round the scores to 1/256
+        s = (q.to(acc).unsqueeze(-2) @ kc.transpose(-1, -2)).squeeze(-2)  # (B, H, T, n)
+    return (s / math.sqrt(HEAD_DIM)).softmax(-1)
 
 
 def depth_mix(q, k, v, src_k, src_v):

@@ -58,6 +58,20 @@ from baselines import Attention, SwiGLU
 from common import HEAD_DIM, RMSNorm, UsageError, apply_rope, causal_attention, compiled_region
 
 
+def private_slot_attention(q, k, v, km, vm, mask):
+    """lrt_kv's attention: query i's softmax over its visible keys k_j and its private key k_m,i,
+    scores <q_i, .> / sqrt(32), mixing v_j and v_m,i. q: (B, H, n, 32); k, v: (B, H, S, 32); km, vm:
+    (B, H, n, 32); mask: (n, S) bool, True = visible. Returns (B, H, n, 32) in v's dtype. Scores and
+    weights are float32 or wider under bfloat16 autocast too, as in PyTorch's fused attention."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q, k, km = q.to(acc), k.to(acc), km.to(acc)
+    with torch.autocast(q.device.type, enabled=False):  # a bfloat16 matmul would round the scores to 1/256
+        s = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))      # (B, H, n, S)
+        s_m = (q.unsqueeze(-2) @ km.unsqueeze(-1)).squeeze(-1)               # (B, H, n, 1)
+    p = torch.softmax(torch.cat((s, s_m), -1) / math.sqrt(HEAD_DIM), -1).to(v.dtype)
+    return p[..., :-1] @ v + (p[..., -1:].unsqueeze(-1) @ vm.unsqueeze(-2)).squeeze(-2)
+
+
 class LRTBlock(nn.Module):
     """A Transformer++ block (the parameters and names of baselines.TransformerBlock) whose
     attention is split so the body can place fresh keys/values into a buffer between projecting
@@ -92,15 +106,9 @@ class LRTBlock(nn.Module):
         if mem is None:
             y = causal_attention(q, k, v) if mask is None else F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            km, vm = mem
             if mask is None:
                 mask = torch.ones(n, S, dtype=torch.bool, device=q.device).tril(diagonal=S - n)
-            scale = 1 / math.sqrt(HEAD_DIM)
-            s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))   # (B, H, n, S)
-            s_m = (q.unsqueeze(-2) @ km.unsqueeze(-1)).squeeze(-1) * scale             # (B, H, n, 1)
-            s = torch.cat((s, s_m), -1)
-            p = torch.softmax(s.to(torch.promote_types(s.dtype, torch.float32)), -1).to(v.dtype)  # >= float32
-            y = p[..., :S] @ v + (p[..., S:].unsqueeze(-1) @ vm.unsqueeze(-2)).squeeze(-2)
+            y = private_slot_attention(q, k, v, *mem, mask)
         x = x + self.attn.wo(y.transpose(1, 2).reshape(B, n, H * HEAD_DIM))
         return x + self.mlp(self.norm2(x))
 
