@@ -8,7 +8,7 @@ Before layer l attends over the sequence, its query at token t also attends over
 keys of a few earlier layers at the same token plus its own key. Per head, with q, k, v after the
 usual projections and RoPE (d_h = 32):
 
-    C(l)   = { j < l : s <= 1 or j mod s == 0 }  U  { l-r, ..., l-1 }       candidate layers
+    C(l)   = { j < l : j mod s == 0 }  U  { l-r, ..., l-1 }                   candidate layers
     s_j    = <q^l_t, k^j_t> / sqrt(d_h)   (j in C(l)),    s_self = <q^l_t, k^l_t> / sqrt(d_h)
     w      = softmax([s_j for j in C(l)], s_self)                          (in float32 at least)
     v~^l_t = sum_{j in C(l)} w_j v~^j_t  +  w_self v^l_t                     sources give their *mixed* values
