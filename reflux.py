@@ -58,7 +58,8 @@ Prompt processing for stream (`prefill`): "parallel" (default; the paper's paral
 stream) runs one clean traversal of the prompt and chains from its last payload; "strict" runs the
 recurrence over the prompt token by token. Without a cache (evaluation) stream is always strict.
 
-Cost (flops.reflux_forward_macs): sync, stream2 and recirc 2x the base forward MACs, stream 1x, plus
+Cost (flops.reflux_forward_macs): sync, stream2 and recirc run the blocks (1 + (K - low) / K) times
+(low: the lowest target block) and the head once, at most 2x the base forward MACs; stream 1x; plus
 O(d) per open edge and position for the write and (d r + r |E|) per block of w tokens for the router.
 No write reaches the blocks below the lowest target, so the injected traversal starts there (from
 the record traversal's stream), and stream runs those blocks once over all rows, not per token.
