@@ -585,6 +585,17 @@ def test_claims_say_when_their_means_are_over_unequal_seed_counts(tmp_path):
         "stdlib K = 16: every model 1.\n") in sweep_report.grid_report(str(tmp_path))
 
 
+def test_a_run_without_test_nll_counts_in_no_claim(tmp_path):
+    """A summary with test_nll null (load_runs accepts it) leaves that seed out of the paired claim,
+    as it leaves it out of the means and the paired differences."""
+    fake_grid(str(tmp_path), {k: v for k, v in TEST.items() if k[1] != 16})
+    full = sweep_report.grid_report(str(tmp_path))
+    assert "with the same seed | 47 of 48 | 2 of 6 |" in full  # K = 4 seeds 2 and 3
+    p = tmp_path / "stdlib" / "loop-K4-s2" / "summary.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), "test_nll": None}))
+    assert "with the same seed | 47 of 48 | 1 of 5 |" in sweep_report.grid_report(str(tmp_path))  # K = 4 seed 2 out
+
+
 def test_reports_give_nats_per_char_for_character_runs(tmp_path):
     """The NLL unit follows the runs' tokenizer (summary.json, else args.json or the log): nats/char
     when every run of the table is on characters, nats/token otherwise or when unknown."""

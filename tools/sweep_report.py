@@ -460,7 +460,8 @@ def claims(rows, datasets):
     lowest = sum(mean(ds, "tango", k) < min(mean(ds, m, k) for m in others) for ds, k in settings)
     paired = total = 0
     for ds, k in settings:
-        by_seed = {m: {r["seed"]: r["test_nll"] for r in rows[ds, m, k]} for m in PAPER_MODELS}
+        by_seed = {m: {r["seed"]: r["test_nll"] for r in rows[ds, m, k] if r.get("test_nll") is not None}
+                   for m in PAPER_MODELS}
         for seed, v in by_seed["tango"].items():
             rivals = [by_seed[m][seed] for m in others if seed in by_seed[m]]
             if len(rivals) == len(others):
