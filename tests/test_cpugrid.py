@@ -57,6 +57,30 @@ def test_cpugrid_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     assert all(s["size"] == "cpu" and s["tokens"] == 600 * 8 * 256 for v in rows.values() for s in v)
 
 
+HEADLINE_NAMES = {"TANGO": "tango", "Windowed TANGO": "tango-windowed", "Untied": "untied", "Loop": "loop",
+                  "Loop Transformer++": "loop", "GAU": "gau", "FLASH": "flash", "Parcae": "parcae"}
+
+
+def test_readme_headline_numbers_are_the_grids(monkeypatch):
+    """Every "model mean ± std" after "K = k:" in the README's headline is that model's test NLL at K = k
+    over the headline grid's committed runs, and TANGO's dev NLL trend over K = 4 → 8 → 16 its dev means."""
+    monkeypatch.chdir(HERE)
+    with open("README.md", encoding="utf-8") as f:
+        head = block(f.read(), ("<!-- headline -->\n", "<!-- end of headline -->"))
+    rows = sweep_report.load_runs(ROOT)
+    stat = lambda m, k, metric="test_nll": sweep_report._stat(rows, ("stdlib", m, k), metric)
+    head = " ".join(head.split())  # the prose's line breaks as spaces
+    parts = re.split(r"K = (\d+): ", head)
+    names = "|".join(re.escape(n) for n in sorted(HEADLINE_NAMES, key=len, reverse=True))
+    cells = [(name, int(k), mu, sd) for k, text in zip(parts[1::2], parts[2::2])
+             for name, mu, sd in re.findall(rf"({names}) (\d\.\d{{3}}) ± (\d\.\d{{3}})", text)]
+    assert len(cells) == 17  # seven models at K = 4 and 8, three at K = 16
+    for name, k, mu, sd in cells:
+        assert (mu, sd) == tuple(f"{x:.3f}" for x in stat(HEADLINE_NAMES[name], k)), (name, k)
+    trend = re.search(r"dev NLL rises over K = 4 → 8 → 16 \(([\d.]+), ([\d.]+), ([\d.]+)\)", head).groups()
+    assert trend == tuple(f"{stat('tango', k, 'dev_nll')[0]:.3f}" for k in (4, 8, 16))
+
+
 @pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3), (WARM_ROOT, 11, 2e-3)])
 def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, monkeypatch):
     """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
