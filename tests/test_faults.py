@@ -332,8 +332,8 @@ def drawing_models():
     return [n for n in REGISTRY if any(hasattr(m, "rng_seed") for m in build_model(small_cfg(n)).modules())]
 
 
-def test_the_drawing_models_are_parcae_and_rdm():
-    assert drawing_models() == ["parcae", "rdm", "ponder"]  # and PonderLM-2's Jacobi count in training
+def test_the_drawing_models_are_parcae_rdm_and_ponder():
+    assert drawing_models() == ["parcae", "rdm", "ponder"]  # PonderLM-2: its Jacobi count in training
 
 
 def run_train(argv, torchrun=2):
@@ -351,14 +351,15 @@ def log_of(out, event):
         return [r for r in map(json.loads, f) if r["event"] == event]
 
 
-@pytest.mark.parametrize("name", ["parcae", "rdm"])
+@pytest.mark.parametrize("name", ["parcae", "rdm", "ponder"])
 def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_path):
-    """Models that draw random depths, under DDP: 2 updates of 2 micro-batches, once alone and once under
-    torchrun with 2 processes: parameters within 1e-6, equal losses and dev NLL (the draws depend on
-    the update and the micro-batch, not on the rank).
-    Parametrized by the models that draw (test_the_drawing_models_are_parcae_and_rdm)."""
+    """Models that draw random depths (Parcae, RDM) or Jacobi counts (PonderLM-2), under DDP: 2
+    updates of 2 micro-batches, once alone and once under torchrun with 2 processes: parameters
+    within 1e-6, equal losses and dev NLL (the draws depend on the update and the micro-batch, not
+    on the rank). Parametrized by the models that draw (test_the_drawing_models_are_parcae_rdm_and_ponder)."""
     root, data_root, _ = long_questions
-    flags = ["--model", name, "--depth", "2", "--n_prelude", "1", "--n_core", "1", "--n_coda", "1",
+    model_flags = ["--n_prelude", "1", "--n_core", "1", "--n_coda", "1"] if name != "ponder" else ["--size", "tiny"]
+    flags = ["--model", name, "--depth", "2", *model_flags,
              "--block_size", "32", "--batch_size", "2", "--gradient_accumulation_steps", "2", "--max_iters", "2",
              "--eval_interval", "1", "--eval_windows", "4", "--eval_batch_size", "4", "--em_samples", "2",
              "--sample_tokens", "0", "--dataset", "dmmath", "--data_dir", str(root), "--data_root", str(data_root),

@@ -327,6 +327,39 @@ def test_no_gradient_reaches_the_backbone():
     assert all(torch.equal(before[k], v) for k, v in lm.state_dict().items())
 
 
+@pytest.mark.parametrize("schedule", ["sync", "stream2"])  # the two-pass schedules record the gate penalty
+def test_router_gradients_equal_finite_differences(schedule):
+    """Float64, soft gates (training): the gradient of NLL + 1e-3 mean gate with respect to the router's
+    parameters, through the fast path, equals central finite differences along random directions
+    (relative 1e-6): the router is trained through this path, so its gradients are checked, not only
+    its outputs (test_fast_path_equals_per_position_reference)."""
+    lm = build()
+    r = random_router(lm).train()
+    view = rf.reflux_lm(lm, rf.Settings(schedule), r)
+    idx = tokens(T=10)
+    params = list(r.parameters())
+
+    def loss():
+        _, nll = view(idx[:, :-1], idx[:, 1:])
+        return nll + 1e-3 * view.body.mean_gate
+
+    grads = torch.autograd.grad(loss(), params)
+    gen, eps = torch.Generator().manual_seed(0), 1e-6
+    for _ in range(3):
+        v = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+        with torch.no_grad():
+            sides = []
+            for step in (eps, -2 * eps):
+                for p, d in zip(params, v):
+                    p.add_(step * d)
+                sides.append(loss())
+            for p, d in zip(params, v):
+                p.add_(eps * d)
+        fd = (sides[0] - sides[1]) / (2 * eps)
+        exact = sum((g * d).sum() for g, d in zip(grads, v))
+        assert abs(fd - exact) <= 1e-6 * abs(exact) and abs(exact) > 1e-4, (fd, exact)
+
+
 # ------------------------------------------------------------------------------ cost
 
 def test_reflux_macs():

@@ -642,7 +642,7 @@ def test_ddp_matches_single_process(ddp_runs):
         assert len(a["starts"]) == len(b["starts"]) == 2 and len(s["starts"]) == 4
         assert not set(sum(a["starts"], [])) & set(sum(b["starts"], []))  # ranks saw different windows
         assert a["starts"] + b["starts"] == s["starts"]  # together: the single process's windows
-    assert len(r0) == len(single) == 2
+    assert len(r0) == len(r1) == len(single) == 2
     cs, cd = load(ddp_runs["single"] / "ckpt_latest.pt"), load(ddp_runs["ddp"] / "ckpt_latest.pt")
     assert list(cs["model"]) == list(cd["model"])  # no module. prefix
     assert max((cs["model"][k] - cd["model"][k]).abs().max().item() for k in cs["model"]) <= 1e-6

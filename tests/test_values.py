@@ -88,8 +88,10 @@ def parcae_runs(mdm, data_root, tmp_path_factory):
 
 
 def test_parcae_resume_is_bit_identical(parcae_runs):
-    """Parcae draws every sequence's depth and h_0 from torch's RNG, so this fails unless resume
-    restores the torch RNG state (as well as numpy's data order and the optimizer)."""
+    """Parcae draws every sequence's depth and h_0 from generators seeded per micro-batch, so a
+    resumed run must redraw what the uninterrupted one drew: this fails unless resume restores
+    the update count those seeds come from, numpy's data order and the optimizer (the global RNG
+    states: test_restore_sets_every_rng_state)."""
     A, B = parcae_runs["A"], parcae_runs["B"]
     strip = lambda recs: [{k: v for k, v in r.items() if k != "tok_per_s"} for r in recs]
     ta, tb = strip(records(A, "train")), strip(records(B, "train"))
