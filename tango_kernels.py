@@ -161,12 +161,17 @@ def _low_precision(t):
 
 
 def _hi_lo(x, split):
-    """[x] or, with split, x as (hi, lo) in autocast's dtype: hi = round(x), lo = round(x - hi)."""
+    """[x] or, with split, x as (hi, lo) in autocast's dtype dt: hi = x with its float32 mantissa cut
+    to dt's (a bit mask, so hi is exact in dt), lo = round(x - hi); hi + lo = x to about 2^-16.
+    Not hi = round(x): torch.compile (Inductor) elides a float32 -> dt -> float32 round trip inside
+    a kernel, which made lo = x - hi exactly 0."""
     if not split:
         return [x]
     dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    hi = x.to(dt)
-    return [hi, (x.float() - hi.float()).to(dt)]
+    x = x.float()
+    drop = 23 - round(-math.log2(torch.finfo(dt).eps))  # float32 mantissa bits dt lacks (16 bf16, 13 fp16)
+    hi = (x.view(torch.int32) & -(1 << drop)).view(torch.float32)
+    return [hi.to(dt), (x - hi).to(dt)]
 
 
 def _fused_qk(q, keys, split):

@@ -113,6 +113,25 @@ def test_fused_path_precision_under_bf16(math_sdpa):
     assert abs(out[0, 0, 1, 0].double() - exact[0, 0, 1, 0]) < 1e-4
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, as Inductor loads
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_score_split_survives_torch_compile(dtype):
+    """The split of queries and keys into a high and a low half (_hi_lo) under autocast, eager and
+    compiled by Inductor (on this CPU; on CUDA the update is compiled the same way): hi + lo = x within
+    2^-15 relative. With hi = round(x), Inductor elided the round trip that lo = x - hi reads, and
+    lo was 0 (scores in the autocast dtype, 2^-9)."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 10
+
+    def split(x):
+        with torch.autocast("cpu", dtype=dtype):
+            return tango_kernels._hi_lo(x, True)
+
+    for fn in (split, torch.compile(split, backend="inductor", fullgraph=True)):
+        hi, lo = fn(x)
+        assert hi.dtype == lo.dtype == dtype
+        assert ((hi.double() + lo.double() - x.double()).abs() <= 2 ** -15 * x.abs().double()).all()
+
+
 # ----------------------------------------------------------------------------- the forced kernel choice
 
 def test_cuda_backends_are_fused_only():
