@@ -153,7 +153,7 @@ def build_parser(suppress_defaults=False):
     a("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N "
       "(under torchrun: cuda:LOCAL_RANK)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-      help="autocast dtype; auto = bfloat16 on a GPU that supports it, float32 otherwise")
+      help="autocast dtype; auto = bfloat16 on a GPU that computes it natively (sm80+), float32 otherwise")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
       help="torch.compile each body's repeated unit once (regional); default: on for CUDA, off on CPU")
     a("--quiet", action="store_true", help="no progress bar")

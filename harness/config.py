@@ -102,11 +102,10 @@ def resolve_args(args, dist=None, reads_out_dir=False):
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     if args.dtype == "auto":
-        bf16 = args.device.startswith("cuda") and torch.cuda.is_bf16_supported()
-        args.dtype = "bfloat16" if bf16 else "float32"
-    if args.dtype == "bfloat16" and args.device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"--dtype bfloat16: {args.device} does not support it (a resumed or evaluated run "
-                         "keeps its checkpoint's dtype unless given); use --dtype float32")
+        args.dtype = "bfloat16" if args.device.startswith("cuda") and cuda_bf16() else "float32"
+    if args.dtype == "bfloat16" and args.device.startswith("cuda") and not cuda_bf16():
+        raise UsageError(f"--dtype bfloat16: {args.device} does not support it natively (a resumed or evaluated "
+                         "run keeps its checkpoint's dtype unless given); use --dtype float32")
     check_values(args, dist)
     check_paths(args, ("data_root",) if reads_out_dir else ("out_dir", "data_root"))
     if not reads_out_dir:
@@ -203,6 +202,13 @@ def resolve_device(args, dist):
         if index >= torch.cuda.device_count():
             raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
         torch.cuda.set_device(index)  # calls that take no device (and new CUDA contexts) go there, not to cuda:0
+
+
+def cuda_bf16():
+    """True if the current CUDA device computes bfloat16 natively (compute capability 8.0 and up).
+    torch.cuda.is_bf16_supported() alone also says True where bfloat16 is only emulated (V100, T4):
+    slow matmuls and no fused attention kernel for the TANGO fused path."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def check_paths(args, flags=("out_dir", "data_root")):

@@ -107,7 +107,7 @@ import flops
 import models
 from common import (ExitParser, UsageError, check_output_files, compile_regions, int64_flag, make_parent, run_command,
                     synchronizer, write_text)
-from harness.config import Dist, resolve_device
+from harness.config import Dist, cuda_bf16, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
 
@@ -426,7 +426,8 @@ def parse(argv):
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
                    help="torch.compile the model (default: off on CPU, both on CUDA; --quick: on on CUDA, off on CPU)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="autocast dtype and matmul-peak dtype (default: float32 on CPU, bfloat16 on CUDA)")
+                   help="autocast dtype and matmul-peak dtype (default: float32 on CPU, bfloat16 on a "
+                        "CUDA GPU that computes it natively)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--cpu_memory", choices=("keep", "return"), default="keep",
                    help="CPU timed steps: glibc keeps freed memory for the next step (keep, default; "
@@ -525,8 +526,8 @@ def parse(argv):
             p.error(f"--compile_backend {a.compile_backend}: not a torch.compile backend (e.g. "
                     f"{', '.join(torch._dynamo.list_backends())}, aot_eager, eager)")
     a.compile_backend = a.compile_backend or "inductor"
-    if a.dtype is None:
-        a.dtype = "bfloat16" if cuda else "float32"
+    if a.dtype is None:  # bfloat16 where the GPU computes it natively, as train.py's --dtype auto
+        a.dtype = "bfloat16" if cuda and cuda_bf16() else "float32"
     kind = a.device.split(":")[0]
     a.json = os.path.join(OUT_DIR, f"bench_{kind}.json") if a.json is None else a.json  # (an empty one is refused)
     a.md = os.path.splitext(a.json)[0] + ".md" if a.md is None else a.md
