@@ -286,8 +286,9 @@ class Parcae(LoopedBody):
             k_i = r_i.clamp(max=self.mu_bwd)
             n, n_grad = int(r_i.max()), int(k_i.max())
             s = torch.arange(n)[:, None]
-            active = (s >= n - r_i).to(h.device).view(n, -1, 1, 1)  # steps n - r_i .. n - 1
-            grad = (s >= n - k_i).to(h.device).view(n, -1, 1, 1)    # the last k_i of them
+            # built on the host, where the depths are drawn; a non-blocking copy does not wait for the GPU's queue
+            active = (s >= n - r_i).to(h.device, non_blocking=True).view(n, -1, 1, 1)  # steps n - r_i .. n - 1
+            grad = (s >= n - k_i).to(h.device, non_blocking=True).view(n, -1, 1, 1)    # the last k_i of them
             self._depth_mean = float(r_i.double().mean())
             h_init = h
             for t in range(n):
