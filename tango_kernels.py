@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import HEAD_DIM
+from common import HEAD_DIM, is_out_of_memory
 
 QK_PAD = 40  # 32 score dims + 1 null-option dim, padded to a multiple of 8 for fused kernels
 
@@ -212,6 +212,8 @@ def _sdpa(q, k, D, values, mask=None, is_causal=False):
                 try:
                     o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
                 except RuntimeError as e:
+                    if is_out_of_memory(e):  # the shapes fit a kernel, not the memory: the out-of-memory line
+                        raise
                     raise RuntimeError(
                         f"TANGO fused path: no fused attention kernel ({', '.join(b.name for b in backends)}) for "
                         f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(vc.shape)} {q.dtype} on {q.device}"

@@ -150,6 +150,19 @@ def test_missing_fused_kernel_is_an_error_naming_the_shapes(window):
         tango_kernels.fused_average(*qkgb(), window)
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory")])
+def test_out_of_memory_in_the_fused_kernel_stays_an_out_of_memory_error(monkeypatch, error):
+    """An allocation failure inside SDPA reaches the caller as itself (common.is_out_of_memory, the
+    commands' one-line out-of-memory message), not as "no fused attention kernel"."""
+    def sdpa(*a, **k):
+        raise error
+    monkeypatch.setattr(tango_kernels.F, "scaled_dot_product_attention", sdpa)
+    with pytest.raises(type(error)) as caught:
+        tango_kernels.fused_average(*qkgb(), None)
+    assert caught.value is error
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_every_sdpa_call_runs_with_math_disabled_and_no_t_by_t_mask(monkeypatch, window):
     """Each SDPA call of the fused path runs where the math backend is off (so no kernel can
