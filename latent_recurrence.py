@@ -252,7 +252,7 @@ def sequential_reference(body, x, cos, sin):
     m = torch.zeros_like(xs)
     for i in range(S - 1):
         _, src = with_memory(body, xs[:, :i + 1], cs[:, :, :i + 1], sn[:, :, :i + 1], m[:, :i + 1])
-        m = m.index_copy(1, torch.tensor([i + 1]), body.mem_norm(src[:, i:i + 1]))
+        m = m.index_copy(1, torch.tensor([i + 1], device=m.device), body.mem_norm(src[:, i:i + 1]))
     return body.scored(with_memory(body, xs, cs, sn, m)[0])
 
 

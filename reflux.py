@@ -491,7 +491,7 @@ def reference_stream(lm, idx, settings, prompt_len=0):
         for e in edges:
             for b in range(B):
                 if t == 0:
-                    rows[e][b][0] = torch.zeros(lm.cfg.n_embd, dtype=lm.wte.weight.dtype)
+                    rows[e][b][0] = lm.wte.weight.new_zeros(lm.cfg.n_embd)
         edit = _write_rows(edges, settings.alpha, settings.beta, settings.preserve_norm, rows, skip_before=prompt_len)
         logits, z = _hooked(lm, idx[:, :t + 1], edit)
         out.append(logits[:, t:t + 1])
