@@ -484,7 +484,12 @@ def compiled_region(fn):
 def compile_regions(model, **compile_kw):
     """Regional compilation: torch.compile(fn, **compile_kw) for each @compiled_region method of
     model's modules, one compiled function per method shared by every module that has it.
-    Returns the model (modified in place; its parameters and state_dict are unchanged)."""
+    Returns the model (modified in place; its parameters and state_dict are unchanged).
+    A module whose region traces several graphs per mode says how many (compile_variants, e.g.
+    Depth-Attention: one per candidate count); Dynamo's recompile limit is raised to 4 graphs
+    (train, eval, ...) per variant, past which the region would run eagerly after a warning."""
+    variants = max(getattr(m, "compile_variants", 1) for m in model.modules())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * variants)
     compiled = {}
     for m in model.modules():
         for cls in reversed(type(m).__mro__):

@@ -155,6 +155,7 @@ class DepthAttentionPP(nn.Module):
         self.depth = cfg.depth
         stride = cfg.da_stride if cfg.da_stride != 0 else cfg.depth // 2
         self.candidates = [candidates(l, stride, cfg.da_recent) for l in range(cfg.depth)]
+        self.compile_variants = len({len(c) for c in self.candidates})  # DepthBlock's graphs: one per candidate count
         self.record = False
         n_blocks = 1 if tied else cfg.depth
         self.blocks = nn.ModuleList(DepthBlock(cfg.n_embd, cfg.n_head, cfg.width, impl) for _ in range(n_blocks))

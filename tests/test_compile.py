@@ -351,3 +351,23 @@ def test_adamw_is_fused_on_cuda_only():
     for device, fused in (("cuda", True), ("cuda:1", True), ("cpu", None)):
         opt = train.make_optimizer(model, SimpleNamespace(device=device, weight_decay=0.1, learning_rate=1e-3))
         assert opt.defaults.get("fused") is fused, device
+
+
+def test_depth_attention_compiles_one_graph_per_candidate_count_past_dynamos_limit(monkeypatch):
+    """Depth-Attention's block traces one graph per candidate count |C(l)|: --da_stride 1 at K = 12 has
+    12 counts, more than Dynamo's default recompile limit (8), past which the block ran eagerly after a
+    warning. compile_regions raises the limit for the model's variants (compile_variants): the graphs
+    beyond the blocks' are the same at K = 12 as at K = 4 (3 counts)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, restored afterwards
+    extra = []
+    for depth, stride, counts in ((4, 0, 3), (12, 1, 12)):
+        torch._dynamo.reset()
+        cfg = ModelConfig(model="depth-attn", vocab_size=64, block_size=16, n_embd=64, n_head=2, depth=depth,
+                          width=96, da_stride=stride)
+        model = models.build_model(cfg)
+        assert model.body.compile_variants == counts
+        cnt = CompileCounter()
+        compile_regions(model, backend=cnt)
+        model(torch.randint(0, 64, (1, 16)))
+        extra.append(cnt.frame_count - counts)
+    assert extra[0] == extra[1] >= 0
