@@ -25,7 +25,7 @@ import torch
 from common import (UsageError, UsageParser, check_sampling, check_seed, nll_unit, past_context_note, run_command,
                     seed_flag)
 from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
-from harness.config import Dist, autocast_ctx, cuda_bf16, resolve_device
+from harness.config import Dist, auto_dtype, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
 from harness.token_files import EOT, EOT_SYMBOL, gpt2_encoder
 from models import build_model, checkpoint_config
@@ -151,7 +151,7 @@ def run(args, out=None, err=None):
     check_args(args)
     resolve_device(args, Dist())
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") and cuda_bf16() else "float32"
+        args.dtype = auto_dtype(args.device)
     if os.path.isfile(args.out_dir):  # (not "no checkpoint at FILE/ckpt_best.pt")
         raise UsageError(f"--out_dir {args.out_dir}: a file; give the run's folder (train.py's --out_dir)")
     path = os.path.join(args.out_dir, CKPT_FILES[args.ckpt])

@@ -102,7 +102,7 @@ def resolve_args(args, dist=None, reads_out_dir=False):
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device.startswith("cuda") and cuda_bf16() else "float32"
+        args.dtype = auto_dtype(args.device)
     if args.dtype == "bfloat16" and args.device.startswith("cuda") and not cuda_bf16():
         raise UsageError(f"--dtype bfloat16: {args.device} does not support it natively (a resumed or evaluated "
                          "run keeps its checkpoint's dtype unless given); use --dtype float32")
@@ -209,6 +209,11 @@ def cuda_bf16():
     torch.cuda.is_bf16_supported() alone also says True where bfloat16 is only emulated (V100, T4):
     slow matmuls and no fused attention kernel for the TANGO fused path."""
     return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def auto_dtype(device):
+    """--dtype auto on a resolved device: "bfloat16" on a CUDA GPU that computes it natively, else "float32"."""
+    return "bfloat16" if device.startswith("cuda") and cuda_bf16() else "float32"
 
 
 def check_paths(args, flags=("out_dir", "data_root")):

@@ -107,7 +107,7 @@ import flops
 import models
 from common import (ExitParser, UsageError, check_output_files, compile_regions, int64_flag, make_parent, run_command,
                     synchronizer, write_text)
-from harness.config import Dist, cuda_bf16, resolve_device
+from harness.config import Dist, auto_dtype, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
 
@@ -526,8 +526,8 @@ def parse(argv):
             p.error(f"--compile_backend {a.compile_backend}: not a torch.compile backend (e.g. "
                     f"{', '.join(torch._dynamo.list_backends())}, aot_eager, eager)")
     a.compile_backend = a.compile_backend or "inductor"
-    if a.dtype is None:  # bfloat16 where the GPU computes it natively, as train.py's --dtype auto
-        a.dtype = "bfloat16" if cuda and cuda_bf16() else "float32"
+    if a.dtype is None:  # as train.py's --dtype auto
+        a.dtype = auto_dtype(a.device)
     kind = a.device.split(":")[0]
     a.json = os.path.join(OUT_DIR, f"bench_{kind}.json") if a.json is None else a.json  # (an empty one is refused)
     a.md = os.path.splitext(a.json)[0] + ".md" if a.md is None else a.md
