@@ -22,6 +22,7 @@ char vocabulary), shared by the stdlib, local-path and Hugging Face datasets.
 import argparse
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import math
@@ -48,6 +49,31 @@ def is_path(dataset):
     """True when --dataset names a text file or folder (anything but stdlib, dmmath and hf:NAME),
     whether or not it exists here: the rule prepare() dispatches by."""
     return dataset not in ("stdlib", "dmmath") and not dataset.startswith("hf:")
+
+
+def local_path(dataset):
+    """(PATH, REST) for a --dataset that may name a local file or folder: (dataset, "") for a path,
+    (NAME, ":CONFIG" or "") for hf:NAME[:CONFIG] (NAME may be a hub id); None for stdlib and dmmath."""
+    if is_path(dataset):
+        return dataset, ""
+    if dataset.startswith("hf:"):
+        name, sep, config = dataset[3:].partition(":")
+        return name, sep + config
+    return None
+
+
+def absolute_paths(dataset, hf_data_files):
+    """--dataset and --hf_data_files with every local path made absolute (a dataset path, hf:PATH's
+    PATH, each comma-separated --hf_data_files entry that matches files here), so a checkpoint's
+    flags name the same data from any folder (--resume, --eval_only). Hub ids, stdlib, dmmath and
+    paths not found here are returned as given. Returns (dataset, hf_data_files)."""
+    local = local_path(dataset)
+    if local and local[0] and os.path.exists(local[0]):
+        dataset = ("hf:" if dataset.startswith("hf:") else "") + os.path.abspath(local[0]) + local[1]
+    if hf_data_files:
+        hf_data_files = ",".join(os.path.abspath(f) if f and glob.glob(f, recursive=True) else f
+                                 for f in hf_data_files.split(","))
+    return dataset, hf_data_files
 
 
 def check_outside_dataset(dataset, flag, folder):

@@ -14,6 +14,7 @@ explicitly override it and the change is printed and logged. Every bad file or c
 is a one-line UsageError before anything is written. --eval_only (eval_only_args) takes the flags
 of ckpt_best.pt the same way.
 """
+import glob
 import json
 import os
 import random
@@ -263,7 +264,7 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
         args.data_root = root  # the run's prepared bins, where they are on this machine: not prepared again
     unread = {f for f, users in model_flags().items() if saved.get("model") not in users}
     solved = config.get("width") if isinstance(config, dict) else None
-    gone = _dataset_not_here(saved.get("dataset"))
+    gone = {k for k in ("dataset", "hf_data_files") if _data_not_here(k, saved.get(k))}
     for k, v in saved.items():
         if k in MACHINE_FLAGS or not hasattr(args, k):  # saved flags this train.py does not have are skipped
             continue
@@ -272,7 +273,7 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
         new = getattr(args, k)
         if k not in given or new == "auto" or new == v or _same_value(k, v, new, solved):
             setattr(args, k, v)
-        elif k == "dataset" and gone:
+        elif k in gone:
             continue  # a copy of the data elsewhere: the data signature decides, once prepared
         elif k in unread:
             continue  # check_model_flags says "only used with --model ..."
@@ -282,26 +283,40 @@ def merge_resume_args(args, given, saved, path=None, action="resume it, or use a
                              f"drop the flag to {action}")
         else:
             changed[k] = [v, new]
-    if gone and "dataset" not in given:
-        raise UsageError(f"{where}: trained on --dataset {saved['dataset']}, "
-                         f"which is not found from {os.getcwd()}; run from the folder it was trained in, "
-                         "or give --dataset with the data's path")
+    if gone - given:
+        k = min(gone - given)  # --dataset first
+        raise UsageError(f"{where}: trained on --{k} {saved[k]}, which is not found from {os.getcwd()}; "
+                         f"run from the folder it was trained in, or give --{k} with the data's path")
     return changed
 
 
 def _same_value(flag, saved, new, solved):
     """Two spellings of one setting: --width equal to the width solved for --width 0, or two paths
-    of one --dataset file or folder."""
+    of one local file or folder in --dataset (a path, hf:PATH) or in each --hf_data_files entry."""
     if flag == "width":
         return saved == 0 and new == solved
     if flag == "dataset":
-        return os.path.exists(saved) and os.path.exists(new) and os.path.samefile(saved, new)
+        a, b = data_mod.local_path(saved), data_mod.local_path(new)
+        return bool(a and b) and a[1] == b[1] and _same_file(a[0], b[0])
+    if flag == "hf_data_files" and saved and new:
+        a, b = saved.split(","), new.split(",")
+        return len(a) == len(b) and all(x == y or _same_file(x, y) for x, y in zip(a, b))
     return False
 
 
-def _dataset_not_here(dataset):
-    """True when a checkpoint's --dataset is a file or folder path that does not exist here."""
-    return isinstance(dataset, str) and data_mod.is_path(dataset) and not os.path.exists(dataset)
+def _same_file(a, b):
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def _data_not_here(flag, value):
+    """True when a checkpoint's --dataset path (or hf:PATH, recorded absolute) or an absolute
+    --hf_data_files entry does not exist here: the data was moved, or the run trained elsewhere."""
+    if not isinstance(value, str) or not value:
+        return False
+    if flag == "hf_data_files":
+        return any(os.path.isabs(f) and not glob.glob(f, recursive=True) for f in value.split(","))
+    local = data_mod.local_path(value)
+    return bool(local) and (data_mod.is_path(value) or os.path.isabs(local[0])) and not os.path.exists(local[0])
 
 
 def check_resume(ckpt, cfg, data, args):

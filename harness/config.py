@@ -95,8 +95,8 @@ def resolve_args(args, dist=None, reads_out_dir=False):
         args.tokenizer = "char"  # at 1M parameters a 50k-token embedding and head would take most of the time
     if args.data_seed is None:
         args.data_seed = args.seed
-    if data_mod.is_path(args.dataset) and os.path.exists(args.dataset):
-        args.dataset = os.path.abspath(args.dataset)  # so --resume and --eval_only find it from any folder
+    # recorded absolute, so --resume and --eval_only find the data from any folder
+    args.dataset, args.hf_data_files = data_mod.absolute_paths(args.dataset, args.hf_data_files)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
     if args.compile is None:

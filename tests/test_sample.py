@@ -7,6 +7,7 @@ tokenizers); train.main and sample.run are called in this process.
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -433,23 +434,43 @@ def test_eval_only_names_the_flags_it_does_not_use(ckpts, mdm_flags, capsys):
                          "--learning_rate, --max_iters")
 
 
-def test_a_path_dataset_is_found_from_another_folder(text_folder, tmp_path, monkeypatch, capsys):
-    """A --dataset path given relative to the training folder is recorded absolute, so --eval_only
-    and --resume work from any folder; a recorded path that is not here is one line naming it."""
-    monkeypatch.chdir(text_folder.parent)
+@pytest.fixture(scope="module")
+def jsonl_file(tmp_path_factory):
+    """A JSONL file of 160 short Python-like documents (enough for every hash split)."""
+    path = tmp_path_factory.mktemp("jsonl") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 6}) + "\n" for i in range(160)))
+    return path
+
+
+@pytest.mark.parametrize("spelling", ["path", "hf:PATH", "--hf_data_files"])
+def test_a_local_dataset_is_found_from_another_folder(spelling, text_folder, jsonl_file, tmp_path, monkeypatch,
+                                                     capsys):
+    """A --dataset path, an hf:PATH or an --hf_data_files entry given relative to the training
+    folder is recorded absolute, so --eval_only (and --resume, the same merge) works from any folder
+    and the relative spelling is the same setting; a recorded path that is not here is one line
+    naming its flag."""
+    if spelling != "path":
+        pytest.importorskip("datasets", reason="hf: data needs the optional extra: pip install datasets")
+    src = text_folder if spelling == "path" else jsonl_file
+    flag, flags = {"path": ("dataset", ["--dataset", src.name]),
+                   "hf:PATH": ("dataset", ["--dataset", "hf:" + src.name]),
+                   "--hf_data_files": ("hf_data_files", ["--dataset", "hf:json", "--hf_data_files", src.name])}[spelling]
+    monkeypatch.chdir(src.parent)
     run = tmp_path / "run"
-    trained = tiny_run("loop", ["--dataset", text_folder.name, "--tokenizer", "char",
-                                "--data_root", tmp_path / "data"], run)
+    trained = tiny_run("loop", [*flags, "--tokenizer", "char", "--data_root", tmp_path / "data"], run)
+    code, out, err = eval_only_call(["--out_dir", run, *flags], capsys)  # the relative spelling: the same data
+    assert (code, err) == (0, "") and report_numbers(out) == report_numbers(trained)
     monkeypatch.chdir(tmp_path)
     code, out, err = eval_only_call(["--out_dir", run], capsys)
     assert (code, err) == (0, "") and report_numbers(out) == report_numbers(trained)
     ck = load_checkpoint(run / "ckpt_best.pt")
-    assert ck["args"]["dataset"] == str(text_folder)
-    ck["args"]["dataset"] = "moved-away"
+    recorded = ("hf:" if spelling == "hf:PATH" else "") + str(src)
+    assert ck["args"][flag] == recorded
+    ck["args"][flag] = moved = recorded.replace(str(src), "moved-away" if spelling == "path" else str(tmp_path / "gone"))
     torch.save(ck, tmp_path / "ckpt_best.pt")
     code, _, err = eval_only_call(["--out_dir", tmp_path], capsys)
-    assert (code, err) == (2, f"error: {tmp_path / 'ckpt_best.pt'}: trained on --dataset moved-away, which is not "
-                              f"found from {tmp_path}; run from the folder it was trained in, or give --dataset "
+    assert (code, err) == (2, f"error: {tmp_path / 'ckpt_best.pt'}: trained on --{flag} {moved}, which is not "
+                              f"found from {tmp_path}; run from the folder it was trained in, or give --{flag} "
                               "with the data's path\n")
 
 
