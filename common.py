@@ -250,12 +250,18 @@ def not_a_command(module, use):
 # creates the missing folders itself when it writes (os.makedirs; make_parent for a file's), as
 # train.py --out_dir and data.py --data_root always have: a path in a missing folder is no error.
 
+def check_not_empty(flag, path, give='a folder ("." for this one)'):
+    """UsageError 'FLAG "": an empty path; give ...' for a path flag given as "": refused, not read as
+    its default or as this folder."""
+    if path == "":
+        raise UsageError(f'{flag} "": an empty path; give {give}')
+
+
 def check_output_folder(flag, path):
     """UsageError "FLAG PATH: ..." unless path (an output folder, e.g. --out_dir) is a folder this
     process can write into, or can be created: not a file, no file among its parents, a writable
     nearest existing folder. flag: as typed, e.g. "--out_dir". Creates nothing."""
-    if not path:
-        raise UsageError(f'{flag} "": an empty path; give a folder ("." for this one)')
+    check_not_empty(flag, path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path}: exists and is not a folder")
     _check_creatable(flag, path, os.path.abspath(path))
@@ -265,8 +271,7 @@ def check_output_file(flag, path):
     """UsageError "FLAG PATH: ..." unless path (an output file, e.g. --json) can be written: not a
     folder, and its folder exists or can be created (make_parent creates it when the file is
     written). Creates nothing."""
-    if not path:
-        raise UsageError(f'{flag} "": an empty path; give a file path')
+    check_not_empty(flag, path, "a file path")
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a folder; give a file path")
     _check_creatable(flag, path, os.path.dirname(os.path.abspath(path)))

@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-from common import (UsageError, UsageParser, check_sampling, check_seed, nll_unit, past_context_note, run_command,
-                    seed_flag)
-from harness.checkpoint import BEST, LATEST, load_checkpoint, load_weights
+from common import (UsageError, UsageParser, check_not_empty, check_sampling, check_seed, nll_unit,
+                    past_context_note, run_command, seed_flag)
+from harness.checkpoint import BEST, LATEST, RUN_FOLDER, load_checkpoint, load_weights
 from harness.config import Dist, auto_dtype, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode
 from harness.token_files import EOT, EOT_SYMBOL, gpt2_encoder
@@ -152,6 +152,7 @@ def run(args, out=None, err=None):
     resolve_device(args, Dist())
     if args.dtype == "auto":
         args.dtype = auto_dtype(args.device)
+    check_not_empty("--out_dir", args.out_dir, RUN_FOLDER)  # (not ./ckpt_best.pt)
     if os.path.isfile(args.out_dir):  # (not "no checkpoint at FILE/ckpt_best.pt")
         raise UsageError(f"--out_dir {args.out_dir}: a file; give the run's folder (train.py's --out_dir)")
     path = os.path.join(args.out_dir, CKPT_FILES[args.ckpt])

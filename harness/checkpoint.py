@@ -22,11 +22,12 @@ import random
 import torch
 
 import data as data_mod
-from common import ModelConfig, UsageError, write_atomic, write_text
+from common import ModelConfig, UsageError, check_not_empty, write_atomic, write_text
 from harness.datacheck import data_signature, same_data
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
 LATEST, BEST = "ckpt_latest.pt", "ckpt_best.pt"
+RUN_FOLDER = 'the run\'s folder ("." for this one)'  # what an empty --out_dir of a reading command is told to give
 TRAINING_KEYS = ("format", "model", "config", "data", "iter", "best_dev", "optimizer", "rng", "args",
                  "seed", "data_seed")
 # --resume: these must agree with the checkpoint (they define the model, its data order or the
@@ -154,6 +155,8 @@ def no_checkpoint(flag, path):
     checkpoint (--base runs/x) names the file to give instead (its best checkpoint, else its
     latest: a run stopped before its first evaluation), a checkpoint given for its run's
     folder (--resume --out_dir runs/x/ckpt_latest.pt) the folder."""
+    if path == "":
+        return UsageError(f'{flag} "": an empty path; give a checkpoint file')
     if os.path.isdir(path):
         best, latest = os.path.join(path, BEST), os.path.join(path, LATEST)
         return UsageError(f"{flag} {path}: a folder, not a checkpoint file"
@@ -189,6 +192,7 @@ def resume_args(args, given):
     """--resume: load <out_dir>/ckpt_latest.pt and fill args from the flags it was trained with.
     Returns (checkpoint, the explicit overrides as {flag: [checkpoint value, new value]});
     UsageError for a bad file or a conflicting identity flag."""
+    check_not_empty("--out_dir", args.out_dir, RUN_FOLDER)
     path = os.path.join(args.out_dir, LATEST)
     ckpt = load_checkpoint(path, keys=TRAINING_KEYS)
     saved = saved_args(ckpt, path)
@@ -217,6 +221,7 @@ def eval_only_args(args, given):
     them after the best checkpoint was written). Returns (the best checkpoint, the explicit
     overrides); UsageError for a bad file, a latest checkpoint of another model or a conflicting
     identity flag."""
+    check_not_empty("--out_dir", args.out_dir, RUN_FOLDER)
     path, latest = os.path.join(args.out_dir, BEST), os.path.join(args.out_dir, LATEST)
     ckpt = load_checkpoint(path, keys=("format", "model", "config", "data", "iter", "dev_nll", "args"),
                            flag="--eval_only")

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from harness import token_files
-from common import UsageError
+from common import UsageError, check_not_empty
 
 REQUIRED = ("train-easy", "train-medium", "train-hard", "interpolate", "extrapolate")
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "dmmath")
@@ -21,7 +21,9 @@ DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 def source(data_dir=None):
     """(root, relative paths of its problem files, prepared folder name) of a dmmath folder
     (default: ../shared/data/dmmath next to this repo). UsageError unless the layout is there."""
-    root = os.path.realpath(data_dir or DEFAULT)  # one folder, one fingerprint, however the path is spelled
+    check_not_empty("--data_dir", data_dir, "the DeepMind Mathematics folder")
+    # one folder, one fingerprint, however the path is spelled
+    root = os.path.realpath(DEFAULT if data_dir is None else data_dir)
     missing = [d for d in REQUIRED if not os.path.isdir(os.path.join(root, d))]
     if missing:
         raise UsageError(f"--data_dir {root}: not a DeepMind Mathematics folder; needs "

@@ -892,6 +892,34 @@ def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message
     assert sorted(os.listdir(tmp_path)) == ["afile", "afile.md"]
 
 
+RUN_FOLDER = 'error: --out_dir "": an empty path; give the run\'s folder ("." for this one)'
+NO_DMMATH = 'error: --data_dir "": an empty path; give the DeepMind Mathematics folder'
+NO_ROOT = 'error: --root "": an empty path; give the runs\' folder'
+NO_BASE = 'error: --base "": an empty path; give a checkpoint file'
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("train.py", ["--eval_only", "--out_dir", ""], RUN_FOLDER),
+    ("train.py", ["--resume", "--out_dir", ""], RUN_FOLDER),
+    ("sample.py", ["--out_dir", ""], RUN_FOLDER),
+    ("train.py", ["--dataset", "dmmath", "--data_dir", "", "--out_dir", "o", "--data_root", "d"], NO_DMMATH),
+    ("data.py", ["--dataset", "dmmath", "--data_dir", "", "--data_root", "d"], NO_DMMATH),
+    ("tools.sweep", ["report", "--root", ""], NO_ROOT),
+    ("tools.sweep", ["collect", "--root", "", "--to", "c"], NO_ROOT),
+    ("tools.sweep", ["plot", "--root", "", "--out", "p"], NO_ROOT),
+    ("studies.reflux_cli", ["sweep", "--base", ""], NO_BASE),
+    ("studies.latent_experiments", ["sweep", "--base", "", "--out_dir", "o"], NO_BASE),
+])
+def test_every_cli_refuses_an_empty_input_path(script, argv, message, tmp_path, monkeypatch, capsys):
+    """An input path given as "" is one line naming the flag, exit 2, nothing written: not read as
+    the flag's default (dmmath's folder) or as this folder (./ckpt_best.pt), and not "no checkpoint
+    at ckpt_best.pt" (common.check_not_empty)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(script, argv, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", message + "\n")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("script,argv,message", [
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--warmup", "2"],

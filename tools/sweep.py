@@ -43,7 +43,8 @@ import time
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_output_file, check_output_folder,
+from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_not_empty, check_output_file,
+                    check_output_folder,
                     make_parent, run_command, write_text)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
@@ -435,6 +436,7 @@ def main(argv=None):
         check_output_file("--into", args.into)  # (an empty path: not "no --into")
     if args.cmd == "report" and args.into and args.mode == "lr":
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
+    check_not_empty("--root", args.root, "the runs' folder")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
     if not throughput and not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
