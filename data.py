@@ -128,8 +128,10 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     Data.check_block_size); without, it is a UsageError and nothing is written (check_splits; the
     command lines of data.py and tools.sweep).
     """
-    if tokenizer not in TOKENIZERS or (dataset == "dmmath" and tokenizer == "gpt2"):
-        raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)} (dmmath: auto or char)")
+    if tokenizer not in TOKENIZERS:
+        raise UsageError(f"--tokenizer {tokenizer}: choose one of {', '.join(TOKENIZERS)}")
+    if dataset == "dmmath" and tokenizer == "gpt2":
+        raise UsageError("--tokenizer gpt2: dmmath is read as characters; choose auto or char")
     if tokenizer == "auto":
         tokenizer = "char" if dataset == "dmmath" else "gpt2"
     if data_dir is not None and dataset != "dmmath":

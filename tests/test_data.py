@@ -481,7 +481,7 @@ def test_more_workers_than_cpus_are_lowered_to_the_cpus(gpt2_bpe, tmp_path, monk
 
 
 def test_tokenizer_errors(tmp_path):
-    with pytest.raises(UsageError, match=r"--tokenizer gpt2: choose one of auto, gpt2, char \(dmmath: auto or char\)"):
+    with pytest.raises(UsageError, match=r"--tokenizer gpt2: dmmath is read as characters; choose auto or char"):
         data.prepare("dmmath", tokenizer="gpt2", out_root=str(tmp_path))
     with pytest.raises(UsageError, match="--tokenizer bpe: choose one of auto, gpt2, char"):
         data.prepare("stdlib", tokenizer="bpe", out_root=str(tmp_path))
