@@ -156,6 +156,52 @@ def _on_sigterm(main_pid, signum, frame):
     raise Terminated
 
 
+def host_memory_free():
+    """Bytes of host memory this process may still take before Linux's out-of-memory killer acts:
+    MemAvailable + SwapFree of /proc/meminfo, or less when its cgroup (v2) has a lower memory.max;
+    None where these files do not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        free = info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as m, open("/sys/fs/cgroup/memory.current") as c:
+            top = m.read().strip()
+            if top != "max":
+                free = min(free, int(top) - int(c.read()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+@contextlib.contextmanager
+def host_memory_limit():
+    """Within: this process's data memory (RLIMIT_DATA) capped at its size now plus host_memory_free(),
+    on Linux without a GPU. Linux overcommits memory, so without a cap a CPU batch past the host's memory
+    allocates until the kernel kills the process (exit 137, no message); with it the allocation fails
+    and run_command prints its one line. A tighter limit already set is kept; restored on exit."""
+    free = host_memory_free() if sys.platform.startswith("linux") and not torch.cuda.is_available() else None
+    if free is None:
+        yield
+        return
+    import resource
+    try:
+        with open("/proc/self/status") as f:
+            data = int(re.search(r"^VmData:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+    except (OSError, AttributeError):
+        yield
+        return
+    old = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = min(x for x in (data + max(free, 0), old[0], old[1]) if x != resource.RLIM_INFINITY)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, old)
+
+
 def run_command(main, sizes=()):
     """Run a command's main() (its return value is the exit code, None for 0). sizes: the command's
     flags that set how much memory it takes, named by its out-of-memory line. A reader that closes
@@ -170,7 +216,8 @@ def run_command(main, sizes=()):
     main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers: main thread only)
     previous = signal.signal(signal.SIGTERM, functools.partial(_on_sigterm, os.getpid())) if main_thread else None
     try:
-        code = main()
+        with host_memory_limit():
+            code = main()
         sys.stdout.flush()
     except KeyboardInterrupt as e:
         term = isinstance(e, Terminated)

@@ -25,6 +25,7 @@ import torch
 from harness import checkpoint, evaluation
 import data as data_mod
 import train
+import common
 from common import ModelConfig, run_command
 from harness import config as harness_config
 from harness.config import resolve_args
@@ -869,6 +870,28 @@ def test_a_model_larger_than_the_machine_is_refused_before_anything_is_prepared(
     with pytest.raises(train.UsageError, match=r" need .* GB for its weights, gradients and AdamW moments alone; "
                                                "cuda has 0.0 GB"):
         resolve_args(train.parse_args([*argv, "--device", "cuda", "--dtype", "float32"]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or torch.cuda.is_available(),
+                    reason="the cap is for Linux without a GPU (it reads /proc)")
+def test_a_batch_past_the_hosts_free_memory_is_one_line_not_the_oom_killer(mdm, data_root, tmp_path, monkeypatch,
+                                                                            capsys):
+    """On Linux without a GPU, run_command caps the process's data memory at its size now plus the
+    host's free memory (common.host_memory_limit), so a batch past it fails its allocation: one line
+    naming the size flags, exit 2, no out_dir, and the limit restored. Without the cap Linux's
+    overcommit lets such a batch allocate until the kernel kills the process (exit 137, no message).
+    Here the host pretends to have 256 MB free; the batch needs more (it trains without the cap)."""
+    import resource
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    monkeypatch.setattr(common, "host_memory_free", lambda: 2 ** 28, raising=False)
+    big = ["--batch_size", "1024", "--max_iters", "1", "--eval_interval", "1"]  # about 4 GB without the cap
+    with pytest.raises(SystemExit) as e:
+        run_command(lambda: train.main(flags(mdm, data_root, tmp_path / "o", *big)), sizes=train.SIZE_FLAGS)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: out of memory (") and err.count("\n") == 1, err
+    assert err.endswith("; give smaller sizes (--size, --depth, --width, --batch_size, --block_size, "
+                        "--eval_batch_size)\n")
+    assert not (tmp_path / "o").exists() and resource.getrlimit(resource.RLIMIT_DATA) == before
 
 
 def test_a_batch_that_does_not_fit_leaves_out_dir_as_it_was(runs, mdm, data_root, tmp_path, monkeypatch):
