@@ -297,6 +297,18 @@ def not_a_command(module, use):
 # creates the missing folders itself when it writes (os.makedirs; make_parent for a file's), as
 # train.py --out_dir and data.py --data_root always have: a path in a missing folder is no error.
 
+def repeated(items):
+    """The first entry of items (a list flag's entries, as the command reads them) that an earlier
+    one equals, else None: a repeat would be run, timed or counted twice, or dropped without a word,
+    so each command refuses it ("FLAG VALUE: X given twice")."""
+    seen = set()
+    for x in items:
+        if x in seen:
+            return x
+        seen.add(x)
+    return None
+
+
 def check_not_empty(flag, path, give='a folder ("." for this one)'):
     """UsageError 'FLAG "": an empty path; give ...' for a path flag given as "": refused, not read as
     its default or as this folder."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from common import UsageError, check_decayed_rate, check_output_folder, check_rate, check_seed
+from common import UsageError, check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
 from harness.checkpoint import remove_stale, trim_log
 from models import (REGISTRY, TIERS, block_counts, count_params, model_config, model_flags, params_lower_bound,
                     shared_block_models)
@@ -179,6 +179,8 @@ def check_values(args, dist):
         args.depth_list = [int(k) for k in args.eval_depths.split(",")] if args.eval_depths else []
     except ValueError:
         raise UsageError(f"--eval_depths {args.eval_depths}: give comma-separated depths, e.g. 1,2,4,8") from None
+    if (twice := repeated(args.depth_list)) is not None:
+        raise UsageError(f"--eval_depths {args.eval_depths}: {twice} given twice")
     if args.depth_list and (args.model not in shared_block_models() or min(args.depth_list) < 1):
         raise UsageError(f"--eval_depths {args.eval_depths}: needs depths >= 1 and a shared-block model "
                          f"({', '.join(shared_block_models())})")

@@ -16,7 +16,7 @@ import shutil
 import threading
 
 from harness import text_data, token_files
-from common import UsageError
+from common import UsageError, repeated
 
 HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # they read --hf_data_files
 SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -43,6 +43,8 @@ def spec(dataset, split, text_field, split_key, data_files):
         raise UsageError(f"--dataset {dataset}: reading Hugging Face datasets needs the optional extra: "
                          "pip install datasets") from None
     files = [f for f in (data_files or "").split(",") if f]
+    if (twice := repeated(files)) is not None:  # read twice, its rows would count twice
+        raise UsageError(f"--hf_data_files {data_files}: {twice} given twice")
     if os.path.isfile(name) and not files and os.path.splitext(name)[1] in SUFFIXES:  # hf:corpus.jsonl
         name, files = SUFFIXES[os.path.splitext(name)[1]], [name]
     local = os.path.exists(name)

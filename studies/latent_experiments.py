@@ -31,7 +31,7 @@ import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
 from common import (ModelConfig, UsageError, UsageParser, check_decayed_rate, check_output_files, check_output_folder,
-                    check_rate, check_seed, make_parent, nll_unit, run_command, seed_flag, write_text)
+                    check_rate, check_seed, make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -452,6 +452,8 @@ def check_args(args):
         for t in ([] if value == "all" else value.split(",")):
             if t not in TASKS:
                 raise UsageError(f"--{flag}: unknown task '{t}'; give all or a comma list of {', '.join(TASKS)}")
+        if (twice := repeated([] if value == "all" else value.split(","))) is not None:
+            raise UsageError(f"--{flag} {value}: {twice} given twice")
     for p in getattr(args, "extra", []):
         parse_policy(p, flag="--extra")
     flag = "--seeds" if hasattr(args, "seeds") else "--seed"  # sweep's --seeds, run's and pretrain's --seed

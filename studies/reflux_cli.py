@@ -24,7 +24,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights, no_checkpoint
 from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_rate, check_seed,
-                    make_parent, nll_unit, run_command, seed_flag, write_text)
+                    make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
@@ -248,6 +248,11 @@ def parse(argv):
             if s not in SCHEDULES:
                 raise UsageError(f"--schedules {s}: choose from {', '.join(SCHEDULES)}")
         a.alphas, a.betas = _floats(a.alphas, "--alphas"), _floats(a.betas, "--betas")
+        lists = {"schedules": a.schedules, "edges": [] if a.edges == "all" else [e for e in a.edges.split(",") if e],
+                 "alphas": a.alphas, "betas": a.betas}
+        for flag, items in lists.items():
+            if (twice := repeated(items)) is not None:
+                raise UsageError(f"--{flag}: {twice} given twice")
         for v in a.alphas:
             check_alpha("--alphas", v)
         for v in a.betas:
@@ -259,6 +264,8 @@ def parse(argv):
         check_beta("--beta", a.beta)
         if a.recirc and a.payload != "delta":
             raise UsageError("--recirc: sets --payload state itself; drop --payload")
+        if a.edge and (twice := repeated(a.edge)) is not None:  # one write per edge: a repeat is not a second
+            raise UsageError(f"--edge {twice}: given twice")
         if a.router and (a.edge or a.recirc):
             flag = "--edge" if a.edge else "--recirc"
             raise UsageError(f"{flag}: not used with --router, which gates every pair (s, d) itself; drop {flag}")

@@ -10,6 +10,7 @@ of the world size, 4 latent tokens on half-precision bases, 5 under-determined s
 import argparse
 import contextlib
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -892,6 +893,47 @@ def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message
     assert sorted(os.listdir(tmp_path)) == ["afile", "afile.md"]
 
 
+SWEEP = ["run", "--root", "r", "--models", "loop", "--depths", "2", "--datasets", "dmmath"]
+HAS_DATASETS = importlib.util.find_spec("datasets") is not None
+
+
+def swept(flag, value):
+    argv = list(SWEEP)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    return argv + ([] if flag in SWEEP else [flag, value])
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("tools.sweep", swept("--models", "loop,untied,loop"), "error: --models loop,untied,loop: loop given twice"),
+    ("tools.sweep", swept("--depths", "2,02"), "error: --depths 2,02: 2 given twice"),
+    ("tools.sweep", swept("--datasets", "dmmath,dmmath"), "error: --datasets dmmath,dmmath: dmmath given twice"),
+    ("tools.bench", ["--models", "loop,loop"], "bench.py: error: --models loop,loop: loop given twice"),
+    ("tools.bench", ["--models", "loop", "--block_sizes", "64,32,64"], "bench.py: error: --block_sizes 64,32,64: 64 given twice"),
+    ("tools.bench", ["decode", "--models", "loop,loop"], "bench.py decode: error: --models loop,loop: loop given twice"),
+    ("train.py", ["--model", "loop", "--eval_depths", "1,2,1"], "error: --eval_depths 1,2,1: 1 given twice"),
+    pytest.param("train.py", ["--dataset", "hf:json", "--hf_data_files", "afile,afile"],
+                 "error: --hf_data_files TMP/afile,TMP/afile: TMP/afile given twice",  # (as recorded: absolute)
+                 marks=pytest.mark.skipif(not HAS_DATASETS, reason="hf: data needs the optional extra datasets")),
+    ("studies.reflux_cli", ["--base", "afile", "--edge", "1:0", "--edge", "1:0"], "error: --edge 1:0: given twice"),
+    ("studies.reflux_cli", ["sweep", "--base", "afile", "--alphas", "0.2,0.5,0.2"], "error: --alphas: 0.2 given twice"),
+    ("studies.reflux_cli", ["sweep", "--base", "afile", "--edges", "1:0,1:0"], "error: --edges: 1:0 given twice"),
+    ("studies.reflux_cli", ["sweep", "--base", "afile", "--schedules", "stream,stream"],
+     "error: --schedules: stream given twice"),
+    ("studies.latent_experiments", ["sweep", "--base", "afile", "--tasks", "summation,summation", "--out_dir", "o"],
+     "error: --tasks summation,summation: summation given twice"),
+])
+def test_every_cli_refuses_a_list_entry_given_twice(script, argv, message, tmp_path, monkeypatch, capsys):
+    """A list flag naming one entry twice is one line naming the flag and the entry, exit 2,
+    nothing written (common.repeated): it used to be run or timed twice (tools.bench), dropped
+    without a word (tools.sweep), or printed as two writes that were one (ReFlux's --edge)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    code, out, err = run_cli(script, argv, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", message.replace("TMP", str(tmp_path)) + "\n")
+    assert os.listdir(tmp_path) == ["afile"]
+
+
 RUN_FOLDER = 'error: --out_dir "": an empty path; give the run\'s folder ("." for this one)'
 NO_DMMATH = 'error: --data_dir "": an empty path; give the DeepMind Mathematics folder'
 NO_ROOT = 'error: --root "": an empty path; give the runs\' folder'
@@ -1284,7 +1326,7 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--lrs", "1e-3", "--", "--learning_rate", "0.5"],
      "error: -- --learning_rate: --lrs sets each run's learning rate; give the rates to --lrs only"),
-    (["--lrs", "1e-3,0.001"], "error: --lrs 1e-3,0.001: a learning rate given twice (as the same number)"),
+    (["--lrs", "1e-3,0.001"], "error: --lrs 1e-3,0.001: 0.001 given twice (as the same number)"),
     (["--datasets", "a/multi,b/multi/"],
      "error: --datasets: a/multi and b/multi/ would share the runs' folder multi/ under --root; rename one of them"),
     (["--", "--out_dir=elsewhere"], "error: -- --out_dir: the sweep sets this itself per run; use --models/--depths/"

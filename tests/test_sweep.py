@@ -282,11 +282,11 @@ def test_run_skips_finished_resumes_and_runs_in_parallel(tmp_path, monkeypatch):
     half = tmp_path / "stdlib" / "tango-K8-s2"  # interrupted: resumed
     half.mkdir(parents=True)
     (half / "ckpt_latest.pt").write_text("")
-    rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop,tango", "--depths", "4,8",
+    rc = sweep.main(["run", "--root", str(tmp_path), "--models", "tango,loop", "--depths", "4,8",
                      "--seeds", "2", "--jobs", "2", "--", "--size", "tiny"])
     assert rc == 1  # the loop runs failed
     assert prepared == [{("stdlib", "tiny")}]
-    assert len(calls) == 7 and all(env == "2" for _, env in calls)  # the repeated "tango" is run once
+    assert len(calls) == 7 and all(env == "2" for _, env in calls)
     first = calls[0][0]
     assert first[first.index("--depth") + 1] == "4" and first[-2:] == ["--size", "tiny"]
     key = lambda c: (c[c.index("--model") + 1], c[c.index("--depth") + 1], c[c.index("--seed") + 1], c[-1])
@@ -361,15 +361,15 @@ def test_run_refuses_flags_it_sets_and_bad_lrs(extra, lrs, message):
                               ["--size", "tiny", "--warmup_iters", "5"])
 
 
-def test_run_counts_distinct_runs_against_the_limit():
-    """A sweep holds at most MAX_RUNS runs; a repeated model or depth (4 and 04 are one folder, K4)
-    is one run, as cmd_run keeps it."""
+def test_run_counts_its_runs_against_the_limit():
+    """A sweep holds at most MAX_RUNS runs (a repeated model or depth is refused before the count:
+    test_faults' test_every_cli_refuses_a_list_entry_given_twice)."""
     ns = lambda **kw: argparse.Namespace(**{**dict(models="tango", depths="4", seeds=1, jobs=1, lrs="",
                                                    datasets="stdlib"), **kw})
     assert sweep.MAX_RUNS == 100_000
-    sweep.check_run_flags(ns(models="tango,tango", depths="4,04", seeds=100_000), [])
+    sweep.check_run_flags(ns(models="tango", depths="4", seeds=100_000), [])
     with pytest.raises(UsageError) as e:
-        sweep.check_run_flags(ns(models="tango,loop", depths="4,04", seeds=50_001), [])
+        sweep.check_run_flags(ns(models="tango,loop", depths="4", seeds=50_001), [])
     assert str(e.value) == ("--models (2) x --depths (1) x --seeds (50,001) x --datasets (1) x --lrs (1) = 100,002 "
                             "runs; at most 100,000 per sweep")
 

@@ -106,7 +106,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 import flops
 import models
 from common import (ExitParser, UsageError, check_output_files, compile_regions, int64_flag, make_parent, run_command,
-                    synchronizer, write_text)
+                    repeated, synchronizer, write_text)
 from harness.config import Dist, auto_dtype, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
@@ -462,6 +462,8 @@ def parse(argv):
             p.error(f"--models: unknown model '{m}'; choose from {', '.join(models.REGISTRY)}")
     if not a.models:
         p.error("--models: name at least one model")
+    if (twice := repeated(a.models)) is not None:
+        p.error(f"--models {','.join(a.models)}: {twice} given twice")
     for flag in ("depth", "batch_tokens", "vocab_size", "steps", "warmup", "peak_n", "peak_reps", "rounds"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:  # None: unset, its default below
             p.error(f"--{flag} {getattr(a, flag)}: must be >= 1")
@@ -478,13 +480,16 @@ def parse(argv):
         a.block_sizes = ",".join(map(str, QUICK_T["cuda" if cuda else "cpu"]))
     block_sizes = ("2048,8192" if cuda else DEFAULT_BLOCK_SIZES) if a.block_sizes is None else a.block_sizes
     try:
-        a.block_sizes = sorted({int64_flag(t) for t in block_sizes.split(",") if t})
+        a.block_sizes = [int64_flag(t) for t in block_sizes.split(",") if t]
     except argparse.ArgumentTypeError as e:
         p.error(f"--block_sizes {e}")
     except ValueError:
         p.error(f"--block_sizes {block_sizes}: comma-separated integers")
     if not a.block_sizes or min(a.block_sizes) < 1:
         p.error("--block_sizes: need positive integers")
+    if (twice := repeated(a.block_sizes)) is not None:
+        p.error(f"--block_sizes {block_sizes}: {twice} given twice")
+    a.block_sizes = sorted(a.block_sizes)
     quick_cpu = a.quick and not cuda
     defaults = {"steps": 1 if quick_cpu else 3 if a.quick else 2, "warmup": 2 if a.quick and cuda else 1,
                 "peak_n": 256 if quick_cpu else 8192 if cuda else 2048, "peak_reps": 3 if quick_cpu else 10,

@@ -20,7 +20,7 @@ import flops
 import models
 from tools.cpu_memory import loadavg
 from common import (ExitParser, UsageError, check_output_files, make_parent, not_a_command, past_context_note,
-                    synchronizer, write_text)
+                    repeated, synchronizer, write_text)
 
 
 # ============================================================================= batch-1 decoding (parallel loops)
@@ -113,6 +113,8 @@ def decode_main(argv):
             p.error(f"--models: unknown model '{m}'; choose from {', '.join(models.REGISTRY)}")
     if not names:
         p.error("--models: name at least one model")
+    if (twice := repeated(names)) is not None:
+        p.error(f"--models {a.models}: {twice} given twice")
     if a.size not in models.TIERS:
         p.error(f"--size {a.size}: choose one of {', '.join(models.TIERS)}")
     a.block_size = a.block_size if a.block_size is not None else TIER_DEFAULTS[a.size]["block_size"]

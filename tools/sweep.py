@@ -44,7 +44,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_not_empty, check_output_file,
-                    check_output_folder,
+                    check_output_folder, repeated,
                     make_parent, run_command, write_text)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
@@ -339,6 +339,10 @@ def check_run_flags(args, extra):
         raise UsageError(f"--models: unknown {', '.join(bad)}; choose from {', '.join(REGISTRY)}")
     if not all(k.isdigit() and int(k) >= 1 for k in args.depths.split(",")):
         raise UsageError(f"--depths {args.depths}: comma-separated integers >= 1")
+    for flag, items in (("models", args.models.split(",")), ("depths", [int(k) for k in args.depths.split(",")]),
+                        ("datasets", args.datasets.split(","))):
+        if (twice := repeated(items)) is not None:
+            raise UsageError(f"--{flag} {getattr(args, flag)}: {twice} given twice")
     for flag in ("seeds", "jobs"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
@@ -358,13 +362,13 @@ def check_run_flags(args, extra):
     if not all(_is_lr(lr) for lr in lrs):
         raise UsageError(f"--lrs {args.lrs}: comma-separated finite learning rates > 0, at most 3.4e38 "
                          "(1e-3, 0.002, 3E-4, ...)")
-    if len({float(lr) for lr in lrs}) < len(lrs):
-        raise UsageError(f"--lrs {args.lrs}: a learning rate given twice (as the same number)")
+    if (twice := repeated(float(lr) for lr in lrs)) is not None:
+        raise UsageError(f"--lrs {args.lrs}: {twice:g} given twice (as the same number)")
     if lrs and "learning_rate" in given:
         raise UsageError("-- --learning_rate: --lrs sets each run's learning rate; give the rates to --lrs only")
-    counts = {"models": len(set(args.models.split(","))), "depths": len({int(k) for k in args.depths.split(",")}),
-              "seeds": args.seeds, "datasets": len(set(args.datasets.split(","))), "lrs": max(1, len(lrs))}
-    if math.prod(counts.values()) > MAX_RUNS:  # distinct runs (cmd_run drops repeats), listed and checked first
+    counts = {"models": len(args.models.split(",")), "depths": len(args.depths.split(",")),
+              "seeds": args.seeds, "datasets": len(args.datasets.split(",")), "lrs": max(1, len(lrs))}
+    if math.prod(counts.values()) > MAX_RUNS:  # listed and checked first
         raise UsageError(" x ".join(f"--{f} ({c:,})" for f, c in counts.items())
                          + f" = {math.prod(counts.values()):,} runs; at most {MAX_RUNS:,} per sweep")
     names = {}
