@@ -47,6 +47,27 @@ def test_tiny_run_writes_json_and_table(tmp_path):
 
 
 @pytest.mark.skipif(cpu_memory._libc() is None, reason="the C library is not glibc (no mallopt)")
+@pytest.mark.parametrize("bf16, ok", [(1.3e9, False), (9.1e10, False), (2e11, True)])
+def test_bfloat16_whose_peak_is_no_higher_than_float32s_is_refused(bf16, ok, tmp_path, monkeypatch, capsys):
+    """--dtype bfloat16 where its matmul peak is no higher than float32's (emulated: a CPU without
+    native bfloat16 measured 1.3 GFLOP/s against 91, and its model steps then read 225 % MFU) is one
+    line, exit 2, nothing written; a native one (above float32) runs."""
+    peaks = {"bfloat16": bf16, "float32": 9.1e10}
+    monkeypatch.setattr(bench, "matmul_peak", lambda device, dtype, n, reps: peaks[dtype])
+    monkeypatch.setattr(bench, "schedule", lambda plan, rounds: [])  # no configuration: only the check runs
+    out = tmp_path / "b.json"
+    rc = bench.main(["--models", "loop", "--dtype", "bfloat16", "--size", "tiny", "--json", str(out)])
+    got = capsys.readouterr()
+    err = got.err
+    if ok:  # it goes on past the check (to the benchmark, which this test stubs out)
+        assert "--dtype" not in err and got.out.startswith("matmul peak: 200.0 GFLOP/s (bfloat16, ")
+        return
+    assert rc == 2 and not out.exists() and err == (
+        f"bench.py: error: --dtype bfloat16: its matmul peak on cpu ({bf16 / 1e9:.1f} GFLOP/s) is no higher than "
+        "float32's (91.0): bfloat16 is emulated there, so MFU over that peak would read above 100 %; use --dtype "
+        "float32\n")
+
+
 def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
     """After keep_freed_memory a freed 64 MiB tensor stays resident (the next step reuses its pages
     instead of faulting in new ones); glibc's default and return_freed_memory give it back. In a

@@ -558,6 +558,13 @@ def main(argv=None):
     t_start = time.time()
     load_start = loadavg()
     peak = matmul_peak(a.device, a.dtype, a.peak_n, a.peak_reps)
+    if a.dtype == "bfloat16":  # emulated bfloat16 is slower than float32, and the model's kernels outrun its "peak"
+        fp32 = matmul_peak(a.device, "float32", a.peak_n, a.peak_reps)
+        if peak <= fp32:
+            print(f"bench.py: error: --dtype bfloat16: its matmul peak on {a.device} ({peak / 1e9:.1f} GFLOP/s) is no "
+                  f"higher than float32's ({fp32 / 1e9:.1f}): bfloat16 is emulated there, so MFU over that peak would "
+                  "read above 100 %; use --dtype float32", file=sys.stderr)
+            return 2
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s ({a.dtype}, {a.peak_n}^3, best of {a.peak_reps}, "
           f"{threads} threads); load average {load_start}", flush=True)
     parts, failed = {}, {}
