@@ -760,6 +760,22 @@ def test_a_stopped_sweep_passes_sigterm_on_and_starts_nothing_new(tmp_path):
         sweep._runs["stopping"] = False  # (as the next sweep in this process starts)
 
 
+def test_a_stopped_sweep_ends_its_output_file_with_the_line_it_prints(tmp_path, monkeypatch):
+    """What `run` prints goes to <root>/sweep-output.txt too, the line of a stopped sweep included."""
+    from common import Terminated
+
+    def stopped(cmd, stdout, env):
+        raise Terminated
+
+    monkeypatch.setattr(sweep, "run_process", stopped)
+    monkeypatch.setattr(sweep, "prepare_data", lambda resolved: None)
+    with pytest.raises(Terminated, match=f"^{sweep.RESUME_HINT}$"):
+        sweep.main(["run", "--root", str(tmp_path), "--models", "loop", "--depths", "2", "--", "--size", "tiny"])
+    lines = (tmp_path / "sweep-output.txt").read_text().splitlines()
+    assert lines[0].startswith("[1/1] train.py --model loop ") and lines[1:] == [
+        "terminated: run the same command again to skip finished runs and resume the rest"]
+
+
 def test_collect_keeps_each_line_of_the_sweep_outputs_once():
     """Clone A collected, clone B collected part-way and again when done, A again after it ran on:
     every line once, in the order collected (report --grid sums the wall times it prints)."""

@@ -121,12 +121,15 @@ def cmd_run(args, extra):
             rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the running train.py processes end as they would alone
         stop_runs(e)
+        with open(log, "a") as f:  # (common.run_command prints the same line on stderr)
+            f.write(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: {RESUME_HINT}\n")
         raise
     failed = sum(rc != 0 for rc in rcs)
     say(f"sweep: {len(grid)} run{'s' * (len(grid) != 1)}, {failed} failed, wall time {time.time() - t0:.0f} s", log)
     return 1 if failed else 0
 
 
+RESUME_HINT = "run the same command again to skip finished runs and resume the rest"  # a stopped sweep's line
 MAX_RUNS = 100_000  # runs per sweep: each a train.py process of minutes to hours, all checked before the first
 
 # train.py flags every grid run sets itself (train_argv); given after `--` they would win and, for
@@ -435,7 +438,7 @@ def main(argv=None):
         try:
             return cmd_run(args, extra)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: common.run_command prints this, exit 130 / 143
-            raise type(e)("run the same command again to skip finished runs and resume the rest") from None
+            raise type(e)(RESUME_HINT) from None
     if args.cmd == "report" and args.into is not None:
         check_output_file("--into", args.into)  # (an empty path: not "no --into")
     if args.cmd == "report" and args.into and args.mode == "lr":
