@@ -46,7 +46,6 @@ def test_tiny_run_writes_json_and_table(tmp_path):
     assert res["meta"]["cpu_memory"] == "keep" and "CPU memory keep (freed memory kept for the next step)" in md
 
 
-@pytest.mark.skipif(cpu_memory._libc() is None, reason="the C library is not glibc (no mallopt)")
 @pytest.mark.parametrize("bf16, ok", [(1.3e9, False), (9.1e10, False), (2e11, True)])
 def test_bfloat16_whose_peak_is_no_higher_than_float32s_is_refused(bf16, ok, tmp_path, monkeypatch, capsys):
     """--dtype bfloat16 where its matmul peak is no higher than float32's (emulated: a CPU without
@@ -68,6 +67,7 @@ def test_bfloat16_whose_peak_is_no_higher_than_float32s_is_refused(bf16, ok, tmp
         "float32\n")
 
 
+@pytest.mark.skipif(cpu_memory._libc() is None, reason="the C library is not glibc (no mallopt)")
 def test_keep_freed_memory_keeps_a_freed_block_and_return_gives_it_back():
     """After keep_freed_memory a freed 64 MiB tensor stays resident (the next step reuses its pages
     instead of faulting in new ones); glibc's default and return_freed_memory give it back. In a
