@@ -44,8 +44,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_not_empty, check_output_file,
-                    check_output_folder, repeated,
-                    make_parent, run_command, write_text)
+                    check_output_folder, make_parent, repeated, run_command, write_text)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
