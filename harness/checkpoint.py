@@ -155,8 +155,7 @@ def no_checkpoint(flag, path):
     checkpoint (--base runs/x) names the file to give instead (its best checkpoint, else its
     latest: a run stopped before its first evaluation), a checkpoint given for its run's
     folder (--resume --out_dir runs/x/ckpt_latest.pt) the folder."""
-    if path == "":
-        return UsageError(f'{flag} "": an empty path; give a checkpoint file')
+    check_not_empty(flag, path, "a checkpoint file")  # (raises, as check_output_file does for an output path)
     if os.path.isdir(path):
         best, latest = os.path.join(path, BEST), os.path.join(path, LATEST)
         return UsageError(f"{flag} {path}: a folder, not a checkpoint file"
