@@ -772,7 +772,8 @@ def test_a_stopped_sweep_ends_its_output_file_with_the_line_it_prints(tmp_path, 
     with pytest.raises(Terminated, match=f"^{sweep.RESUME_HINT}$"):
         sweep.main(["run", "--root", str(tmp_path), "--models", "loop", "--depths", "2", "--", "--size", "tiny"])
     lines = (tmp_path / "sweep-output.txt").read_text().splitlines()
-    assert lines[0].startswith("[1/1] train.py --model loop ") and lines[1:] == [
+    assert re.fullmatch(rf"{sweep.START_LINE} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC, id [0-9a-f]{{8}}", lines[0]), lines[0]
+    assert lines[1].startswith("[1/1] train.py --model loop ") and lines[2:] == [
         "terminated: run the same command again to skip finished runs and resume the rest"]
 
 
@@ -786,3 +787,35 @@ def test_collect_keeps_each_line_of_the_sweep_outputs_once():
     assert kept == a + b_part + b_rest
     assert sweep.merge_output(kept, a) == kept
     assert sweep.merge_output(kept, a + a_more) == kept + a_more
+    assert sweep.merge_output(kept + a_more, a + a_more) == kept + a_more  # collected again: nothing new
+
+
+SKIPPED = "[1/2] runs/g/stdlib/loop-K4-s1: done, skipped\n[2/2] runs/g/stdlib/tango-K4-s1: done, skipped\n"
+
+
+def test_collect_keeps_each_commands_lines_once_in_any_order():
+    """Each run command's lines begin with its own start line: two clones whose commands print the
+    same lines first (every run skipped), collected part-way, in turns and again, keep each
+    command's lines once, and collecting again changes nothing."""
+    def command(n, end):
+        return f"{sweep.START_LINE} 2026-12-0{n} 10:00:00 UTC, id {n:08x}\n" + SKIPPED + end
+    a1, b1 = command(1, "sweep: 2 runs, 0 failed, wall time 2 s\n"), command(2, "sweep: 2 runs, 0 failed, wall time 3 s\n")
+    a2_part = command(3, "[1/1] train.py --model gau --depth 4\n")
+    a2 = a2_part + "sweep: 1 run, 0 failed, wall time 900 s\n"
+    kept = ""
+    for new in (a1, b1, a1 + a2_part, b1, a1 + a2, a1 + a2, b1):
+        kept = sweep.merge_output(kept, new)
+    assert kept == a1 + b1 + a2
+
+
+def test_collect_of_output_without_start_lines_keeps_no_line_twice():
+    """A clone whose sweep.py wrote no start lines, whose first lines are another clone's (every run
+    skipped), collected as it runs on: lines it holds at its beginning are taken as held (that
+    clone's own cannot be told from the other's), every later line is kept once."""
+    other = SKIPPED + "sweep: 2 runs, 0 failed, wall time 2 s\n"
+    clone = SKIPPED + "sweep: 2 runs, 0 failed, wall time 3 s\n[1/1] train.py --model gau --depth 4\n"
+    done = "sweep: 1 run, 0 failed, wall time 900 s\n"
+    kept = sweep.merge_output(other, clone)
+    for new in (clone + done, clone + done):
+        kept = sweep.merge_output(kept, new)
+    assert kept == other + clone[len(SKIPPED):] + done

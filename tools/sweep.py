@@ -15,7 +15,8 @@ skipped, one with only `ckpt_latest.pt` resumed; a run whose flags train.py woul
 starts (nothing prepared, no --root made). Flags after `--` go to every run (`--data_dir` to dmmath only,
 a model's own flags such as `--window` or `--n_core` only to the models that read them).
 `--jobs N` runs N processes at once (OMP_NUM_THREADS = cores / N unless set), depth first. What
-`run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`.
+`run` prints (not the data preparation) is also appended to `<root>/sweep-output.txt`, after a line
+of its own (`sweep run started`, the time and a random id).
 
 `report` prints one table per dataset (mean ± sample std over seeds of test/dev NLL, exact match; lowest
 in bold); a cell whose runs differ in anything but the seed is an error (exit 2). `report --grid`
@@ -35,6 +36,7 @@ import json
 import math
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -108,6 +110,8 @@ def cmd_run(args, extra):
     prepare_data(resolved)  # once, here: parallel runs never prepare the same folder
     os.makedirs(args.root, exist_ok=True)  # only now: a sweep refused above leaves no folder
     log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
+    with open(log, "a") as f:  # (merge_output keys this command's lines by it)
+        f.write(f"{START_LINE} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, id {secrets.token_hex(4)}\n")
     _runs["stopping"] = False
     try:
         if args.jobs > 1:
@@ -128,6 +132,7 @@ def cmd_run(args, extra):
     return 1 if failed else 0
 
 
+START_LINE = "sweep run started"  # a run command's first line in sweep-output.txt (a time and a random id follow)
 RESUME_HINT = "run the same command again to skip finished runs and resume the rest"  # a stopped sweep's line
 MAX_RUNS = 100_000  # runs per sweep: each a train.py process of minutes to hours, all checked before the first
 
@@ -256,8 +261,8 @@ def cmd_collect(root, to):
     """Copy <root>/<dataset>/<run>/summary.json to <to>/<dataset>/<run>/ with its curves.json
     (curves_of: a collected run's own, else from its log) and args.json (train.py's resolved
     flags: run_args), small enough to commit; a run with neither log nor curves gets no
-    curves.json. <root>/sweep-output.txt (the run commands' output) replaces <to>'s when it
-    continues it, else is appended to it (merge_output).
+    curves.json. <root>/sweep-output.txt (the run commands' output) is merged into <to>'s, each
+    command's lines once (merge_output).
     Every run is read before anything is written, so a bad file leaves <to> as it was. A summary
     of a resumed run written before train.py recorded resumes gets the log's resumed_at and
     wall_s_this_process_only."""
@@ -301,17 +306,45 @@ def cmd_collect(root, to):
 
 
 def merge_output(old, new):
-    """The sweep output kept when a root's sweep-output.txt (new) is collected where one is (old):
-    old, then the lines of new past its longest beginning that old already holds (a later collect
-    of the same root or clone continues its earlier text; another clone's output is appended)."""
-    lines = new.splitlines(keepends=True)
+    """The sweep output kept when a root's sweep-output.txt (new) is collected where one is (old).
+    Each `run` command's lines begin with its own START_LINE: a command old holds the beginning of
+    is completed in place, one it does not hold is appended, so every command's lines are kept
+    once, whatever the order in which clones are collected and however often. new's lines before
+    its first START_LINE (written by a sweep.py without them) are matched by content: the held
+    blocks at their beginning are skipped (a later collect of the same root), the rest appended."""
+    kept, lines = _lines(old), _lines(new)
+    first = next((i for i, line in enumerate(lines) if line.startswith(START_LINE)), len(lines))
+    i = 0
+    while i < first:  # the longest beginning of lines[i:first] that kept holds, then again after it
+        k = next((k for k in range(first - i, 0, -1) if _held(kept, lines[i:i + k])), 0)
+        if not k:
+            break
+        i += k
+    kept += lines[i:first]
+    starts = [n for n in range(first, len(lines)) if lines[n].startswith(START_LINE)] + [len(lines)]
+    for a, b in zip(starts, starts[1:]):
+        block = lines[a:b]
+        if block[0] not in kept:
+            kept += block
+            continue
+        at = kept.index(block[0])
+        n = 1  # how much of this command old holds: its first lines, as an earlier collect copied them
+        while n < len(block) and at + n < len(kept) and kept[at + n] == block[n]:
+            n += 1
+        kept[at:at + n] = block
+    return "".join(kept)
+
+
+def _lines(text):
+    lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines[-1] += "\n"
-    held = "\n" + old if old.endswith("\n") or not old else "\n" + old + "\n"
-    for k in range(len(lines), 0, -1):
-        if "\n" + "".join(lines[:k]) in held:  # (at a line start: every line ends with a newline)
-            return held[1:] + "".join(lines[k:])
-    return held[1:] + "".join(lines)
+    return lines
+
+
+def _held(kept, lines):
+    """Whether kept (a list of lines) holds lines one after another."""
+    return any(kept[i:i + len(lines)] == lines for i in range(len(kept) - len(lines) + 1) if kept[i] == lines[0])
 
 
 def check_outputs(out, into):
