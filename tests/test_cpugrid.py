@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 ROOT = "results/cpugrid"
 LR_ROOT = "results/cpugrid_lr"  # the same grid at peak learning rate 1e-3
 WARM_ROOT = "results/cpugrid_warmup"  # the same grid with 60 warmup updates
+HEADLINE_ROOT = WARM_ROOT  # the grid the README's headline reports
 
 
 def readme(root=ROOT):
@@ -67,7 +68,8 @@ def test_readme_headline_numbers_are_the_grids(monkeypatch):
     monkeypatch.chdir(HERE)
     with open("README.md", encoding="utf-8") as f:
         head = block(f.read(), ("<!-- headline -->\n", "<!-- end of headline -->"))
-    rows = sweep_report.load_runs(ROOT)
+    rows = sweep_report.load_runs(HEADLINE_ROOT)
+    assert sum(map(len, rows.values())) == 51
     stat = lambda m, k, metric="test_nll": sweep_report._stat(rows, ("stdlib", m, k), metric)
     head = " ".join(head.split())  # the prose's line breaks as spaces
     parts = re.split(r"K = (\d+): ", head)
@@ -121,7 +123,8 @@ def test_budget_report_arithmetic(tmp_path):
     assert table.splitlines()[2] == "| stdlib | tango | 4 | 1 | 500 | 1.600 (upd 400) | 1.200 | 25.0 % | 40 % |"
 
 
-def test_cpugrid_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
+@pytest.mark.parametrize("root", [ROOT, WARM_ROOT])
+def test_cpugrid_plot_is_the_committed_png_byte_for_byte(root, tmp_path, monkeypatch):
     mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
     import PIL
     have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
@@ -129,9 +132,9 @@ def test_cpugrid_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
         pytest.skip(f"the committed PNG was made with matplotlib {pinned('matplotlib')} and pillow "
                     f"{pinned('pillow')} (pinned in .ci/run); this has {have}, whose bytes may differ")
     monkeypatch.chdir(HERE)
-    written = sweep_report.plot(ROOT, str(tmp_path))
+    written = sweep_report.plot(root, str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["stdlib.png"]
-    with open(written[0], "rb") as a, open(os.path.join(ROOT, "stdlib.png"), "rb") as b:
+    with open(written[0], "rb") as a, open(os.path.join(root, "stdlib.png"), "rb") as b:
         assert a.read() == b.read()
 
 
