@@ -221,7 +221,8 @@ class Run:
         if self.saved_at is None and self.log is not None and self.log.pending is not None:
             return f"nothing was written to {self.args.out_dir} (a run writes there after its first update)"
         if self.saved_at is None:
-            return f"no checkpoint exists yet (the first is written after update {self.args.eval_interval})"
+            first = min(self.args.eval_interval, self.args.max_iters)  # (train_loop's first dev evaluation)
+            return f"no checkpoint exists yet (the first is written after update {first})"
         return f"the last good checkpoint is {self.latest_path} (update {self.saved_at})"
 
     @property

@@ -238,19 +238,21 @@ def test_micro_batch_without_scored_targets(long_questions):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m.parameters()))
 
 
-def test_nonfinite_message_says_which_checkpoint_exists(long_questions, tmp_path):
+@pytest.mark.parametrize("max_iters, first", [(250, 20), (12, 12)])  # a run shorter than --eval_interval: its end
+def test_nonfinite_message_says_which_checkpoint_exists(max_iters, first, long_questions, tmp_path):
     _, _, d = long_questions
     model = build_model(small_cfg("loop", vocab_size=d.vocab_size, block_size=8))
     with torch.no_grad():
         model.norm_f.weight.fill_(float("nan"))
-    args = SimpleNamespace(device="cpu", block_size=8, grad_clip=1.0, seed=0, eval_interval=20, out_dir=str(tmp_path))
+    args = SimpleNamespace(device="cpu", block_size=8, grad_clip=1.0, seed=0, eval_interval=20, max_iters=max_iters,
+                           out_dir=str(tmp_path))
     r = train.Run(args, train.Dist(), d, model.cfg, 0, model, torch.optim.SGD(model.parameters(), lr=1.0),
                   np.random.default_rng(0), train_model=model, ctx=contextlib.nullcontext())
     starts = [np.array([0, 50])]
     with pytest.raises(train.TrainingError) as e:
         train.train_update(r, starts)
     assert str(e.value).endswith("at update 1; stopped; no checkpoint exists yet "
-                                 "(the first is written after update 20)")
+                                 f"(the first is written after update {first})")
     assert "ckpt_latest.pt" not in str(e.value)
     r.it, r.saved_at = 7, 5
     with pytest.raises(train.TrainingError) as e:
