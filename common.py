@@ -68,13 +68,15 @@ class WholeFlagParser(argparse.ArgumentParser):
     """argparse that takes flags by their whole names only: argparse would read --out as --out_dir,
     past every check that looks for a flag by name (tools.sweep's, given_flags'); every command's
     --help (subcommands' too) shows each flag's default (DefaultsHelp); type=int reads an int64
-    (int64_flag)."""
+    (int64_flag); a negative number in any spelling (-1e-3, -inf) is a flag's value, not a flag
+    (argparse before Python 3.13 reads -1e-3 as an unknown flag: "expected one argument")."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", DefaultsHelp)
         super().__init__(*args, **kwargs)
         self.register("type", int, int64_flag)  # argparse looks a flag's type up here before calling it
+        self._negative_number_matcher = re.compile(r"^-(\.?\d|inf|nan)", re.IGNORECASE)  # (no flag starts so)
 
 
 class UsageParser(WholeFlagParser):

@@ -965,6 +965,25 @@ def test_every_cli_refuses_an_empty_input_path(script, argv, message, tmp_path, 
 
 
 @pytest.mark.parametrize("script,argv,message", [
+    ("train.py", ["--learning_rate", "-1e-3"], "error: --learning_rate -0.001: must be a finite number > 0 (at most 3.4e38, a float32)"),
+    ("train.py", ["--weight_decay", "-inf"], "error: --weight_decay -inf: must be a finite number >= 0 (at most 3.4e38, a float32)"),
+    ("train.py", ["--seed", "-5e0"], "error: argument --seed: invalid int value: '-5e0' (see python train.py --help)"),
+    ("sample.py", ["--out_dir", "o", "--temperature", "-1E-3"], "error: --temperature -0.001: must be a finite number >= 0 (0 = greedy)"),
+    ("tools.sweep", ["run", "--root", "r", "--models", "loop", "--depths", "4", "--lrs", "-1e-3"],
+     "error: --lrs -1e-3: comma-separated finite learning rates > 0, at most 3.4e38 (1e-3, 0.002, 3E-4, ...)"),
+    ("flops.py", ["--size", "tiny", "--depth", "4", "--block_size", "-1e3"], "flops.py: error: argument --block_size: invalid int value: '-1e3'"),
+])
+def test_a_negative_number_in_any_spelling_is_the_flags_value(script, argv, message, tmp_path, monkeypatch, capsys):
+    """-1e-3, -inf, -1E-3 are a flag's value, checked by its own rule, in every parser
+    (common.WholeFlagParser): argparse before Python 3.13 read them as unknown flags and said only
+    "expected one argument"."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(script, argv, monkeypatch, capsys)
+    assert (code, out, err) == (2, "", message + "\n")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("script,argv,message", [
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--lr", "-1"], "--lr -1.0: must be a finite number > 0 (at most 3.4e38, a float32)"),
     ("studies.latent_experiments", ["--base", "x.pt", "--task", "summation", "--warmup", "2"],
      "--warmup 2.0: a fraction of the updates, in [0, 1)"),
