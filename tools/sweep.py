@@ -69,9 +69,9 @@ def run_dir(root, dataset, model, depth, seed, lr=None):
 
 def cmd_run(args, extra):
     lrs = list(filter(None, args.lrs.split(","))) or [None]  # (as check_run_flags reads --lrs)
+    # one folder per run: check_run_flags refused a repeated entry and two datasets of one folder name
     grid = [(ds, m, int(k), int(s), lr) for k in args.depths.split(",") for ds in args.datasets.split(",")
             for m in args.models.split(",") for lr in lrs for s in range(1, args.seeds + 1)]
-    grid = list({run_dir(args.root, *g): g for g in grid}.values())  # a repeated entry would race on one folder
     env = dict(os.environ)
     if args.jobs > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
@@ -407,7 +407,7 @@ def check_run_flags(args, extra):
         raise UsageError(" x ".join(f"--{f} ({c:,})" for f, c in counts.items())
                          + f" = {math.prod(counts.values()):,} runs; at most {MAX_RUNS:,} per sweep")
     names = {}
-    for ds in dict.fromkeys(args.datasets.split(",")):
+    for ds in args.datasets.split(","):  # (no repeats: refused above)
         name = os.path.basename(ds.rstrip("/"))
         if name in names:
             raise UsageError(f"--datasets: {names[name]} and {ds} would share the runs' folder {name}/ under "
