@@ -35,7 +35,8 @@ import tempfile
 import numpy as np
 import torch
 
-from common import INT64_RANGE, UsageError, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
+from common import UsageError
+from harness.cli import INT64_RANGE, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, EOT, _download_gpt2, _fingerprint, _try, _walk, bin_dtype, gpt2_encoder, read_bin,

@@ -47,7 +47,8 @@ import math
 import sys
 
 import models
-from common import VOCAB_MULTIPLE, ExitParser, ModelConfig, UsageError, run_command
+from common import VOCAB_MULTIPLE, ModelConfig, UsageError
+from harness.cli import ExitParser, run_command
 from tango_kernels import ATTN_CHUNK, QK_PAD, WINDOW_CHUNK  # fast-path q/k width (32 score dims + null dim, padded to 40), chunks
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -445,7 +446,7 @@ def lrt_decode_macs(cfg: ModelConfig, L: int) -> int:
 
 
 # ============================================================================= parallel loops
-# loopstack / PLT / LoopFold (plt.py; MATH.md, "Parallel loops"): N = cfg.depth loops of the n_core
+# loopstack / PLT / LoopFold (parallel_loops.py; MATH.md, "Parallel loops"): N = cfg.depth loops of the n_core
 # Transformer++ blocks, N n_core block applications (4d^2 + 3dF per row, T^2 d scores and mix).
 # PLT, in every block of loops >= 2: the gate w . q (d MACs per row), global attention over loop 1's
 # keys (T^2 d scores and mix) and window attention over the loop's own (T min(W, T) d each).
@@ -464,7 +465,7 @@ def parallel_loops_forward_macs(cfg: ModelConfig, T: int) -> dict:
         out["mix"] += extra
     if cfg.model == "loopfold":
         r = cfg.fold_rank or d // 4
-        predicted = N - (1 + -(-(N - 1) // cfg.fold))  # S = 1 + ceil((N - 1) / f) stages (plt.fold_stages)
+        predicted = N - (1 + -(-(N - 1) // cfg.fold))  # S = 1 + ceil((N - 1) / f) stages (parallel_loops.fold_stages)
         out["linear"] += predicted * 4 * d * r * T
     out["total"] = sum(out.values())
     return out

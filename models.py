@@ -34,7 +34,7 @@ import baselines
 import depth_attention
 import latent_recurrence
 import parcae
-import plt
+import parallel_loops
 import ponder
 import tango
 from common import LM, ModelConfig, UsageError
@@ -125,10 +125,10 @@ REGISTRY = {
     "lrt": ModelSpec(latent_recurrence.lrt, flags={**LRT, "lrt_detach_init": BOOL}, macs="lrt_forward_macs"),
     "lrt-think": ModelSpec(latent_recurrence.lrt_think, flags={**LRT, "n_thoughts": Range(0), "lrt_detach_init": BOOL},
                            macs="lrt_forward_macs"),
-    "loopstack": ModelSpec(plt.loopstack, shared_block=True, flags=LOOPS, macs="parallel_loops_forward_macs"),
-    "plt": ModelSpec(plt.plt, flags={**LOOPS, "plt_window": Range(1), "plt_shift": BOOL},
+    "loopstack": ModelSpec(parallel_loops.loopstack, shared_block=True, flags=LOOPS, macs="parallel_loops_forward_macs"),
+    "plt": ModelSpec(parallel_loops.plt, flags={**LOOPS, "plt_window": Range(1), "plt_shift": BOOL},
                      macs="parallel_loops_forward_macs"),
-    "loopfold": ModelSpec(plt.loopfold, flags={**LOOPS, "fold": Range(1), "fold_rank": Range(0, _D),
+    "loopfold": ModelSpec(parallel_loops.loopfold, flags={**LOOPS, "fold": Range(1), "fold_rank": Range(0, _D),
                                                "fold_layout": Choice(("first", "last"))},
                           macs="parallel_loops_forward_macs"),
 }

@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-from common import (UsageError, UsageParser, check_not_empty, check_sampling, check_seed, nll_unit,
-                    past_context_note, run_command, seed_flag)
+from common import UsageError, check_sampling
+from harness.cli import UsageParser, check_not_empty, check_seed, nll_unit, past_context_note, run_command, seed_flag
 from harness.checkpoint import BEST, LATEST, RUN_FOLDER, load_checkpoint, load_weights
 from harness.config import Dist, auto_dtype, autocast_ctx, resolve_device
 from harness.evaluation import eval_mode

@@ -54,8 +54,8 @@ import data as data_mod
 from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, check_resume, check_unfinished,
                                 eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
-from common import (ModelConfig, UsageError, UsageParser, compile_regions, host_values, run_command,
-                    seed_flag, synchronizer, write_text)
+from common import ModelConfig, UsageError, compile_regions, host_values
+from harness.cli import UsageParser, run_command, seed_flag, synchronizer, write_text
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data

@@ -22,7 +22,8 @@ import random
 import torch
 
 import data as data_mod
-from common import ModelConfig, UsageError, check_not_empty, write_atomic, write_text
+from common import ModelConfig, UsageError
+from harness.cli import check_not_empty, write_atomic, write_text
 from harness.datacheck import data_signature, same_data
 
 CKPT_FORMAT = 2  # bump when the checkpoint layout changes
@@ -66,7 +67,7 @@ def save_checkpoints(r, dev, improved):
 
 def save_atomic(obj, path):
     """torch.save to a temporary file beside path, flushed to disk, then os.replace
-    (common.write_atomic): a crash or an error at any point leaves the previous file at path whole."""
+    (harness.cli.write_atomic): a crash or an error at any point leaves the previous file at path whole."""
     write_atomic(path, lambda f: torch.save(obj, f), binary=True)
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from common import UsageError, check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
+from common import UsageError
+from harness.cli import check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
 from harness.checkpoint import remove_stale, trim_log
 from models import (REGISTRY, TIERS, block_counts, count_params, model_config, model_flags, params_lower_bound,
                     shared_block_models)
@@ -220,7 +221,7 @@ def auto_dtype(device):
 
 def check_paths(args, flags=("out_dir", "data_root")):
     """The folders of flags (out_dir, data_root) must be folders, or creatable ones: UsageError
-    otherwise (common.check_output_folder, the check of every command's output folders)."""
+    otherwise (harness.cli.check_output_folder, the check of every command's output folders)."""
     for flag in flags:
         check_output_folder(f"--{flag}", getattr(args, flag))
 

@@ -12,7 +12,8 @@ import os
 import numpy as np
 
 from harness import token_files
-from common import UsageError, check_not_empty
+from common import UsageError
+from harness.cli import check_not_empty
 
 REQUIRED = ("train-easy", "train-medium", "train-hard", "interpolate", "extrapolate")
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "dmmath")

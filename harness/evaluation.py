@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import UsageError, nll_unit, past_context_note
+from common import UsageError
+from harness.cli import nll_unit, past_context_note
 from harness.config import Dist
 
 
@@ -146,7 +147,7 @@ def print_report(s, data, args):
 
 
 def note_past_context(prompt_len, args):
-    """print_sample's note on stderr (common.past_context_note) when --sample_tokens after the
+    """print_sample's note on stderr (harness.cli.past_context_note) when --sample_tokens after the
     prompt pass --block_size."""
     note = past_context_note(prompt_len, args.sample_tokens, args.block_size)
     if note:

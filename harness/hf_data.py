@@ -16,7 +16,8 @@ import shutil
 import threading
 
 from harness import text_data, token_files
-from common import UsageError, repeated
+from common import UsageError
+from harness.cli import repeated
 
 HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # they read --hf_data_files
 SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}

@@ -19,7 +19,8 @@ import numpy as np
 if not __package__:  # run as python harness/x.py, not python -m harness.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UsageError, not_a_command
+from common import UsageError
+from harness.cli import not_a_command
 from harness.token_files import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of
 
 
@@ -146,7 +147,7 @@ def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
 def _pool_context():
     """The workers' start method: forkserver (spawn where there is none), not fork. A process forked
     from this one inherits its threads' held locks (torch's, tqdm's monitor) and its SIGTERM handler
-    (common.run_command), so a worker could hang at start and then ignore the pool's SIGTERM at its
+    (harness.cli.run_command), so a worker could hang at start and then ignore the pool's SIGTERM at its
     end, and the preparation with it."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")

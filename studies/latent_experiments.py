@@ -30,8 +30,9 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
-from common import (ModelConfig, UsageError, UsageParser, check_decayed_rate, check_output_files, check_output_folder,
-                    check_rate, check_seed, make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
+from common import ModelConfig, UsageError
+from harness.cli import (UsageParser, check_decayed_rate, check_output_files, check_output_folder, check_rate,
+                         check_seed, make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)

@@ -23,8 +23,9 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 
 import data as data_mod
 from harness.checkpoint import load_checkpoint, load_weights, no_checkpoint
-from common import (UsageError, UsageParser, check_output_file, check_output_folder, check_rate, check_seed,
-                    make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
+from common import UsageError
+from harness.cli import (UsageParser, check_output_file, check_output_folder, check_rate, check_seed, make_parent,
+                         nll_unit, repeated, run_command, seed_flag, write_text)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm

@@ -3,7 +3,7 @@ import torch
 
 from common import rope_cos_sin
 
-# parallel loops (plt.py): one block per loop, so K = 3 loops are 3 block applications like the other
+# parallel loops (parallel_loops.py): one block per loop, so K = 3 loops are 3 block applications like the other
 # models (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)
 ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name in ("loopstack", "plt", "loopfold")}
 

@@ -13,6 +13,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.testing import CompileCounter
 
 import common
+import harness.cli
 import models
 import train
 from checks import ONE_BLOCK_PER_LOOP
@@ -270,7 +271,7 @@ def test_deferred_reads_do_not_count_evaluation_as_training_time(mdm, data_root,
 
 
 def test_deferred_reads_count_the_work_still_queued_on_the_device(mdm, data_root, tmp_path, monkeypatch):
-    """Deferred, a read first waits for the device (common.synchronizer: torch.cuda.synchronize), and
+    """Deferred, a read first waits for the device (harness.cli.synchronizer: torch.cuda.synchronize), and
     that wait is training time: made to take 50 s of a shifted clock at each of the 5 reads, the
     logged rates must add up to at least 5 x 50 s of updates (timed before the wait: ~0 s)."""
     import time as real_time
@@ -313,11 +314,11 @@ def test_deferred_reads_log_each_update_s_own_diagnostics(mdm, data_root, tmp_pa
 
 
 @pytest.mark.parametrize("signal_error,word,code", [(KeyboardInterrupt, "interrupted", 130),
-                                                    (common.Terminated, "terminated", 143)])
+                                                    (harness.cli.Terminated, "terminated", 143)])
 def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume_from(mdm, data_root, tmp_path, monkeypatch, capsys,
                                                                 signal_error, word, code):
-    """Ctrl-C (or SIGTERM, common.Terminated) in training: the exception carries the update and the
-    checkpoint left (or that there is none); common.run_command prints it on one line and exits
+    """Ctrl-C (or SIGTERM, harness.cli.Terminated) in training: the exception carries the update and the
+    checkpoint left (or that there is none); harness.cli.run_command prints it on one line and exits
     130 (143), not a traceback."""
     loop = train.train_loop
     def interrupted_after_8(r):
@@ -332,7 +333,7 @@ def test_ctrl_c_is_one_line_naming_the_checkpoint_to_resume_from(mdm, data_root,
     def main():
         raise e.value
     with pytest.raises(SystemExit) as done:
-        common.run_command(main)
+        harness.cli.run_command(main)
     assert done.value.code == code and capsys.readouterr().err == f"{word}: {e.value}\n"
 
 

@@ -391,7 +391,7 @@ HAND = {"tango": tango_body, "tango-windowed": tango_body, "tango-3set": tango_b
 
 
 def loopstack_body(x, model, pos):
-    """Loop stack (plt.py docstring): h^l = R(h^{l-1}), R = the n_core blocks, N = depth loops."""
+    """Loop stack (parallel_loops.py docstring): h^l = R(h^{l-1}), R = the n_core blocks, N = depth loops."""
     for _ in range(model.cfg.depth):
         for blk in model.body.blocks:
             x = tpp_block(x, blk, pos, model.cfg.n_head)
@@ -399,7 +399,7 @@ def loopstack_body(x, model, pos):
 
 
 def plt_body(x, model, pos):
-    """PLT (plt.py docstring): loop 1 plain; x^l_t = a e_t + b Norm_loop(h^{l-1}_{t-1}) (0 at t = 0);
+    """PLT (parallel_loops.py docstring): loop 1 plain; x^l_t = a e_t + b Norm_loop(h^{l-1}_{t-1}) (0 at t = 0);
     loops >= 2: per head o_t = g Attn(q_t; loop-1 keys j <= t) + (1 - g) Attn(q_t; own keys t-W < j <= t),
     g = sigmoid(w_h . q_t + c_h) with the rotated query."""
     cfg, body = model.cfg, model.body
@@ -442,7 +442,7 @@ def plt_body(x, model, pos):
 
 
 def loopfold_body(x, model, pos):
-    """LoopFold (plt.py docstring): stages [loop 1], then groups of f; in a stage r_1 = u,
+    """LoopFold (parallel_loops.py docstring): stages [loop 1], then groups of f; in a stage r_1 = u,
     r_{i+1} = P(r_i), o_i = R(r_i), y_1 = o_1, y_{i+1} = o_{i+1} + C(y_i - r_{i+1});
     P(u) = u + W_p2 SiLU(W_p1 RMSNorm(u)), C(e) = e + U_c V_c^T e."""
     cfg, body = model.cfg, model.body
@@ -535,7 +535,7 @@ def test_shift_invariance(name):
     """RoPE makes scores depend on positions only through i - j: positions + 37 give the same
     logits; reversed positions do not (so the check is not vacuous)."""
     model = perturbed(name, seed=1)
-    if name == "plt":  # PLT's G-SWA gate reads the post-RoPE query, an absolute position (tests/test_plt.py)
+    if name == "plt":  # PLT's G-SWA gate reads the post-RoPE query, an absolute position (tests/test_parallel_loops.py)
         for blk in model.body.blocks:
             blk.gate_w.zero_()
     idx = tokens(seed=1)

@@ -34,7 +34,7 @@ from harness import tasks
 from tools import sweep
 from tools import sweep_report
 import train
-import common
+import harness.cli
 from common import ModelConfig, UsageError, sample_next
 from models import REGISTRY, build_model
 
@@ -885,7 +885,7 @@ def test_gpu_estimate_prints_small_kernel_counts_with_two_digits(monkeypatch, ca
 def test_every_cli_checks_its_output_paths_before_any_work(script, argv, message, tmp_path, monkeypatch, capsys):
     """An output folder that is a file, an output file under a file or that is a folder, and two
     outputs of one command naming the same file: one line naming the flag, exit 2, before anything
-    is read or written (common.check_output_folder / check_output_file(s); a missing folder is
+    is read or written (harness.cli.check_output_folder / check_output_file(s); a missing folder is
     created, not refused), not a traceback after the work."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
@@ -927,7 +927,7 @@ def swept(flag, value):
 ])
 def test_every_cli_refuses_a_list_entry_given_twice(script, argv, message, tmp_path, monkeypatch, capsys):
     """A list flag naming one entry twice is one line naming the flag and the entry, exit 2,
-    nothing written (common.repeated): it used to be run or timed twice (tools.bench), dropped
+    nothing written (harness.cli.repeated): it used to be run or timed twice (tools.bench), dropped
     without a word (tools.sweep), or printed as two writes that were one (ReFlux's --edge)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
@@ -957,7 +957,7 @@ NO_BASE = 'error: --base "": an empty path; give a checkpoint file'
 def test_every_cli_refuses_an_empty_input_path(script, argv, message, tmp_path, monkeypatch, capsys):
     """An input path given as "" is one line naming the flag, exit 2, nothing written: not read as
     the flag's default (dmmath's folder) or as this folder (./ckpt_best.pt), and not "no checkpoint
-    at ckpt_best.pt" (common.check_not_empty)."""
+    at ckpt_best.pt" (harness.cli.check_not_empty)."""
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(script, argv, monkeypatch, capsys)
     assert (code, out, err) == (2, "", message + "\n")
@@ -975,7 +975,7 @@ def test_every_cli_refuses_an_empty_input_path(script, argv, message, tmp_path, 
 ])
 def test_a_negative_number_in_any_spelling_is_the_flags_value(script, argv, message, tmp_path, monkeypatch, capsys):
     """-1e-3, -inf, -1E-3 are a flag's value, checked by its own rule, in every parser
-    (common.WholeFlagParser): argparse before Python 3.13 read them as unknown flags and said only
+    (harness.cli.WholeFlagParser): argparse before Python 3.13 read them as unknown flags and said only
     "expected one argument"."""
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(script, argv, monkeypatch, capsys)
@@ -1047,8 +1047,8 @@ COMMANDS = [  # every command line and subcommand: (script or module, subcommand
 def command_parser(script, argv, monkeypatch, capsys):
     """The parser of one of COMMANDS (the one that prints its --help)."""
     shown = []
-    format_help = common.WholeFlagParser.format_help
-    monkeypatch.setattr(common.WholeFlagParser, "format_help", lambda self: shown.append(self) or format_help(self))
+    format_help = harness.cli.WholeFlagParser.format_help
+    monkeypatch.setattr(harness.cli.WholeFlagParser, "format_help", lambda self: shown.append(self) or format_help(self))
     code, out, err = run_cli(script, [*argv, "--help"], monkeypatch, capsys)
     assert code == 0 and err == "" and len(shown) == 1, (code, err)
     return shown[0], out
@@ -1080,10 +1080,10 @@ def test_every_out_of_memory_line_names_flags_of_its_own_command(monkeypatch, ca
 def test_every_integer_flag_beyond_int64_is_one_line(script, argv, monkeypatch, capsys):
     """Every integer flag of every command given 2**63 or -2**63 - 1 (--width 1e20 written out): one
     line naming the flag and the range, exit 2. Such a value reached torch or numpy and ended in an
-    OverflowError traceback with exit 1. Seeds keep their range [0, 2**64) (common.seed_flag,
+    OverflowError traceback with exit 1. Seeds keep their range [0, 2**64) (harness.cli.seed_flag,
     check_seed): torch.manual_seed takes 2**64 - 1."""
     parser, _ = command_parser(script, argv, monkeypatch, capsys)
-    seeds = {a.option_strings[0] for a in parser._actions if a.type is common.seed_flag}
+    seeds = {a.option_strings[0] for a in parser._actions if a.type is harness.cli.seed_flag}
     if script == "train.py":
         assert seeds == {"--seed", "--data_seed"}
         assert train.parse_args(["--seed", str(2**64 - 1), "--data_seed", str(2**64 - 1)]).seed == 2**64 - 1
@@ -1332,16 +1332,16 @@ def test_out_of_memory_is_one_line_with_exit_code_2(error, line, capsys):
     def main():
         raise error
     with pytest.raises(SystemExit) as e:
-        common.run_command(main, sizes=("--batch_size", "--block_size"))
+        harness.cli.run_command(main, sizes=("--batch_size", "--block_size"))
     assert e.value.code == 2
     assert capsys.readouterr().err == f"error: out of memory ({line}); give smaller sizes (--batch_size, --block_size)\n"
     with pytest.raises(SystemExit) as e:
-        common.run_command(main)  # a command without size flags (tools.flops_fit)
+        harness.cli.run_command(main)  # a command without size flags (tools.flops_fit)
     assert e.value.code == 2 and capsys.readouterr().err == f"error: out of memory ({line})\n"
     with pytest.raises(RuntimeError, match="^shape mismatch$"):
-        common.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+        harness.cli.run_command(lambda: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(ValueError, match="^bad value$"):
-        common.run_command(lambda: (_ for _ in ()).throw(ValueError("bad value")))
+        harness.cli.run_command(lambda: (_ for _ in ()).throw(ValueError("bad value")))
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -1392,9 +1392,9 @@ def test_a_single_process_run_on_cuda_n_makes_n_the_current_gpu(monkeypatch):
 
 
 def test_timers_wait_for_the_gpu_they_time(monkeypatch):
-    """common.synchronizer(device) waits for that device: torch.cuda.synchronize() with no argument
+    """harness.cli.synchronizer(device) waits for that device: torch.cuda.synchronize() with no argument
     waits for the current GPU (cuda:0 unless set), so a timer of work on cuda:1 would stop early."""
-    from common import synchronizer
+    from harness.cli import synchronizer
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
     synchronizer("cuda:1")()

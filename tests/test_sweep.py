@@ -146,7 +146,7 @@ def test_report_refuses_what_it_cannot_read_and_writes_nothing(tmp_path, monkeyp
     """Bad inputs of `sweep.py report` are one-line UsageErrors before anything is written: an
     unreadable or incomplete summary.json, --lr without sweep runs, --out beside --into on the
     same file, a folder or under a file; a run without curves is a row that says so, not a dropped
-    one. --out in a missing folder creates it, as every command's output paths do (common.py)."""
+    one. --out in a missing folder creates it, as every command's output paths do (harness/cli.py)."""
     monkeypatch.chdir(tmp_path)
     fake_grid("g", {k: v for k, v in TEST.items() if k[1] == 4}, seeds=(1,), curves=False)
     budget = sweep_report.budget_report("g")
@@ -464,7 +464,7 @@ def test_paired_differences_subtract_tango_seed_by_seed():
 ])
 def test_output_paths_are_refused_before_any_work(tmp_path, monkeypatch, argv, message):
     """plot --out FILE, collect --to FILE and collect --to ROOT are one line naming the flag, with
-    nothing written (common.check_output_folder), not FileExistsError / shutil.SameFileError."""
+    nothing written (harness.cli.check_output_folder), not FileExistsError / shutil.SameFileError."""
     monkeypatch.chdir(tmp_path)
     fake_grid("g", {("tango", 4): 3.0}, seeds=(1,))
     (tmp_path / "afile").write_text("x")
@@ -739,7 +739,7 @@ def test_a_stopped_sweep_passes_sigterm_on_and_starts_nothing_new(tmp_path):
     """SIGTERM reaches the sweep alone (Ctrl-C the whole process group): stop_runs passes it on to
     the running train.py, waits for it to exit, and no run starts after it."""
     import threading
-    from common import Terminated
+    from harness.cli import Terminated
     child = tmp_path / "child.py"
     child.write_text("import signal, sys, time\n"
                      "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(143)))\n"
@@ -762,7 +762,7 @@ def test_a_stopped_sweep_passes_sigterm_on_and_starts_nothing_new(tmp_path):
 
 def test_a_stopped_sweep_ends_its_output_file_with_the_line_it_prints(tmp_path, monkeypatch):
     """What `run` prints goes to <root>/sweep-output.txt too, the line of a stopped sweep included."""
-    from common import Terminated
+    from harness.cli import Terminated
 
     def stopped(cmd, stdout, env):
         raise Terminated

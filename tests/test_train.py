@@ -26,7 +26,8 @@ from harness import checkpoint, evaluation
 import data as data_mod
 import train
 import common
-from common import ModelConfig, run_command
+from common import ModelConfig
+from harness.cli import run_command
 from harness import config as harness_config
 from harness.config import resolve_args
 from models import build_model, model_config
@@ -537,11 +538,11 @@ def test_interrupted_save_leaves_previous_checkpoint(runs, tmp_path, monkeypatch
 
 
 def test_output_files_are_replaced_whole_or_not_at_all(tmp_path):
-    """common.write_atomic (summary.json, which sweep.py takes as a finished run; collected runs;
+    """harness.cli.write_atomic (summary.json, which sweep.py takes as a finished run; collected runs;
     report --into; the benchmarks' JSON): a write that fails midway leaves the previous file whole
     and no temporary file. No project module opens an output file for writing in place, but the
     run's append-only log, files inside a temporary folder renamed whole, and /proc."""
-    import common
+    import harness.cli
     path = tmp_path / "summary.json"
     path.write_text('{"dev_nll": 1.5}')
 
@@ -550,9 +551,9 @@ def test_output_files_are_replaced_whole_or_not_at_all(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        common.write_atomic(str(path), dies_mid_write)
+        harness.cli.write_atomic(str(path), dies_mid_write)
     assert path.read_text() == '{"dev_nll": 1.5}' and os.listdir(tmp_path) == ["summary.json"]
-    assert common.write_text(str(path), "é 2.0\n") == str(path) and path.read_bytes() == "é 2.0\n".encode()
+    assert harness.cli.write_text(str(path), "é 2.0\n") == str(path) and path.read_bytes() == "é 2.0\n".encode()
     allowed = {"harness/config.py": 'open(self.path, "w" if self.resumed_at is None else "a")',  # the log
                "tools/cpu_memory.py": 'open("/proc/self/clear_refs", "w")'}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -877,7 +878,7 @@ def test_a_model_larger_than_the_machine_is_refused_before_anything_is_prepared(
 def test_a_batch_past_the_hosts_free_memory_is_one_line_not_the_oom_killer(mdm, data_root, tmp_path, monkeypatch,
                                                                             capsys):
     """On Linux without a GPU, run_command caps the process's data memory at its size now plus the
-    host's free memory (common.host_memory_limit), so a batch past it fails its allocation: one line
+    host's free memory (harness.cli.host_memory_limit), so a batch past it fails its allocation: one line
     naming the size flags, exit 2, no out_dir, and the limit restored. Without the cap Linux's
     overcommit lets such a batch allocate until the kernel kills the process (exit 137, no message).
     Here the host pretends to have 256 MB free; the batch needs more (it trains without the cap)."""

@@ -105,8 +105,9 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 
 import flops
 import models
-from common import (ExitParser, UsageError, check_output_files, compile_regions, int64_flag, make_parent, run_command,
-                    repeated, synchronizer, write_text)
+from common import UsageError, compile_regions
+from harness.cli import (ExitParser, check_output_files, int64_flag, make_parent, run_command, repeated, synchronizer,
+                         write_text)
 from harness.config import Dist, auto_dtype, resolve_device
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
@@ -536,7 +537,7 @@ def parse(argv):
     kind = a.device.split(":")[0]
     a.json = os.path.join(OUT_DIR, f"bench_{kind}.json") if a.json is None else a.json  # (an empty one is refused)
     a.md = os.path.splitext(a.json)[0] + ".md" if a.md is None else a.md
-    try:  # before the run, not after it (common.check_output_file: creates nothing)
+    try:  # before the run, not after it (harness.cli.check_output_file: creates nothing)
         check_output_files([("--json", a.json), ("--md", a.md)])
     except UsageError as e:
         p.error(str(e))

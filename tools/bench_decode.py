@@ -19,8 +19,9 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 import flops
 import models
 from tools.cpu_memory import loadavg
-from common import (ExitParser, UsageError, check_output_files, make_parent, not_a_command, past_context_note,
-                    repeated, synchronizer, write_text)
+from common import UsageError
+from harness.cli import (ExitParser, check_output_files, make_parent, not_a_command, past_context_note, repeated,
+                         synchronizer, write_text)
 
 
 # ============================================================================= batch-1 decoding (parallel loops)

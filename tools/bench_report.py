@@ -145,5 +145,5 @@ if __name__ == "__main__":  # a part of another command: say which, instead of e
     import sys
     if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from common import not_a_command
+    from harness.cli import not_a_command
     not_a_command("tools/bench_report.py", "python -m tools.bench (python -m tools.bench --help)")

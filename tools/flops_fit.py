@@ -15,7 +15,8 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models
-from common import ExitParser, ModelConfig, UsageError, check_output_file, make_parent, run_command, write_text
+from common import ModelConfig, UsageError
+from harness.cli import ExitParser, check_output_file, make_parent, run_command, write_text
 from flops import RECURRENT_MODELS, unembedding_params, unrolled_params
 
 

@@ -45,8 +45,9 @@ import time
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (FLOAT32_MAX, Terminated, UsageError, UsageParser, check_not_empty, check_output_file,
-                    check_output_folder, make_parent, repeated, run_command, write_text)
+from common import UsageError
+from harness.cli import (FLOAT32_MAX, Terminated, UsageParser, check_not_empty, check_output_file,
+                         check_output_folder, make_parent, repeated, run_command, write_text)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: train.py
@@ -124,7 +125,7 @@ def cmd_run(args, extra):
             rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the running train.py processes end as they would alone
         stop_runs(e)
-        with open(log, "a") as f:  # (common.run_command prints the same line on stderr)
+        with open(log, "a") as f:  # (harness.cli.run_command prints the same line on stderr)
             f.write(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: {RESUME_HINT}\n")
         raise
     failed = sum(rc != 0 for rc in rcs)
@@ -163,7 +164,7 @@ def run_process(cmd, stdout, env):
 
 
 def stop_runs(signal_error, grace=120):
-    """The sweep was stopped (signal_error: KeyboardInterrupt, or common.Terminated for SIGTERM):
+    """The sweep was stopped (signal_error: KeyboardInterrupt, or harness.cli.Terminated for SIGTERM):
     start no new run, pass SIGTERM on to the running train.py processes (a terminal's Ctrl-C reached
     them already; a SIGTERM went to the sweep alone) and wait for each to exit, SIGKILL after grace
     seconds, so each ends as it would alone: its note in stdout.txt, resumable from its checkpoint."""
@@ -349,7 +350,7 @@ def _held(kept, lines):
 
 def check_outputs(out, into):
     """UsageError before a report writes anything: --out a folder, under a file or where nothing
-    can be written (common.check_output_file; a missing folder is created), or the same file as
+    can be written (harness.cli.check_output_file; a missing folder is created), or the same file as
     --into (the report alone would replace that document)."""
     if out is None:
         return
@@ -469,7 +470,7 @@ def main(argv=None):
         check_run_flags(args, extra)
         try:
             return cmd_run(args, extra)
-        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: common.run_command prints this, exit 130 / 143
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: harness.cli.run_command prints this, exit 130 / 143
             raise type(e)(RESUME_HINT) from None
     if args.cmd == "report" and args.into is not None:
         check_output_file("--into", args.into)  # (an empty path: not "no --into")

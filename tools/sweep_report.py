@@ -17,7 +17,8 @@ import sys
 if not __package__:  # run as python tools/x.py, not python -m tools.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import UsageError, nll_unit, not_a_command, write_text
+from common import UsageError
+from harness.cli import nll_unit, not_a_command, write_text
 
 
 def log_records(run):

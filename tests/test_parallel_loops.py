@@ -1,4 +1,4 @@
-"""Parallel loops (plt.py): loopstack, PLT (arXiv 2510.24824) and LoopFold (reconstructed from its
+"""Parallel loops (parallel_loops.py): loopstack, PLT (arXiv 2510.24824) and LoopFold (reconstructed from its
 abstract). Cached decoding equals the training forward (PLT: one batched pass per token), the off
 switches (LoopFold f = 1 and an oracle predictor = loopstack; PLT N = 1 unshifted = untied
 Transformer++), the cross-loop shift, the G-SWA window and gate, parameter counts, causality, MACs
@@ -12,7 +12,7 @@ from harness import checkpoint
 from harness import config
 import flops
 import models
-import plt
+import parallel_loops
 import train
 from common import ModelConfig, UsageError, causal_attention
 from checks import assert_causal, embed, tokens
@@ -258,12 +258,12 @@ def test_plt_norm_loop_is_the_final_norm():
 
 def test_window_mask_allows_exactly_W_keys_including_self():
     for W in (1, 3, 20):
-        mask = plt.window_mask(10, 10, W)
+        mask = parallel_loops.window_mask(10, 10, W)
         assert mask.sum(1).tolist() == [min(W, i + 1) for i in range(10)]
         assert all(mask[i, i] and not mask[i, i + 1:].any() for i in range(10))
         assert all(mask[i, j] == (i - W < j <= i) for i in range(10) for j in range(10))
     # decoding alignment: 2 new queries after 5 cached keys, W = 3
-    assert plt.window_mask(2, 7, 3).tolist() == [[False, False, False, True, True, True, False],
+    assert parallel_loops.window_mask(2, 7, 3).tolist() == [[False, False, False, True, True, True, False],
                                                  [False, False, False, False, True, True, True]]
 
 
@@ -272,16 +272,16 @@ def test_window_attention_fast_equals_reference_float64():
     q, k, v = (torch.randn(2, 3, 9, 32, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, 3, 9, 32, generator=g, dtype=torch.float64)
     for W in (1, 4, 9):
-        fast = plt.window_attention(q, k, v, W)
-        ref = plt.window_attention_reference(q, k, v, W)
+        fast = parallel_loops.window_attention(q, k, v, W)
+        ref = parallel_loops.window_attention_reference(q, k, v, W)
         torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-12)
         gf = torch.autograd.grad(fast, (q, k, v), dout)
         gr = torch.autograd.grad(ref, (q, k, v), dout)
         for a, b in zip(gf, gr):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     # W >= T: ordinary causal attention; W = 1: each query reads its own value
-    torch.testing.assert_close(plt.window_attention(q, k, v, 9), causal_attention(q, k, v), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(plt.window_attention(q, k, v, 1), v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(parallel_loops.window_attention(q, k, v, 9), causal_attention(q, k, v), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(parallel_loops.window_attention(q, k, v, 1), v, rtol=1e-12, atol=1e-12)
 
 
 def test_gate_one_is_pure_global_attention_over_loop_1():
@@ -318,13 +318,13 @@ def test_plt_gate_on_the_rotated_query_depends_on_absolute_position():
 # ----------------------------------------------------------------------------- counts, stages, causality
 
 def test_fold_stages():
-    assert plt.fold_stages(9, 2) == [[0], [1, 2], [3, 4], [5, 6], [7, 8]]  # the seed: nine loops, five stages
-    assert plt.fold_stages(9, 2, "last") == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
-    assert plt.fold_stages(5, 3) == [[0], [1, 2, 3], [4]] and plt.fold_stages(1, 2) == plt.fold_stages(1, 2, "last") == [[0]]
+    assert parallel_loops.fold_stages(9, 2) == [[0], [1, 2], [3, 4], [5, 6], [7, 8]]  # the seed: nine loops, five stages
+    assert parallel_loops.fold_stages(9, 2, "last") == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]
+    assert parallel_loops.fold_stages(5, 3) == [[0], [1, 2, 3], [4]] and parallel_loops.fold_stages(1, 2) == parallel_loops.fold_stages(1, 2, "last") == [[0]]
     for N in range(1, 10):
         for f in (1, 2, 3):
             for layout in ("first", "last"):
-                st = plt.fold_stages(N, f, layout)
+                st = parallel_loops.fold_stages(N, f, layout)
                 assert sum(st, []) == list(range(N)) and len(st) == 1 + math.ceil((N - 1) / f)
                 assert max(map(len, st)) <= f
 
