@@ -16,7 +16,7 @@ The command lines' plumbing (parsers, flag checks, signals, output files) is har
 import functools
 import inspect
 import numbers
-from dataclasses import dataclass, asdict, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -43,16 +43,30 @@ HEAD_DIM = 32  # d_h = 32 everywhere (MATH.md glossary)
 VOCAB_MULTIPLE = 64  # the embedding/head has ceil(V / 64) * 64 rows (aligned matmul); rows >= V are padding
 
 
+def flag(default, help, tier=False):
+    """A dataclass field that is also a command-line flag of the same name: its default, its help
+    text, and tier=True where the flag's default depends on --size (harness.config.TIER_DEFAULTS;
+    the flag is then unset until resolved). harness.cli.add_flags declares these flags on a parser,
+    so a field with its flag is written once: train.py, flops.py and the tools read the declaration."""
+    return field(default=default, metadata={"help": help, "tier": tier})
+
+
+def flag_fields(cls):
+    """The fields of dataclass cls that are flags (declared with flag()), in declaration order."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
 @dataclass
 class ModelConfig:
     """Every model's hyperparameters (one dataclass for all architectures, saved in checkpoints).
 
     model: registry name (models.py); vocab_size V; block_size: training context T;
     n_embd: residual width d; n_head: H = d / 32; depth: K block applications;
-    width: expansion width F (TANGO gated width, Transformer++ feed-forward width, ...);
-    window: Windowed TANGO window W (MATH.md, "TANGO").
-    gau_s, chunk, tie_unit: GAU/FLASH shared dim s, FLASH chunk C, one unit shared by all K
-    applications (MATH.md, "GAU and FLASH").
+    width: expansion width F (TANGO gated width, Transformer++ feed-forward width, ...).
+    The model flags (declared with flag(): train.py's "model" group, flops.py and the tools take
+    their type, default and help from here; models.REGISTRY says which model reads which and its
+    range) follow: Windowed TANGO's window W (MATH.md, "TANGO"); GAU/FLASH's s and chunk C
+    (MATH.md, "GAU and FLASH"); tie_unit: one GAU/FLASH unit shared by all K applications.
     """
     model: str = "tango"
     vocab_size: int = 50257
@@ -61,35 +75,39 @@ class ModelConfig:
     n_head: int = 4
     depth: int = 8
     width: int = 512
-    window: int = 256
-    gau_s: int = 128
-    chunk: int = 256
+    window: int = flag(256, "Windowed TANGO window W", tier=True)
+    gau_s: int = flag(128, "GAU/FLASH shared dimension s", tier=True)
+    chunk: int = flag(256, "FLASH chunk C", tier=True)
     tie_unit: bool = True
     # Parcae / recurrent-depth model RDM (parcae.py): prelude -> core looped -> coda.
-    n_prelude: int = 2          # L_P Transformer++ (RDM: sandwich) blocks before the loop
-    n_core: int = 2             # L_R blocks in the recurrent core (one recurrence = L_R block applications)
-    n_coda: int = 2             # L_C blocks after the loop
-    mu_rec: int = 0             # mean training recurrence; 0 = depth (parcae.resolve_recurrence)
-    mu_bwd: int = 0             # recurrences backpropagated through; 0 = ceil(mu_rec / 2)
+    mu_rec: int = flag(0, "Parcae/RDM: mean training recurrence; 0: --depth (parcae.resolve_recurrence)")
+    mu_bwd: int = flag(0, "Parcae/RDM: recurrences backpropagated through; 0: ceil(mu_rec/2)")
+    n_prelude: int = flag(2, "Parcae/RDM: blocks before the recurrent core")
+    n_core: int = flag(2, "Parcae/RDM: blocks in the recurrent core (one recurrence = n_core block applications); "
+                       "loopstack/plt/loopfold: blocks per loop")
+    n_coda: int = flag(2, "Parcae/RDM: blocks after the recurrent core")
     # Depth-Attention (depth_attention.py): candidate layers C(l) = {j < l: j mod da_stride == 0} U recent window
-    da_stride: int = 0          # 0 = floor(depth / 2) (the paper's default); -1 = no strided candidates
-    da_recent: int = 0          # r: also mix the r layers just below
-    # PonderLM-2 (ponder.py)
-    n_thoughts: int = 1         # thought slots per token (0 = untied Transformer++)
-    jacobi: int = 3             # Jacobi refinements of the thoughts (evaluation, prefill; training without jacobi_random)
-    jacobi_random: bool = True  # training draws the refinements from U{2, 3}
-    # LRT / LRT with thought tokens (latent_recurrence.py); n_thoughts above is lrt-think's thought slots
-    lrt_src: int = -1           # source block whose output feeds the next slot (-1: floor(2K/3))
-    lrt_tgt: int = 0            # target block whose input receives W_m m
-    lrt_kv: bool = False        # also a private memory key/value slot in every block's softmax
-    lrt_subsets: int = 2        # k: interleaved position subsets of the parallel refinement
-    lrt_detach_init: bool = False  # the init pass without gradients
+    da_stride: int = flag(0, "Depth-Attention: mix layers j mod stride == 0 (0: depth // 2, the paper's; -1: none)")
+    da_recent: int = flag(0, "Depth-Attention: also mix the r layers just below")
+    # PonderLM-2 (ponder.py); n_thoughts is also lrt-think's thought slots
+    n_thoughts: int = flag(1, "PonderLM-2, lrt-think: thought slots per token (0: untied Transformer++, lrt)")
+    jacobi: int = flag(3, "PonderLM-2: Jacobi refinements of the thoughts (evaluation, prefill; training "
+                       "without --jacobi_random)")
+    jacobi_random: bool = flag(True, "PonderLM-2: training draws the Jacobi refinements from {2, 3}")
+    # LRT / LRT with thought tokens (latent_recurrence.py)
+    lrt_src: int = flag(-1, "LRT: block whose output is the next slot's memory (-1: floor(2K/3))")
+    lrt_tgt: int = flag(0, "LRT: block whose input receives the memory")
+    lrt_kv: bool = flag(False, "LRT: also a private memory key/value slot in every block's attention")
+    lrt_subsets: int = flag(2, "LRT: interleaved position subsets k of parallel training (>= 1)")
+    lrt_detach_init: bool = flag(False, "LRT: run the init pass of parallel training without gradients")
     # Parallel loops (parallel_loops.py): loopstack / plt / loopfold run n_core blocks as depth = N loops
-    plt_window: int = 64        # PLT: G-SWA window W (keys t-W < j <= t of the loop's own cache)
-    plt_shift: bool = True      # PLT: cross-loop shift (loop l at t reads loop l-1 at t-1); False: the release's unshifted loops
-    fold: int = 2               # LoopFold: fold width f (loops per stage)
-    fold_rank: int = 0          # LoopFold: predictor/corrector rank r (0 = d/4)
-    fold_layout: str = "first"  # LoopFold: "first" (loop 1 alone, then groups of f) or "last" (groups, then loop N alone)
+    plt_window: int = flag(64, "PLT: G-SWA window W over the loop's own keys (t-W < j <= t)")
+    plt_shift: bool = flag(True, "PLT: cross-loop shift (loop l at t reads loop l-1 at t-1; one batched pass per "
+                           "decoded token); --no-plt_shift: the release's unshifted loops")
+    fold: int = flag(2, "LoopFold: fold width f (loops per stage)")
+    fold_rank: int = flag(0, "LoopFold: predictor/corrector rank r (0: d/4)")
+    fold_layout: str = flag("first", "LoopFold: loop 1 alone then groups of f (first), or groups then loop N "
+                            "alone (last)")
     # config keys ignored on load (from_dict): nothing reads them
     DEAD_FIELDS: ClassVar[tuple] = ("kl_exit", "kl_threshold")
 

@@ -47,8 +47,8 @@ import math
 import sys
 
 import models
-from common import VOCAB_MULTIPLE, ModelConfig, UsageError
-from harness.cli import ExitParser, run_command
+from common import VOCAB_MULTIPLE, ModelConfig, UsageError, flag_fields
+from harness.cli import ExitParser, add_flags, run_command
 from tango_kernels import ATTN_CHUNK, QK_PAD, WINDOW_CHUNK  # fast-path q/k width (32 score dims + null dim, padded to 40), chunks
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
@@ -135,25 +135,39 @@ def counter_expected_macs(cfg: ModelConfig, T: int) -> int:
     """
     full = forward_macs(cfg, T)
     vocab_pad = (-cfg.vocab_size % VOCAB_MULTIPLE) * cfg.n_embd * T
-    base = full["linear"] + full["head"] + vocab_pad
-    K, d, F, H = cfg.depth, cfg.n_embd, cfg.width, cfg.n_head
-    m = cfg.model
-    if m in ("tango", "tango-3set"):
-        return base + K * (QK_PAD * H + F) * sum((min(r0 + ATTN_CHUNK, T) - r0) * (min(r0 + ATTN_CHUNK, T) + 1)
-                                                 for r0 in range(0, T, ATTN_CHUNK))
-    if m == "tango-windowed":
-        C = WINDOW_CHUNK
-        return base + K * (d + F) * sum((min(r0 + C, T) - r0) * (min(r0 + C, T) - max(r0 - cfg.window, 0))
-                                        for r0 in range(0, T, C))
-    if m == "flash":
-        e, s, C = _gau_dims(cfg)
-        n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
-        Tp = math.ceil(T / n) * n
-        return base + K * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
-    if m == "plt":  # the window attention is a full T x T product under a band mask
-        W = min(cfg.plt_window, T)
-        return full["total"] + vocab_pad + 2 * (cfg.depth - 1) * cfg.n_core * T * (T - W) * d
-    return full["total"] + vocab_pad  # loop, untied, gau, depth-attn, ponder, lrt, loopstack, loopfold: the convention plus the vocabulary padding
+    fast = models.spec_of(cfg.model).counted_macs  # the fast path's own count, where it differs (its registry row)
+    if fast is None:  # loop, untied, gau, depth-attn, ponder, lrt, loopstack, loopfold: the convention
+        return full["total"] + vocab_pad
+    return (fast if callable(fast) else globals()[fast])(cfg, T, full) + vocab_pad
+
+
+def tango_counted_macs(cfg: ModelConfig, T: int, full: dict) -> int:
+    """counter_expected_macs of TANGO's chunked CPU path (without the vocabulary padding)."""
+    K, F, H = cfg.depth, cfg.width, cfg.n_head
+    return full["linear"] + full["head"] + K * (QK_PAD * H + F) * sum(
+        (min(r0 + ATTN_CHUNK, T) - r0) * (min(r0 + ATTN_CHUNK, T) + 1) for r0 in range(0, T, ATTN_CHUNK))
+
+
+def tango_windowed_counted_macs(cfg: ModelConfig, T: int, full: dict) -> int:
+    """counter_expected_macs of Windowed TANGO's chunked CPU path (without the vocabulary padding)."""
+    K, d, F, C = cfg.depth, cfg.n_embd, cfg.width, WINDOW_CHUNK
+    return full["linear"] + full["head"] + K * (d + F) * sum(
+        (min(r0 + C, T) - r0) * (min(r0 + C, T) - max(r0 - cfg.window, 0)) for r0 in range(0, T, C))
+
+
+def flash_counted_macs(cfg: ModelConfig, T: int, full: dict) -> int:
+    """counter_expected_macs of FLASH's chunked path (without the vocabulary padding)."""
+    e, s, C = _gau_dims(cfg)
+    n = C if T > C else T  # flash_chunked: a single chunk is left unpadded
+    Tp = math.ceil(T / n) * n
+    return full["linear"] + full["head"] + cfg.depth * (Tp * n * (s + e) + (2 * Tp * s * e if T > C else 0))
+
+
+def plt_counted_macs(cfg: ModelConfig, T: int, full: dict) -> int:
+    """counter_expected_macs of PLT (without the vocabulary padding): the window attention is a
+    full T x T product under a band mask."""
+    W = min(cfg.plt_window, T)
+    return full["total"] + 2 * (cfg.depth - 1) * cfg.n_core * T * (T - W) * cfg.n_embd
 
 
 def train_flops(cfg: ModelConfig, T: int, tokens: float) -> float:
@@ -180,22 +194,14 @@ def train_model_flags():
 
 
 def add_train_model_flags(p):
-    """Declare train.py's model flags (train_model_flags) on parser p, with train.py's types, help
-    and defaults (the tier's for --window, --chunk and --gau_s). An unset flag stays out of the
-    parsed namespace, so given_train_flags tells the flags given from the defaults."""
-    import train
-    wanted = train_model_flags()
+    """Declare train.py's model flags (train_model_flags) on parser p as common.ModelConfig declares
+    them (type, help, default; the tier's for --window, --chunk and --gau_s). An unset flag stays out
+    of the parsed namespace, so given_train_flags tells the flags given from the defaults."""
+    from harness.config import tier_default
     g = p.add_argument_group("train.py's model flags")
-    for act in train.build_parser()._actions:  # argparse has no public list of a parser's arguments
-        if act.dest not in wanted:
-            continue
-        text = act.help if "default" in act.help else f"{act.help} (default: {act.default})"
-        if isinstance(act, argparse.BooleanOptionalAction):
-            g.add_argument(act.option_strings[0], action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=text)
-        else:
-            g.add_argument(*act.option_strings, type=act.type, choices=act.choices, default=argparse.SUPPRESS,
-                           help=text)
+    g.add_argument("--width", type=int, default=argparse.SUPPRESS, help="expansion width F; default 0: solved to "
+                   "the tier's parameter target")
+    add_flags(g.add_argument, ModelConfig, tier_default, defaults=False)
 
 
 def given_train_flags(a):
@@ -203,18 +209,21 @@ def given_train_flags(a):
     return {f: getattr(a, f) for f in train_model_flags() if hasattr(a, f)}
 
 
+def flag_defaults():
+    """{flag: train.py's default} of every model flag (train_model_flags; None: the tier's)."""
+    return {"width": 0, **{f.name: None if f.metadata["tier"] else f.default for f in flag_fields(ModelConfig)}}
+
+
 def train_flags(size, given=None):
     """{flag: value} of every train.py model flag (train_model_flags) at tier `size`: the `given`
     value, else train.py's default, resolved from the tier where that is unset (--window, --chunk,
     --gau_s: harness.config.TIER_DEFAULTS, as harness.config.resolve_args does)."""
-    import train
     from harness.config import TIER_DEFAULTS
-    args = train.parse_args([])
-    vars(args).update(given or {})
+    flags = {**flag_defaults(), **(given or {})}
     for k, v in TIER_DEFAULTS[size].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return {f: getattr(args, f) for f in train_model_flags()}
+        if k in flags and flags[k] is None:
+            flags[k] = v
+    return {f: flags[f] for f in train_model_flags()}
 
 
 def train_config(model, size, depth, block_size, vocab_size, flags):
@@ -241,8 +250,7 @@ def flags_text(flags, names):
     """"train.py's model flags --window 64 --gau_s 128 --chunk 64" (for a header): the model flags
     the models `names` read whose value comes from the tier or differs from train.py's default, and
     --width when set."""
-    import train
-    defaults = vars(train.parse_args([]))
+    defaults = flag_defaults()
     read = {"width"} | {f for n in names for f in models.spec_of(n).flags}
     shown = [f for f in train_model_flags() if f in read and (defaults[f] is None or flags[f] != defaults[f])]
     return ("train.py's model flags " + " ".join(f"--{f} {flags[f]}" for f in shown) if shown

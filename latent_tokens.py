@@ -69,7 +69,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import train as train_mod
+from harness.optim import param_groups
 from common import UsageError
 from harness.latent_bases import make_backend
 from harness.tasks import encode_sample, test_set
@@ -393,7 +393,7 @@ def latent_params(llm):
 def cosine_lr(step, total, peak, floor, warmup):
     """Linear warmup to peak over `warmup` updates, then cosine from peak at update `warmup` to
     floor at update `total` (absolute floor). This is the progress term of Hugging Face's cosine
-    schedule, with which the paper trained (App. B.1); train.lr_at differs (warmup to update
+    schedule, with which the paper trained (App. B.1); harness.optim.Schedule differs (warmup to update
     warmup + 1, floor reached at the last update), so the committed tables keep this one."""
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -427,7 +427,7 @@ def train_latents(llm, augs, epochs=10, batch_size=16, lr=5e-2, min_lr=5e-5, war
     not finite (Z is left as it was before that step). llm's train/eval mode is restored."""
     if llm.Z.numel() == 0:
         return []
-    opt = torch.optim.AdamW(train_mod.param_groups(llm, weight_decay), lr=lr)
+    opt = torch.optim.AdamW(param_groups(llm, weight_decay), lr=lr)
     per_epoch = math.ceil(len(augs) / batch_size)
     total = epochs * per_epoch
     warm = max(1, math.ceil(warmup * total))

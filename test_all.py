@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 import tango_kernels
 import train
 from common import ModelConfig, UsageError
+from harness.optim import Schedule
 from models import REGISTRY, TIERS, build_model, count_params, solve_width, width_multiple
 from tango import tango_reference, windowed_reference
 from tango_kernels import tango_fast, windowed_fast
@@ -332,18 +334,17 @@ def test_unknown_model_and_bad_depth_raise():
 # ----------------------------------------------------------------------------- train.py
 
 def test_lr_schedule():
-    class A:
-        learning_rate, warmup_iters, max_iters, min_lr_ratio = 1e-3, 10, 100, 0.1
-    assert 0 < train.lr_at(0, A) < 1e-3
-    assert train.lr_at(10, A) == pytest.approx(1e-3)
-    assert train.lr_at(99, A) == pytest.approx(1e-4)
-    assert all(train.lr_at(i, A) >= train.lr_at(i + 1, A) for i in range(10, 99))
-    A.warmup_iters = 100  # warmup as long as the run: no division by zero, still positive
-    assert 0 < train.lr_at(99, A) <= 1e-3
-    A.max_iters = A.warmup_iters = 0  # no warmup and a schedule of no length: past it, the floor
-    assert train.lr_at(0, A) == pytest.approx(1e-4)
-    A.max_iters, A.warmup_iters = 1, 0  # one update, no warmup: the peak
-    assert train.lr_at(0, A) == 1e-3
+    A = Schedule(learning_rate=1e-3, warmup_iters=10, max_iters=100, min_lr_ratio=0.1)
+    assert 0 < A.lr_at(0) < 1e-3
+    assert A.lr_at(10) == pytest.approx(1e-3)
+    assert A.lr_at(99) == pytest.approx(1e-4)
+    assert all(A.lr_at(i) >= A.lr_at(i + 1) for i in range(10, 99))
+    A = replace(A, warmup_iters=100)  # warmup as long as the run: no division by zero, still positive
+    assert 0 < A.lr_at(99) <= 1e-3
+    A = replace(A, max_iters=0, warmup_iters=0)  # no warmup and a schedule of no length: past it, the floor
+    assert A.lr_at(0) == pytest.approx(1e-4)
+    A = replace(A, max_iters=1, warmup_iters=0)  # one update, no warmup: the peak
+    assert A.lr_at(0) == 1e-3
 
 
 def run_train(tmp_path, *flags, env_extra=None, check=True):

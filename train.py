@@ -55,10 +55,11 @@ from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, chec
                                 eval_only_args, load_checkpoint, load_weights, restore, resume_args,
                                 save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, compile_regions, host_values
-from harness.cli import UsageParser, run_command, seed_flag, synchronizer, write_text
+from harness.cli import UsageParser, add_flags, run_command, seed_flag, synchronizer, values, write_text
 from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
                             tier_default)
 from harness.datacheck import load_data
+from harness.optim import AdamW, Schedule, make_optimizer
 from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model, mismatch_reason, model_config, shared_block_models
 # a name other code uses as train.X (studies/latent_experiments.py: eval_mode)
@@ -91,49 +92,17 @@ def build_parser(suppress_defaults=False):
       "default: cpu without a GPU, 70M with one")
     a("--width", type=int, default=0, help="expansion width F (Transformer++ feed-forward, TANGO gated, GAU/FLASH e), "
       "for equal-block-shape comparisons; default 0: solved to the tier's parameter target")
-    a("--window", type=int, help="Windowed TANGO window W; " + tier_default("window"))
-    a("--chunk", type=int, help="FLASH chunk C; " + tier_default("chunk"))
-    a("--gau_s", type=int, help="GAU/FLASH shared dimension s; " + tier_default("gau_s"))
-    a("--mu_rec", type=int, default=0, help="Parcae/RDM: mean training recurrence; default 0: --depth")
-    a("--mu_bwd", type=int, default=0, help="Parcae/RDM: recurrences backpropagated; default 0: ceil(mu_rec/2)")
-    a("--n_prelude", type=int, default=2, help="Parcae/RDM: blocks before the recurrent core")
-    a("--n_core", type=int, default=2, help="Parcae/RDM: blocks in the recurrent core; loopstack/plt/loopfold: blocks per loop")
-    a("--n_coda", type=int, default=2, help="Parcae/RDM: blocks after the recurrent core")
-    a("--da_stride", type=int, default=0, help="Depth-Attention: mix layers j mod stride == 0 (0: depth // 2, -1: none)")
-    a("--da_recent", type=int, default=0, help="Depth-Attention: also mix the r layers just below")
-    a("--n_thoughts", type=int, default=1, help="PonderLM-2, lrt-think: thought slots per token (0: untied Transformer++, lrt)")
-    a("--jacobi", type=int, default=3, help="PonderLM-2: Jacobi refinements of the thoughts")
-    a("--jacobi_random", action=argparse.BooleanOptionalAction, default=True,
-      help="PonderLM-2: training draws the Jacobi refinements from {2, 3}")
-    a("--lrt_src", type=int, default=-1, help="LRT: block whose output is the next slot's memory (-1: floor(2K/3))")
-    a("--lrt_tgt", type=int, default=0, help="LRT: block whose input receives the memory")
-    a("--lrt_kv", action=argparse.BooleanOptionalAction, default=False,
-      help="LRT: also a private memory key/value slot in every block's attention")
-    a("--lrt_subsets", type=int, default=2, help="LRT: interleaved position subsets k of parallel training (>= 1)")
-    a("--lrt_detach_init", action=argparse.BooleanOptionalAction, default=False,
-      help="LRT: run the init pass of parallel training without gradients")
-    a("--plt_window", type=int, default=64, help="PLT: G-SWA window W over the loop's own keys")
-    a("--plt_shift", action=argparse.BooleanOptionalAction, default=True,
-      help="PLT: cross-loop shift (one batched pass per decoded token); --no-plt_shift: unshifted loops")
-    a("--fold", type=int, default=2, help="LoopFold: fold width f (loops per stage)")
-    a("--fold_rank", type=int, default=0, help="LoopFold: predictor/corrector rank (0: d/4)")
-    a("--fold_layout", default="first", choices=["first", "last"],
-      help="LoopFold: loop 1 alone then groups of f (first), or groups then loop N alone (last)")
+    add_flags(a, ModelConfig, tier_default)  # the model flags, as common.ModelConfig declares them
     a = group("data")
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...
     a("--block_size", type=int, help="training context length T; " + tier_default("block_size"))
     a("--batch_size", type=int, help="micro-batch size (sequences per process); " + tier_default("batch_size"))
     a("--data_seed", type=seed_flag, help="data-order seed, same value = same batches; default: --seed")
     a = group("optimization")
-    a("--max_iters", type=int, help="number of optimizer updates; " + tier_default("max_iters"))
+    add_flags(a, Schedule, tier_default)  # --max_iters, --learning_rate, --warmup_iters, ... (harness/optim.py)
     a("--gradient_accumulation_steps", type=int, help="micro-batches per update, over all processes "
       "(divisible by their number); " + tier_default("gradient_accumulation_steps"))
-    a("--learning_rate", type=float, help="peak learning rate; " + tier_default("learning_rate"))
-    a("--warmup_iters", type=int, help="updates of linear warmup; " + tier_default("warmup_iters"))
-    a("--lr_decay_iters", type=int, help="length of the cosine schedule (set it to stop a run early with "
-      "the schedule of a longer one); default: --max_iters")
-    a("--min_lr_ratio", type=float, default=0.1, help="final learning rate / peak")
-    a("--weight_decay", type=float, default=0.1, help="AdamW weight decay of the weight matrices and embedding")
+    add_flags(a, AdamW)  # --weight_decay, ...
     a("--grad_clip", type=float, default=1.0, help="gradient norm clipping threshold")
     a("--seed", type=seed_flag, default=1337, help="model seed (initialisation, Parcae/RDM draws)")
     a = group("evaluation")
@@ -264,7 +233,8 @@ def setup(args, given):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     model = build_model(cfg, device=args.device)
-    r = Run(args, dist, data, cfg, target, model, make_optimizer(model, args), np.random.default_rng(args.data_seed))
+    optimizer = make_optimizer(model, args.learning_rate, values(args, AdamW), args.device)
+    r = Run(args, dist, data, cfg, target, model, optimizer, np.random.default_rng(args.data_seed))
     if ckpt is not None:
         r.best_dev = check_resume(ckpt, cfg, data, args)
         restore(ckpt, r.latest_path, model, r.optimizer, r.rng, args.device)
@@ -280,74 +250,6 @@ def setup(args, given):
         r.train_model = DistributedDataParallel(
             r.fwd, device_ids=[dist.local_rank] if args.device.startswith("cuda") else None)
     return r, ckpt, changed
-
-
-def no_decay_parameters(model):
-    """The parameters exempt from weight decay, by the rule each model declares: a module class
-    lists the names of its own parameters that are gains, scales, offsets, temperatures, null
-    scores or state-space coefficients in a class attribute ``no_decay`` (RMSNorm: weight; TANGO:
-    log_tau, null; GAU/FLASH: gamma, beta; Parcae: A_log, dt_bias, B, C). Every other parameter
-    (the weight matrices and the embedding) decays, whatever its rank. Returns a list without
-    duplicates (a shared module counts once)."""
-    out = {}
-    for m in model.modules():
-        for name in getattr(m, "no_decay", ()):
-            p = getattr(m, name)
-            if not isinstance(p, torch.nn.Parameter):
-                raise TypeError(f"{type(m).__name__}.no_decay names {name!r}, which is not a parameter")
-            out[id(p)] = p
-    return list(out.values())
-
-
-def param_groups(model, weight_decay):
-    """AdamW parameter groups: [decayed (weight_decay), exempt (0)] (see no_decay_parameters)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    exempt = {id(p) for p in no_decay_parameters(model)}
-    return [{"params": [p for p in params if id(p) not in exempt], "weight_decay": weight_decay},
-            {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
-
-
-def make_optimizer(model, args):
-    """AdamW (betas 0.9, 0.95) over param_groups(model, --weight_decay); fp32 states; on CUDA the
-    fused implementation (one kernel for all parameters instead of a few per tensor)."""
-    fused = {"fused": True} if str(getattr(args, "device", "cpu")).startswith("cuda") else {}
-    return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                             betas=(0.9, 0.95), eps=1e-8, **fused)
-
-
-def schedule_notes(args, resumed):
-    """The notes a run prints about its learning-rate schedule (lr_at): a resumed run whose updates
-    go past the schedule's end (e.g. --max_iters raised, the schedule's length kept) runs those at
-    the floor; a run that ends inside its warmup never decays."""
-    notes = []
-    decay = args.lr_decay_iters or args.max_iters
-    end = max(decay, args.warmup_iters)  # the warmup runs first, however short the schedule
-    if resumed and end < args.max_iters:
-        why = ("--lr_decay_iters" if decay > args.warmup_iters else
-               f"--warmup_iters; --lr_decay_iters {decay} ends inside the warmup")
-        notes.append(f"note: the learning-rate schedule ends at update {end} ({why}); the updates after it, to "
-                     f"--max_iters {args.max_iters}, run at its floor ({args.min_lr_ratio} x --learning_rate); "
-                     "give --lr_decay_iters to lengthen it")
-    if args.warmup_iters >= args.max_iters:  # a short test run with the tier's warmup: say what it trains at
-        notes.append(f"note: --warmup_iters {args.warmup_iters} >= --max_iters {args.max_iters}: the run ends inside "
-                     f"the warmup, its last update at {lr_at(args.max_iters - 1, args) / args.learning_rate:.2f} x "
-                     "--learning_rate (no decay)")
-    return notes
-
-
-def lr_at(it, args):
-    """Learning rate for update it (0-based): linear warmup to the peak (positive from update 0),
-    then cosine down to min_lr_ratio * peak at update lr_decay_iters - 1 (default max_iters - 1)
-    and constant after. A schedule no longer than its warmup has no cosine: the floor follows the
-    warmup. A function of it alone, so a resumed run continues the same schedule."""
-    peak, warm = args.learning_rate, args.warmup_iters
-    total = getattr(args, "lr_decay_iters", None) or args.max_iters
-    if it < warm:
-        return peak * (it + 1) / (warm + 1)
-    if total <= warm:  # the decay ended inside the warmup: past it, the floor (as after any decay)
-        return peak * args.min_lr_ratio
-    progress = min(1.0, (it - warm) / max(1, total - 1 - warm))
-    return peak * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def overrides(changed):
@@ -371,7 +273,7 @@ def open_outputs(r, resumed, changed):
             + (f"; {r.dist.world} processes (DDP)" if r.dist.ddp else ""))
     if resumed:
         log.say(f"resumed from {r.latest_path} at update {r.it} (best dev {r.best_dev:.4f})" + overrides(changed))
-    for note in schedule_notes(args, resumed):
+    for note in values(args, Schedule).notes(resumed):
         log.say(note)
     log.emit(event="start", args=vars(args), config=r.cfg.to_dict(), non_embedding_params=n_params,
              unigram_dev=data_mod.unigram_entropy(r.data, "dev"), resumed_at=r.it, world_size=r.dist.world,
@@ -387,6 +289,7 @@ def train_loop(r):
     def eval_at(it):  # the fixed update counts of dev evaluations (a set of them would hold max_iters / interval ints)
         return it % args.eval_interval == 0 or it == args.max_iters
     dev_starts = r.data.eval_windows("dev", args.block_size, args.eval_windows)
+    schedule = values(args, Schedule)
     tokens_per_update = args.batch_size * args.gradient_accumulation_steps * args.block_size
     n_train = len(r.data.tokens("train"))
     dump = DebugDump(r.dist)
@@ -395,7 +298,7 @@ def train_loop(r):
     r.model.train()
     while r.it < args.max_iters:
         t0 = time.time()
-        lr = lr_at(r.it, args)
+        lr = schedule.lr_at(r.it)
         for group in r.optimizer.param_groups:
             group["lr"] = lr
         starts = [sample_starts(r.rng, n_train, args.batch_size, args.block_size)

@@ -4,6 +4,7 @@ cap, broken pipes: run_command) and atomic output files (write_atomic). No model
 """
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -396,3 +397,31 @@ def synchronizer(device):
     if str(device).startswith("cuda"):
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def add_flags(add, cls, tier_help=None, defaults=True):
+    """Declare the flag fields of dataclass cls (common.flag: default, help, tier) through add, a
+    parser's or group's add_argument: an int field takes int64_flag, a bool a --x/--no-x pair, the
+    others their annotated type. A tier field's default is None (resolved from --size later) and its
+    help ends with tier_help(name); defaults=False leaves every flag unset when not given (a tool that
+    passes on only the flags given)."""
+    from common import flag_fields
+    types = {"int": int, "float": float, "str": str, "bool": bool}
+    for f in flag_fields(cls):
+        kind = types[f.type if isinstance(f.type, str) else f.type.__name__]
+        tier = f.metadata["tier"]
+        text = f.metadata["help"] + ("; " + tier_help(f.name) if tier and tier_help else "")
+        default = None if tier else f.default
+        if not defaults:
+            default = argparse.SUPPRESS
+            text += "" if tier else f" (default: {f.default})"
+        if kind is bool:
+            add(f"--{f.name}", action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            add(f"--{f.name}", type=kind, default=default, help=text)
+
+
+def values(args, cls):
+    """The dataclass cls (harness.optim.Schedule, AdamW, ...) of the parsed flags args: each field
+    read from the flag of its name, so below the command line a value travels, not the namespace."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -18,7 +18,6 @@ import math
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
 import train
 from train import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
+from harness.optim import AdamW, make_optimizer
 from common import ModelConfig, UsageError
 from harness.cli import (UsageParser, check_decayed_rate, check_output_files, check_output_folder, check_rate,
                          check_seed, make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
@@ -121,7 +121,7 @@ def pretrain(args):
     train.py --eval_only refuse it. Returns the checkpoint's path.
 
     Rows are single samples (beginning token, query, response, ending token where the task has
-    one), loss on every token; train.make_optimizer (AdamW, train.py's decay groups), cosine_lr
+    one), loss on every token; harness.optim.make_optimizer (AdamW, train.py's decay groups), cosine_lr
     from --lr to 10 % after 2 % warmup, weight decay 0.1, clipping 1.0, through `fit`."""
     from models import REGISTRY, build_model
     if args.d % 32 or args.d < 32:
@@ -176,7 +176,7 @@ def pretrain(args):
                 cnt += int((y >= 0).sum())
         return tot / cnt
 
-    opt = train.make_optimizer(model, SimpleNamespace(weight_decay=0.1, learning_rate=args.lr))
+    opt = make_optimizer(model, args.lr, AdamW(weight_decay=0.1))
     best, t0, path = float("inf"), time.time(), os.path.join(args.out_dir, "ckpt_best.pt")
     warm = max(1, args.steps // 50)
     batches = (pad_rows([rows[i] for i in rng.integers(len(rows), size=args.batch_size)]) for _ in range(args.steps))

@@ -347,10 +347,10 @@ def test_deferred_reads_still_stop_on_a_non_finite_loss(mdm, data_root, tmp_path
 
 
 def test_adamw_is_fused_on_cuda_only():
-    from types import SimpleNamespace
+    from harness.optim import AdamW, make_optimizer
     model = models.build_model(_small("loop", 3))
     for device, fused in (("cuda", True), ("cuda:1", True), ("cpu", None)):
-        opt = train.make_optimizer(model, SimpleNamespace(device=device, weight_decay=0.1, learning_rate=1e-3))
+        opt = make_optimizer(model, 1e-3, AdamW(weight_decay=0.1), device)
         assert opt.defaults.get("fused") is fused, device
 
 

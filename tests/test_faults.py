@@ -36,6 +36,7 @@ from tools import sweep_report
 import train
 import harness.cli
 from common import ModelConfig, UsageError, sample_next
+from harness.optim import AdamW, make_optimizer, no_decay_parameters
 from models import REGISTRY, build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -706,53 +707,27 @@ def test_the_end_of_training_sample_notes_positions_past_the_trained_context(lon
 
 # ============================================================================ 9. weight decay
 
-TPP = ("attn.qkv", "attn.wo", "mlp.w13", "mlp.w2")  # weight matrices of a Transformer++ or sandwich block
-DECAYED = {  # every model's weight-decayed parameters (depth 2, 3 for tango-3set; one prelude/core/coda block)
-    "tango": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight", "body.sets.0.wv.weight",
-              "body.sets.0.wo.weight"],
-    "tango-windowed": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight",
-                       "body.sets.0.wv.weight", "body.sets.0.wo.weight"],
-    "tango-3set": ["wte.weight", "body.wq.weight", "body.wk.weight", "body.sets.0.wg.weight", "body.sets.0.wv.weight",
-                   "body.sets.0.wo.weight", "body.sets.1.wg.weight", "body.sets.1.wv.weight", "body.sets.1.wo.weight",
-                   "body.sets.2.wg.weight", "body.sets.2.wv.weight", "body.sets.2.wo.weight"],
-    "loop": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
-    "untied": ["wte.weight"] + [f"body.blocks.{k}.{w}.weight" for k in (0, 1) for w in TPP],
-    "gau": ["wte.weight", "body.units.0.w_in.weight", "body.units.0.wo.weight"],
-    "flash": ["wte.weight", "body.units.0.w_in.weight", "body.units.0.wo.weight"],
-    "parcae": ["wte.weight"] + [f"body.{part}.0.{w}.weight" for part in ("prelude", "core", "coda") for w in TPP],
-    "rdm": ["wte.weight"] + [f"body.prelude.0.{w}.weight" for w in TPP] + ["body.adapter.weight"]
-           + [f"body.{part}.0.{w}.weight" for part in ("core", "coda") for w in TPP],
-    # Depth-Attention and PonderLM-2 (fused q/k/v and W_1/W_3); PonderLM-2's thought norm gain is exempt
-    "depth-attn": ["wte.weight"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
-    "loop-depth-attn": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
-    "ponder": ["wte.weight"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
-    # LRT: the memory map W_m decays, RMSNorm_m's gain is exempt; lrt-think's thought inputs decay like token rows
-    "lrt": ["wte.weight", "body.w_m"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
-    "lrt-think": ["wte.weight", "body.w_m", "body.thought"] + [f"body.blocks.{b}.{w}.weight" for b in (0, 1) for w in TPP],
-}
-# parallel loops (n_core = 1 block; a module's own parameters come before its submodules'): PLT's gate weights decay (its gate bias and a, b do not);
-# LoopFold's predictor and corrector matrices decay (its predictor norm gain does not)
-DECAYED.update({
-    "loopstack": ["wte.weight"] + [f"body.blocks.0.{w}.weight" for w in TPP],
-    "plt": ["wte.weight", "body.blocks.0.gate_w"] + [f"body.blocks.0.{w}.weight" for w in TPP],
-    "loopfold": ["wte.weight", "body.pred_w1", "body.pred_w2", "body.corr_v", "body.corr_u"]
-                + [f"body.blocks.0.{w}.weight" for w in TPP],
-})
-
-
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_only_weight_matrices_are_decayed(name):
-    """AdamW's decayed group is exactly the weight matrices and the embedding: GAU/FLASH's gamma and
-    beta (which are (n_qk, s) matrices), TANGO's log_tau and null, Parcae's A_log, dt_bias, B, C and
-    every RMSNorm gain are exempt, by the declaration of their module class."""
-    assert set(DECAYED) == set(REGISTRY)
+    """AdamW's decayed group is the weight matrices and the embedding, by the rule every model
+    declares (harness.optim.no_decay_parameters): every vector and scalar (norm gains, biases, TANGO's
+    log_tau and null, Parcae's A_log and dt_bias, PLT's a, b and gate bias) is exempt, and a matrix
+    is exempt only where its module class names it in no_decay (GAU/FLASH's gamma and beta, which
+    are (n_qk, s) matrices; Parcae's B and C). No list per model: a new model is held to the rule."""
     model = build_model(small_cfg(name, **({"depth": 3} if name == "loopfold" else {})))  # a stage of two loops
-    opt = train.make_optimizer(model, SimpleNamespace(weight_decay=0.1, learning_rate=1e-3))
+    opt = make_optimizer(model, 1e-3, AdamW(weight_decay=0.1))
     names = {id(p): n for n, p in model.named_parameters()}
     decayed, exempt = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
-    assert [names[id(p)] for p in decayed["params"]] == DECAYED[name]
     assert len(decayed["params"]) + len(exempt["params"]) == len(names)
+    declared = {id(p) for p in no_decay_parameters(model)}
+    assert [names[id(p)] for p in decayed["params"] if p.dim() < 2] == []  # no gain, bias or scalar decays
+    assert [names[id(p)] for p in exempt["params"] if id(p) not in declared] == []
+    assert [names[id(p)] for p in decayed["params"]] == [n for n, p in model.named_parameters()
+                                                         if p.dim() >= 2 and id(p) not in declared]
+    assert "wte.weight" in [names[id(p)] for p in decayed["params"]]  # the tied embedding decays
+    matrices = {names[id(p)].rsplit(".", 1)[-1] for p in exempt["params"] if p.dim() >= 2}
+    assert matrices <= {"gamma", "beta", "B", "C"}, matrices  # the matrices the papers keep out of the decay
 
 
 # ============================================================================ 10. CI extras

@@ -30,6 +30,7 @@ from common import ModelConfig
 from harness.cli import run_command
 from harness import config as harness_config
 from harness.config import resolve_args
+from harness.optim import Schedule
 from models import build_model, model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,30 +101,29 @@ def snapshot(folder):
 
 # ----------------------------------------------------------------------------- schedule, sampling
 
-class Sched:
-    def __init__(self, lr=1e-3, warm=10, total=100, decay=None, floor=0.1):
-        self.learning_rate, self.warmup_iters, self.max_iters = lr, warm, total
-        self.lr_decay_iters, self.min_lr_ratio = decay or total, floor
+def Sched(lr=1e-3, warm=10, total=100, decay=None, floor=0.1):
+    return Schedule(learning_rate=lr, warmup_iters=warm, max_iters=total, lr_decay_iters=decay or total,
+                    min_lr_ratio=floor)
 
 
 def test_lr_schedule_edges():
-    assert 0 < train.lr_at(0, Sched(warm=0)) == 1e-3  # no warmup: the peak from update 0
-    assert 0 < train.lr_at(0, Sched(warm=10)) < 1e-3
+    assert 0 < Sched(warm=0).lr_at(0) == 1e-3  # no warmup: the peak from update 0
+    assert 0 < Sched(warm=10).lr_at(0) < 1e-3
     for warm in (99, 100, 150):  # warmup as long as (or longer than) the schedule: no division by zero
-        lrs = [train.lr_at(i, Sched(warm=warm)) for i in range(100)]
+        lrs = [Sched(warm=warm).lr_at(i) for i in range(100)]
         assert all(0 < x <= 1e-3 for x in lrs) and lrs == sorted(lrs)
-    assert train.lr_at(0, Sched(warm=0, total=1)) == 1e-3
+    assert Sched(warm=0, total=1).lr_at(0) == 1e-3
     s = Sched(warm=2, total=6, decay=12)  # stopping early keeps the longer schedule
-    assert [train.lr_at(i, s) for i in range(6)] == [train.lr_at(i, Sched(warm=2, total=12)) for i in range(6)]
-    assert train.lr_at(11, Sched(warm=2, total=12)) == pytest.approx(1e-4)
-    assert train.lr_at(50, Sched(warm=2, total=12)) == pytest.approx(1e-4)  # constant after the decay
+    assert [s.lr_at(i) for i in range(6)] == [Sched(warm=2, total=12).lr_at(i) for i in range(6)]
+    assert Sched(warm=2, total=12).lr_at(11) == pytest.approx(1e-4)
+    assert Sched(warm=2, total=12).lr_at(50) == pytest.approx(1e-4)  # constant after the decay
     # a schedule no longer than its warmup (a short run resumed with a larger --max_iters): the
     # floor after the warmup, as after any decay, whether it ends at the warmup or just after it
     for decay in (5, 10):
-        assert train.lr_at(10, Sched(warm=10, total=20, decay=decay)) == pytest.approx(1e-4)
-    assert [train.lr_at(i, Sched(warm=10, total=20, decay=11)) for i in (10, 11, 15)] == pytest.approx([1e-3, 1e-4, 1e-4])
+        assert Sched(warm=10, total=20, decay=decay).lr_at(10) == pytest.approx(1e-4)
+    assert [Sched(warm=10, total=20, decay=11).lr_at(i) for i in (10, 11, 15)] == pytest.approx([1e-3, 1e-4, 1e-4])
     # literal values: warmup (it + 1) / (warm + 1) of the peak, then the cosine from the peak
-    assert [train.lr_at(i, Sched(warm=3, total=7)) for i in range(8)] == pytest.approx(
+    assert [Sched(warm=3, total=7).lr_at(i) for i in range(8)] == pytest.approx(
         [0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 0.775e-3, 0.325e-3, 0.1e-3, 0.1e-3])  # cos 0, pi/3, 2pi/3, pi
 
 
@@ -235,7 +235,7 @@ def test_resume_equals_uninterrupted_run(runs):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert ca["rng"]["numpy"] == cb["rng"]["numpy"] and ca["iter"] == cb["iter"] == 6
     # the learning rate of the first update after the resume is the uninterrupted run's
-    assert tb[3]["lr"] == train.lr_at(3, Sched(lr=4e-3, warm=2, total=6))  # the cpu tier's peak
+    assert tb[3]["lr"] == Sched(lr=4e-3, warm=2, total=6).lr_at(3)  # the cpu tier's peak
 
 
 def test_same_seed_same_log_other_seed_differs(runs):
@@ -485,10 +485,10 @@ def test_schedule_notes_say_what_lr_at_runs(warmup, decay, max_iters):
     floor (not updates still inside the warmup: --lr_decay_iters 6, --warmup_iters 10, --max_iters 9
     said "the updates after 6 run at the floor" while they ran at 0.64-0.82 x the peak); a run that
     ends inside its warmup says so, with its last update's rate."""
-    args = argparse.Namespace(learning_rate=1.0, warmup_iters=warmup, lr_decay_iters=decay, max_iters=max_iters,
-                              min_lr_ratio=0.1)
-    rates = [train.lr_at(i, args) for i in range(max_iters)]  # rates[u - 1]: update u's
-    notes = train.schedule_notes(args, resumed=True)
+    args = Schedule(learning_rate=1.0, warmup_iters=warmup, lr_decay_iters=decay, max_iters=max_iters,
+                    min_lr_ratio=0.1)
+    rates = [args.lr_at(i) for i in range(max_iters)]  # rates[u - 1]: update u's
+    notes = args.notes(resumed=True)
     said = [int(re.search(r"ends at update (\d+)", n).group(1)) for n in notes if "run at its floor" in n]
     past = [u for u in range(1, max_iters + 1) if all(r == pytest.approx(0.1) for r in rates[u - 1:])
             and (u > warmup or warmup == 0)]  # updates from which on every one runs at the floor
@@ -500,7 +500,7 @@ def test_schedule_notes_say_what_lr_at_runs(warmup, decay, max_iters):
     assert len(ends_in_warmup) == (warmup >= max_iters)
     if ends_in_warmup:
         assert not said and f"at {rates[-1]:.2f} x --learning_rate" in ends_in_warmup[0]
-    assert not train.schedule_notes(args, resumed=False) or warmup >= max_iters
+    assert not args.notes(resumed=False) or warmup >= max_iters
 
 
 def test_help_shows_every_tiers_value(capsys):

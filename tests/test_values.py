@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import data as data_mod
 import latent_tokens as lt
 import models
+from harness.optim import Schedule
 import train
 from common import ModelConfig, UsageError
 
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 # ----------------------------------------------------------------------------- learning-rate schedule
 
 def sched(lr=1e-3, warm=4, total=11, decay=None, floor=0.1):
-    return SimpleNamespace(learning_rate=lr, warmup_iters=warm, max_iters=total, lr_decay_iters=decay or total,
-                           min_lr_ratio=floor)
+    return Schedule(learning_rate=lr, warmup_iters=warm, max_iters=total, lr_decay_iters=decay or total,
+                    min_lr_ratio=floor)
 
 
 # peak 1e-3, 4 warmup updates, 11 updates, floor 0.1: warmup (it + 1) / 5 of the peak, then
@@ -36,12 +37,12 @@ LR_11 = [2e-4, 4e-4, 6e-4, 8e-4, 1e-3, 9.397114317029974e-4, 7.75e-4, 5.5e-4, 3.
 
 
 def test_lr_schedule_literal_values():
-    got = [train.lr_at(i, sched()) for i in range(11)]
+    got = [sched().lr_at(i) for i in range(11)]
     assert got == pytest.approx(LR_11, rel=1e-12, abs=0)
-    assert [train.lr_at(i, sched()) for i in (11, 50)] == pytest.approx([1e-4, 1e-4], rel=1e-12)
+    assert [sched().lr_at(i) for i in (11, 50)] == pytest.approx([1e-4, 1e-4], rel=1e-12)
     # no warmup: the peak at update 0; a longer decay than the run keeps the longer schedule
-    assert train.lr_at(0, sched(warm=0)) == 1e-3
-    assert [train.lr_at(i, sched(warm=1, total=3, decay=5)) for i in range(3)] == \
+    assert sched(warm=0).lr_at(0) == 1e-3
+    assert [sched(warm=1, total=3, decay=5).lr_at(i) for i in range(3)] == \
         pytest.approx([5e-4, 1e-3, 7.75e-4], rel=1e-12)
 
 

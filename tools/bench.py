@@ -96,7 +96,6 @@ import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -109,6 +108,7 @@ from common import UsageError, compile_regions
 from harness.cli import (ExitParser, check_output_files, int64_flag, make_parent, run_command, repeated, synchronizer,
                          write_text)
 from harness.config import Dist, auto_dtype, resolve_device
+from harness.optim import AdamW, make_optimizer
 from tools.bench_report import REFERENCE, add_ratios, table, targets, targets_text
 from tools.cpu_memory import loadavg, max_rss_mb, return_freed_memory, settle_heap, step_memory
 
@@ -136,8 +136,7 @@ def child(spec):
     B = max(1, spec["batch_tokens"] // T)
     model = models.build_model(cfg, device=dev)
     model.train()
-    from train import make_optimizer  # training's AdamW: its groups, and fused on CUDA
-    opt = make_optimizer(model, SimpleNamespace(device=dev, weight_decay=0.1, learning_rate=6e-4))
+    opt = make_optimizer(model, 6e-4, AdamW(weight_decay=0.1), dev)  # training's AdamW
     fwd = model
     if spec["dtype"] == "bfloat16":
         ctx = lambda: torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16)
