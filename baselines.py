@@ -253,7 +253,7 @@ class GAUUnit(nn.Module):
     """One gated attention unit's parameters: norm gain (d), fused W_in (d x (2e + s)), n_qk
     per-dim scale-offset pairs on Z (gamma ~ N(1, 0.02), beta = 0), W_o (e x d).
     Parameters: 3de + ds + 2 n_qk s + d."""
-    no_decay = ("gamma", "beta")  # per-dimension scale and offset: no weight decay (train.no_decay_parameters)
+    no_decay = ("gamma", "beta")  # per-dimension scale and offset: no weight decay (harness.optim.no_decay_parameters)
 
     def __init__(self, d, e, s, n_qk):
         super().__init__()
@@ -264,6 +264,10 @@ class GAUUnit(nn.Module):
         self.beta = nn.Parameter(torch.zeros(n_qk, s))
         self.wo = nn.Linear(e, d, bias=False)
         self.wo.is_residual_out = True
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them); want (mean, tolerance) for a statistic of random draws: gamma ~ N(1, 0.02), beta = 0."""
+        return [(self.gamma.mean(), (1.0, 0.01)), (self.gamma.std(), (0.02, 0.005)), (self.beta, 0.0)]
 
     def project(self, x, cos, sin):
         """x: (B, T, d) -> U, V: (B, T, e) and n_qk rotated scale-offset heads of Z, each (B, T, s)."""

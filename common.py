@@ -126,7 +126,7 @@ class ModelConfig:
 
 class RMSNorm(nn.Module):
     """RMSNorm with a learned gain (MATH.md, "What every model shares"). x: (..., d) -> (..., d)."""
-    no_decay = ("weight",)  # a gain: no weight decay (train.no_decay_parameters)
+    no_decay = ("weight",)  # a gain: no weight decay (harness.optim.no_decay_parameters)
 
     def __init__(self, d, eps=1e-6):
         super().__init__()

@@ -148,6 +148,12 @@ class LatentRecurrence(nn.Module):
             self.thought = nn.Parameter(torch.randn(self.n, d) * 0.02)  # e_θ,k, initialized like a token row
         self.sequential_passes = self.n + 1  # sequential single-slot passes per decoded token (bench.py decode)
 
+    own_init = ("w_m",)  # a matrix not drawn from N(0, 0.02)
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them): W_m = 0; the thought inputs e_theta ~ N(0, 0.02) like a token row."""
+        return [(self.w_m, 0.0)] + ([(self.thought.std(), (0.02, 0.006))] if self.n > 0 else [])
+
     # ------------------------------------------------------------------ slots
     def slots(self, x, cos, sin):
         """Tokens (B, T, d) -> slot inputs (B, S, d) in the order (t,0), (t,1), ..., all at position t."""

@@ -44,7 +44,7 @@ float64 base) and cast to the base's dtype at use; the base is frozen and stays 
 Bases (latent_bases.py): this project's `common.LM` (any models.REGISTRY model) or a Hugging Face
 causal LM, both driven with input embeddings, explicit position ids and a decoding cache.
 
-Training (App. B.1, Table 2): AdamW (train.param_groups) on Z alone, lr 5e-2, warmup 1 %, cosine
+Training (App. B.1, Table 2): AdamW (harness.optim.param_groups) on Z alone, lr 5e-2, warmup 1 %, cosine
 to 5e-5, weight decay 1e-4, batch 16, 10 epochs; clipping 1.0 is our addition. `fit` is the one
 training loop, for Z and for the small task base (latent_experiments.py). Evaluation is
 teacher-forced greedy ("tf", default): one batched forward over query + reference; greedy decoding

@@ -167,7 +167,7 @@ class PLTBlock(TransformerBlock):
     """Transformer++ block (same parameters and names) plus the G-SWA gate of loops >= 2:
     gate_w (H x 32) and gate_b (H). Parameters 4d^2 + 3dF + 2d + d + H (gated=False: no gate,
     4d^2 + 3dF + 2d)."""
-    no_decay = ("gate_b",)  # a bias: no weight decay (train.no_decay_parameters)
+    no_decay = ("gate_b",)  # a bias: no weight decay (harness.optim.no_decay_parameters)
 
     def __init__(self, d, n_head, width, gated=True):
         super().__init__(d, n_head, width)
@@ -177,6 +177,10 @@ class PLTBlock(TransformerBlock):
             self.gate_b = nn.Parameter(torch.zeros(n_head))
         else:
             self.no_decay = ()
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them): the G-SWA gate sigmoid(0 . q + 0) = 1/2."""
+        return [(torch.sigmoid(self.gate_b), 0.5), (self.gate_w, 0.0)] if hasattr(self, "gate_w") else []
 
     def project(self, x, cos, sin):
         """x (B, T, d) -> rotated q, k and v, each (B, H, T, 32)."""
@@ -246,6 +250,10 @@ class PLT(nn.Module):
             self.no_decay = ()
             self.register_buffer("clp_a", torch.tensor([float(clp_scales[0])]))
             self.register_buffer("clp_b", torch.tensor([float(clp_scales[1])]))
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them): the cross-loop scales a = 1, b = 0.02."""
+        return [(self.clp_a, 1.0), (self.clp_b, 0.02)] if self.loops > 1 else []
 
     def use_final_norm(self, norm):
         """Take the LM's final norm as Norm_loop (called by LM). Kept outside the module tree: LM
@@ -380,6 +388,12 @@ class LoopFold(nn.Module):
         self.pred_w2 = nn.Parameter(torch.zeros(d, r))          # W_p2 (zero: P = identity at init)
         self.corr_v = nn.Parameter(torch.randn(r, d) * 0.02)    # V_c^T
         self.corr_u = nn.Parameter(torch.zeros(d, r))           # U_c (zero: C = identity at init)
+
+    own_init = ("pred_w2", "corr_u")  # matrices not drawn from N(0, 0.02)
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them): W_p2 = U_c = 0, so P and C start as the identity."""
+        return [(self.pred_w2, 0.0), (self.corr_u, 0.0)] if hasattr(self, "pred_w2") else []
 
     @property
     def sequential_passes(self):

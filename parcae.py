@@ -202,7 +202,7 @@ class Parcae(LoopedBody):
     diagnostics(): per-step state norms of the last forward, their max, max/min Abar, steps run,
     mean sampled depth.
     """
-    no_decay = ("A_log", "dt_bias", "B", "C")  # state-space coefficients: no weight decay (train.no_decay_parameters)
+    no_decay = ("A_log", "dt_bias", "B", "C")  # state-space coefficients: no weight decay (harness.optim.no_decay_parameters)
 
     def __init__(self, cfg):
         d, H, F_ = cfg.n_embd, cfg.n_head, cfg.width
@@ -220,6 +220,14 @@ class Parcae(LoopedBody):
         with torch.no_grad():
             self.C.mul_(math.sqrt(0.4))
         self._depth_mean = None
+
+    own_init = ("B", "C")  # matrices not drawn from N(0, 0.02)
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them):
+        Abar = sqrt(1/5) per channel (ABAR_INIT), B = I, C orthogonal scaled by sqrt(0.4) (C C^T = 0.4 I)."""
+        d = self.B.shape[0]
+        return [(self.abar(), math.sqrt(1 / 5)), (self.B, torch.eye(d)), (self.C @ self.C.T, 0.4 * torch.eye(d))]
 
     def delta(self):
         """Delta = softplus(dt_bias), the per-channel step size of the zero-order hold, (d,) > 0."""

@@ -65,6 +65,10 @@ class Ponder(nn.Module):
             nn.init.constant_(self.think_norm.weight, 0.02)
             self.rng_seed = None  # seed of the training draw of N (parcae.seeded_generators); None: global RNG
 
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them): Norm_theta's gain 0.02, the embedding's init std."""
+        return [(self.think_norm.weight, 0.02)] if self.n > 0 else []
+
     def run(self, x, cos, sin, cache=None, eager=False):
         """The K blocks on a slot sequence x: (B, L, d) with its RoPE rows cos, sin (L rows).
         eager: skip the compiled regions (prefill's Jacobi passes belong to decoding)."""

@@ -90,7 +90,7 @@ class Tango(nn.Module):
     impl="fast" (default) or "reference" (plain formulas, for tests). Raises UsageError for a
     width that is not a multiple of n_head, or three sets with K < 3.
     """
-    no_decay = ("log_tau", "null")  # temperature and null score: no weight decay (train.no_decay_parameters)
+    no_decay = ("log_tau", "null")  # temperature and null score: no weight decay (harness.optim.no_decay_parameters)
     rope_float32 = True  # LM builds its RoPE tables in float32 or wider: a bf16 table's rounding unnormalises q, k
 
     def __init__(self, cfg, windowed=False, n_sets=1, impl="fast"):
@@ -108,6 +108,10 @@ class Tango(nn.Module):
         self.log_tau = nn.Parameter(torch.full((H,), math.log(10.0)))
         self.null = nn.Parameter(torch.zeros(H))
         self.sets = nn.ModuleList(GatedSet(d, cfg.width) for _ in range(n_sets))
+
+    def init_constants(self):
+        """The documented initial constants, as (value, want) pairs (tests/test_registry.py checks them): tau = 10 per head, null score b = 0."""
+        return [(self.log_tau.exp(), 10.0), (self.null, 0.0)]
 
     def set_index(self, k):
         """Gated-projection set used at application k (0-based): 0 first, 1 middle, 2 last."""

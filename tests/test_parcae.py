@@ -93,7 +93,7 @@ def test_special_inits_survive_the_lm_init_and_no_decay():
     assert torch.allclose(b.delta(), torch.full((64,), 0.5 * math.log(5)), atol=1e-6)
     assert torch.equal(b.B, torch.eye(64))
     assert torch.allclose(b.C.t() @ b.C, 0.4 * torch.eye(64), atol=1e-5)
-    names = {id(getattr(b, n)) for n in b.no_decay}  # train.no_decay_parameters reads this declaration
+    names = {id(getattr(b, n)) for n in b.no_decay}  # harness.optim.no_decay_parameters reads this declaration
     assert names == {id(b.A_log), id(b.dt_bias), id(b.B), id(b.C)}
     diag = model.body.diagnostics()
     assert diag["state_norm"] == [] and diag["bbar_spectral_norm"] == pytest.approx(0.5 * math.log(5), rel=1e-5)

@@ -203,45 +203,26 @@ def test_the_summed_nll_is_the_mean_times_the_scored_targets(name):
 # ----------------------------------------------------------------------------- initial values
 
 # documented initial constants per model (the hand-computation tests read them from the model)
-def _abar(body):
-    return torch.exp(-F.softplus(body.dt_bias) * torch.exp(body.A_log))  # Abar = exp(Delta A), A = -exp(A_log)
-
-
-INITS = {
-    "tango": lambda b: [(b.log_tau.exp(), 10.0), (b.null, 0.0)],  # tau = 10, null score b = 0
-    "gau": lambda b: [(b.units[0].gamma.mean(), (1.0, 0.01)), (b.units[0].gamma.std(), (0.02, 0.005)),
-                      (b.units[0].beta, 0.0)],  # gamma ~ N(1, 0.02), beta = 0
-    "parcae": lambda b: [(_abar(b), math.sqrt(1 / 5)), (b.B, torch.eye(64)),
-                         (b.C @ b.C.T, 0.4 * torch.eye(64))],  # C orthogonal, scaled by sqrt(0.4)
-    "ponder": lambda b: [(b.think_norm.weight, 0.02)],  # Norm_theta's gain: the embedding's init std
-    "lrt": lambda b: [(b.w_m, 0.0)],  # W_m = 0
-    "lrt-think": lambda b: [(b.w_m, 0.0), (b.thought.std(), (0.02, 0.006))],  # e_theta ~ N(0, 0.02)
-    "plt": lambda b: [(b.clp_a, 1.0), (b.clp_b, 0.02), (torch.sigmoid(b.blocks[0].gate_b), 0.5),
-                      (b.blocks[0].gate_w, 0.0)],  # query gate 1/2
-    "loopfold": lambda b: [(b.pred_w2, 0.0), (b.corr_u, 0.0)],  # P = C = identity
-}
-OWN_INIT = {"body.B", "body.C", "body.w_m", "body.pred_w2", "body.corr_u"}  # matrices INITS pins
-INITS["tango-windowed"] = INITS["tango-3set"] = INITS["tango"]
-INITS["flash"] = INITS["gau"]
-
-
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_model_starts_from_its_documented_initial_values(name):
     """Weight matrices N(0, 0.02), residual output projections N(0, 0.02 / sqrt(2 K)) (GPT-2), norm
-    gains 1, and each model's own constants (INITS)."""
+    gains 1, and each model's own constants, as its modules declare them (init_constants; own_init
+    names the matrices drawn otherwise; a new model that copies TANGO inherits TANGO's)."""
     torch.manual_seed(0)
     K = 4
     model = models.build_model(ModelConfig(model=name, vocab_size=61, block_size=32, n_embd=64, n_head=2,
                                            depth=K, width=96))
     residual = {id(m.weight) for m in model.modules() if getattr(m, "is_residual_out", False)}
+    own = {id(getattr(m, n)) for m in model.modules() for n in getattr(m, "own_init", ()) if hasattr(m, n)}
     assert residual  # every model has residual branches that mark their output projection
     for n, p in model.named_parameters():
-        if p.dim() == 2 and p.numel() >= 1000 and n not in OWN_INIT:
+        if p.dim() == 2 and p.numel() >= 1000 and id(p) not in own:
             want = 0.02 / math.sqrt(2 * K) if id(p) in residual else 0.02
             assert abs(p.std().item() / want - 1) < 0.1 and abs(p.mean().item()) < want / 10, (n, p.std().item())
     norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m is not getattr(model.body, "think_norm", None)]
     assert norms and all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in norms)
-    for got, want in INITS.get(name, lambda b: [])(model.body):
+    constants = [c for m in model.modules() if hasattr(m, "init_constants") for c in m.init_constants()]
+    for got, want in constants:
         if isinstance(want, tuple):  # (value, tolerance) of a statistic of random draws
             assert abs(got.item() - want[0]) < want[1], (name, got.item(), want)
         else:
