@@ -73,7 +73,7 @@ from harness.optim import param_groups
 from common import UsageError
 from harness.latent_bases import make_backend
 from harness.tasks import encode_sample, test_set
-from train import TrainingError
+from harness.cli import TrainingError
 
 POSITION_MODES = ("prepend", "append", "increase")
 READOUTS = ("latent", "verbal")

@@ -1,6 +1,9 @@
 """TANGO ("TANGO: Treating Tokens as Operators", §2; our reconstruction: MATH.md, "TANGO").
 
-One gated update replaces attention and the feed-forward network; one block is applied K times:
+One gated update replaces attention and the feed-forward network; one block is applied K times.
+Each position averages the gates of the positions up to it, weighted by a softmax over scores; one
+more option, "attend to nothing" (the null option), takes weight exp(b_a) in that softmax's
+denominator and contributes no gate, so a token can keep its average small:
 
     u      = Norm(x)                                       (B, T, d)
     q, k   = u W_q, u W_k                                  W_q, W_k: d x d, H heads of 32

@@ -17,9 +17,10 @@ the one evaluated on test. Throughput: median training tokens/s over the final 1
 Reading order: flags (build_parser) -> set-up (setup) -> the training loop (train_loop and its
 update, train_update, over the summed NLL the model returns: common.LM.head) -> the final report
 (finish). Out of the story: models.py (the registry; model_config: flags -> ModelConfig),
-config.py (tier defaults, flag validation, processes, logging), datacheck.py (preparing the data
-once; data.check_data checks it), checkpoint.py (checkpoints and --resume), evaluation.py (NLL,
-exact match).
+harness/config.py (tier defaults, flag validation, processes, logging), harness/optim.py (AdamW and
+the learning-rate schedule, as values), harness/datacheck.py (preparing the data once;
+data.check_data checks it), harness/checkpoint.py (checkpoints and --resume), harness/evaluation.py
+(NLL, exact match, the report, --eval_only), harness/cli.py (parsers, signals, atomic writes).
 
 Errors: bad input (a flag, a data file, a checkpoint) prints one line "error: ..." on stderr and
 exits 2 before anything is written to --out_dir (sizes that do not fit in memory: at the first
@@ -51,23 +52,17 @@ import torch
 import torch.distributed as tdist
 
 import data as data_mod
-from harness.checkpoint import (BEST, EVAL_FLAGS, LATEST, check_compatible, check_resume, check_unfinished,
-                                eval_only_args, load_checkpoint, load_weights, restore, resume_args,
-                                save_checkpoints, strip_prefixes)
 from common import ModelConfig, UsageError, compile_regions, host_values
-from harness.cli import UsageParser, add_flags, run_command, seed_flag, synchronizer, values, write_text
-from harness.config import (Dist, DebugDump, Log, autocast_ctx, check_dataset_flags, check_model_flags, resolve_args,
-                            tier_default)
+from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, overrides, restore,
+                                resume_args, save_checkpoints, strip_prefixes)
+from harness.cli import (TrainingError, UsageParser, add_flags, run_command, seed_flag, synchronizer, values,
+                         write_text)
+from harness.config import Dist, DebugDump, Log, autocast_ctx, check_flags, tier_default
 from harness.datacheck import load_data
+from harness.evaluation import (check_scored_windows, depth_sweep, eval_only, evaluate, exact_match, print_report,
+                                print_sample, unigram_baselines)
 from harness.optim import AdamW, Schedule, make_optimizer
-from harness.evaluation import check_scored_windows, depth_sweep, evaluate, exact_match, print_report, print_sample
 from models import REGISTRY, TIERS, build_model, mismatch_reason, model_config, shared_block_models
-# a name other code uses as train.X (studies/latent_experiments.py: eval_mode)
-from harness.evaluation import eval_mode  # noqa: F401,E402
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite loss, gradient or dev NLL); exit code 1."""
 
 
 # ----------------------------------------------------------------------------- flags
@@ -136,17 +131,6 @@ def parse_args(argv=None):
 def given_flags(argv=None):
     """Names of the flags given on the command line (as opposed to defaults)."""
     return set(vars(build_parser(suppress_defaults=True).parse_args(argv)))
-
-
-def check_flags(args, given, dist=None, reads_out_dir=False):
-    """Every check of the flags that train.py makes before it reads data or writes anything (after
-    --resume or --eval_only filled in the run's own flags): a model flag or dataset flag given
-    (given: the names on the command line) that the run ignores, then the tier defaults and value
-    checks of config.resolve_args. Returns the resolved args; UsageError on bad input. tools.sweep
-    checks every grid run's flags with it before any run starts."""
-    check_model_flags(args.model, given)  # a flag this model ignores
-    check_dataset_flags(args, given)  # a flag this dataset ignores (--em_samples without dmmath)
-    return resolve_args(args, dist, reads_out_dir)  # tier defaults, device, validation (config.py)
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -250,11 +234,6 @@ def setup(args, given):
         r.train_model = DistributedDataParallel(
             r.fwd, device_ids=[dist.local_rank] if args.device.startswith("cuda") else None)
     return r, ckpt, changed
-
-
-def overrides(changed):
-    """'; --flag old -> new' for each explicit override of a checkpoint's flag (changed: {flag: [old, new]})."""
-    return "".join(f"; --{k} {a if a not in (None, '') else '(none)'} -> {b}" for k, (a, b) in changed.items())
 
 
 def open_outputs(r, resumed, changed):
@@ -435,14 +414,6 @@ def seed_random_draws(model, seed, update, micro_batch):
             m.rng_seed = s
 
 
-def unigram_baselines(data, args):
-    """The summary's unigram fields: the dev split's unigram entropy (unigram_dev) and train's
-    unigram NLL on the dev windows the dev NLL is measured on (unigram_dev_windows), nats/token."""
-    starts = data.eval_windows("dev", args.block_size, args.eval_windows)
-    return {"unigram_dev": data_mod.unigram_entropy(data, "dev"),
-            "unigram_dev_windows": data_mod.unigram_nll(data, "dev", starts, args.block_size)}
-
-
 def diagnostics(model, spectral, read=True):
     """The looped models' training diagnostics of the last forward (Parcae, RDM: recurrent state
     norm per step, max Abar, spectral norms when spectral=True), as {"diag": {...}} for the log;
@@ -488,7 +459,7 @@ def finish(r, rates):
                "width": r.cfg.width, "non_embedding_params": model.num_params(), "params": model.num_params(False),
                "best_iter": best["iter"], "dev_nll": dev, "test_split": data.test_split,
                "tokenizer": data.tokenizer,
-               "test_nll": test, **unigram_baselines(data, args),
+               "test_nll": test, **unigram_baselines(data, args.block_size, args.eval_windows),
                "tokens": best["iter"] * tokens_per_update,
                "tok_per_s_median_last100": float(np.median(rates[-100:])) if rates else None,
                "tok_per_s_updates": len(rates[-100:]),
@@ -505,51 +476,6 @@ def finish(r, rates):
     write_text(os.path.join(args.out_dir, "summary.json"), json.dumps(summary, indent=1))
     print_report(summary, data, args)
     print_sample(model, data, args, args.device, r.ctx)
-    return summary
-
-
-def eval_only(args, given):
-    """--eval_only: the end of training's evaluation of <out_dir>/ckpt_best.pt without training: dev
-    and test NLL (nats/token) by evaluate on the same windows, exact match and --eval_depths as in
-    finish, the run's flags from the checkpoints (eval_only_args; explicit ones override, as under
-    --resume), so it prints the dev and test NLL the run printed. Prints the report (dev NLL
-    recomputed, not read from the checkpoint); writes nothing to --out_dir. One process (not under
-    torchrun). Returns the summary; UsageError on bad input."""
-    t_start, dist = time.time(), Dist()
-    if args.resume:
-        raise UsageError("--eval_only: evaluates the run's best checkpoint without training; drop --resume")
-    if Dist.from_env().ddp:  # the NLL does not depend on the world size (evaluate): one process gives it
-        raise UsageError("--eval_only: runs in one process; start it with python, not torchrun")
-    best, changed = eval_only_args(args, given)
-    args = check_flags(args, given, dist, reads_out_dir=True)  # a read-only --out_dir is fine
-    data = load_data(args, dist)
-    cfg, _ = model_config(args, data.vocab_size)
-    path = os.path.join(args.out_dir, BEST)
-    check_compatible(best, path, cfg, data, fix="its model config and its flags disagree (a damaged checkpoint, or one "
-                     "another version of train.py wrote)")
-    model = build_model(cfg, device=args.device)
-    load_weights(best, path, model)
-    if args.compile:  # the training run's evaluations ran compiled
-        compile_regions(model)
-    ctx = autocast_ctx(args)
-    nll = lambda split: evaluate(model, data, split, data.eval_windows(split, args.block_size, args.eval_windows),
-                                 args.block_size, args.eval_batch_size, args.device, ctx, dist)
-    dev, test = nll("dev"), nll(data.test_split)
-    curve = depth_sweep(model, args.depth_list, lambda: nll("dev")) if args.depth_list else None
-    unused = sorted(k for k in changed if k not in EVAL_FLAGS)
-    print(f"evaluating {path} (update {best['iter']}; {args.device} {args.dtype}; --eval_only: no training, "
-          "nothing written)"
-          + overrides({k: v for k, v in changed.items() if k in EVAL_FLAGS})
-          + (f"; not used without training: {', '.join('--' + k for k in unused)}" if unused else ""))
-    summary = {"non_embedding_params": model.num_params(), **unigram_baselines(data, args),
-               "best_iter": best["iter"], "dev_nll": dev, "test_nll": test, "tok_per_s_median_last100": None,
-               "first_update_s": None}
-    if curve is not None:
-        summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
-    for split in data.meta.get("em_splits", []):
-        summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, args.device, ctx)
-    summary["wall_s"] = time.time() - t_start
-    print_report(summary, data, args)
     return summary
 
 

@@ -404,3 +404,8 @@ def restore(ck, path, model, optimizer, rng, device):
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise UsageError(f"{path}: does not fit this model ({why})") from None
+
+
+def overrides(changed):
+    """'; --flag old -> new' for each explicit override of a checkpoint's flag (changed: {flag: [old, new]})."""
+    return "".join(f"; --{k} {a if a not in (None, '') else '(none)'} -> {b}" for k, (a, b) in changed.items())

@@ -21,6 +21,10 @@ import torch
 from common import UsageError, is_out_of_memory
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (non-finite loss, gradient or dev NLL); exit code 1."""
+
+
 class DefaultsHelp(argparse.HelpFormatter):
     """--help with '(default: X)' after a flag's help, unless the flag is required, is a switch that is
     off unless given (store_true; a --x/--no-x pair does say which side), has no default to show

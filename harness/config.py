@@ -375,3 +375,14 @@ class DebugDump:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"iter": it, "starts": [s.tolist() for s in starts],
                                     "param_sha256": h.hexdigest()}) + "\n")
+
+
+def check_flags(args, given, dist=None, reads_out_dir=False):
+    """Every check of the flags that train.py makes before it reads data or writes anything (after
+    --resume or --eval_only filled in the run's own flags): a model flag or dataset flag given
+    (given: the names on the command line) that the run ignores, then the tier defaults and value
+    checks of resolve_args. Returns the resolved args; UsageError on bad input. tools.sweep
+    checks every grid run's flags with it before any run starts."""
+    check_model_flags(args.model, given)  # a flag this model ignores
+    check_dataset_flags(args, given)  # a flag this dataset ignores (--em_samples without dmmath)
+    return resolve_args(args, dist, reads_out_dir)  # tier defaults, device, validation

@@ -1,20 +1,27 @@
 """Evaluation and the final report of train.py: dev/test NLL over fixed windows, dmmath exact
-match, the printed report and a decoded sample.
+match, the printed report and a decoded sample; train.py --eval_only (eval_only), the same
+evaluation of a finished run's best checkpoint without training.
 
 NLL is in nats/token over the scored targets (``y != -1``); every function puts the model in eval
 mode for its duration (Parcae/RDM: fixed depth, seeded initial state) and restores each module's
 own mode after it.
 """
 import contextlib
+import os
 import sys
+import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from common import UsageError
+import data as data_mod
+from common import UsageError, compile_regions
+from harness.checkpoint import BEST, EVAL_FLAGS, check_compatible, eval_only_args, load_weights, overrides
 from harness.cli import nll_unit, past_context_note
-from harness.config import Dist
+from harness.config import Dist, autocast_ctx, check_flags
+from harness.datacheck import load_data
+from models import build_model, model_config
 
 
 @contextlib.contextmanager
@@ -174,3 +181,57 @@ def print_sample(model, data, args, device, ctx):
         with ctx:
             out = model.generate(prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=200)
     print(f"\n--- sample (temperature 0.8, top-k 200) ---\n{data.decode(out[0, 1:].tolist())}\n---")
+
+
+def unigram_baselines(data, block_size, eval_windows):
+    """The summary's unigram fields: the dev split's unigram entropy (unigram_dev) and train's
+    unigram NLL on the dev windows of length block_size the dev NLL is measured on
+    (unigram_dev_windows; eval_windows of them), nats/token."""
+    starts = data.eval_windows("dev", block_size, eval_windows)
+    return {"unigram_dev": data_mod.unigram_entropy(data, "dev"),
+            "unigram_dev_windows": data_mod.unigram_nll(data, "dev", starts, block_size)}
+
+
+def eval_only(args, given):
+    """--eval_only: the end of training's evaluation of <out_dir>/ckpt_best.pt without training: dev
+    and test NLL (nats/token) by evaluate on the same windows, exact match and --eval_depths as in
+    finish, the run's flags from the checkpoints (eval_only_args; explicit ones override, as under
+    --resume), so it prints the dev and test NLL the run printed. Prints the report (dev NLL
+    recomputed, not read from the checkpoint); writes nothing to --out_dir. One process (not under
+    torchrun). Returns the summary; UsageError on bad input."""
+    t_start, dist = time.time(), Dist()
+    if args.resume:
+        raise UsageError("--eval_only: evaluates the run's best checkpoint without training; drop --resume")
+    if Dist.from_env().ddp:  # the NLL does not depend on the world size (evaluate): one process gives it
+        raise UsageError("--eval_only: runs in one process; start it with python, not torchrun")
+    best, changed = eval_only_args(args, given)
+    args = check_flags(args, given, dist, reads_out_dir=True)  # a read-only --out_dir is fine
+    data = load_data(args, dist)
+    cfg, _ = model_config(args, data.vocab_size)
+    path = os.path.join(args.out_dir, BEST)
+    check_compatible(best, path, cfg, data, fix="its model config and its flags disagree (a damaged checkpoint, or one "
+                     "another version of train.py wrote)")
+    model = build_model(cfg, device=args.device)
+    load_weights(best, path, model)
+    if args.compile:  # the training run's evaluations ran compiled
+        compile_regions(model)
+    ctx = autocast_ctx(args)
+    nll = lambda split: evaluate(model, data, split, data.eval_windows(split, args.block_size, args.eval_windows),
+                                 args.block_size, args.eval_batch_size, args.device, ctx, dist)
+    dev, test = nll("dev"), nll(data.test_split)
+    curve = depth_sweep(model, args.depth_list, lambda: nll("dev")) if args.depth_list else None
+    unused = sorted(k for k in changed if k not in EVAL_FLAGS)
+    print(f"evaluating {path} (update {best['iter']}; {args.device} {args.dtype}; --eval_only: no training, "
+          "nothing written)"
+          + overrides({k: v for k, v in changed.items() if k in EVAL_FLAGS})
+          + (f"; not used without training: {', '.join('--' + k for k in unused)}" if unused else ""))
+    summary = {"non_embedding_params": model.num_params(), **unigram_baselines(data, args.block_size, args.eval_windows),
+               "best_iter": best["iter"], "dev_nll": dev, "test_nll": test, "tok_per_s_median_last100": None,
+               "first_update_s": None}
+    if curve is not None:
+        summary["depth_sweep"] = {"depths": args.depth_list, "dev_nll": curve}
+    for split in data.meta.get("em_splits", []):
+        summary[f"exact_match_{split}"] = exact_match(model, data, split, args.em_samples, args.device, ctx)
+    summary["wall_s"] = time.time() - t_start
+    print_report(summary, data, args)
+    return summary

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 if not __package__:  # run as python studies/x.py, not python -m studies.x: find the project's modules
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import train
-from train import TrainingError
+from harness.evaluation import eval_mode
+from harness.cli import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
 from harness.optim import AdamW, make_optimizer
 from common import ModelConfig, UsageError
@@ -167,7 +167,7 @@ def pretrain(args):
 
     @torch.no_grad()
     def dev_nll():
-        with train.eval_mode(model):
+        with eval_mode(model):
             tot, cnt = 0.0, 0
             for b in range(0, len(dev), 64):
                 x, y = pad_rows(dev[b:b + 64])

@@ -30,7 +30,7 @@ from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
 from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
 from sample import CheckpointTokenizer
-from train import TrainingError
+from harness.cli import TrainingError
 
 # =============================================================================== loading, evaluation, router training
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import tango_kernels
 import train
+from harness.config import resolve_args
 from tango import tango_reference, windowed_reference
 from checks import ONE_BLOCK_PER_LOOP
 from common import ModelConfig, RMSNorm
@@ -291,12 +292,12 @@ def test_bfloat16_on_a_gpu_without_it_is_a_usage_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 10**9))
     args = train.parse_args(["--model", "loop", "--device", "cuda", "--dtype", "bfloat16", "--size", "tiny"])
     with pytest.raises(train.UsageError, match=r"^--dtype bfloat16: cuda does not support it natively .*use --dtype float32$"):
-        train.resolve_args(args)
-    auto = train.resolve_args(train.parse_args(["--model", "loop", "--device", "cuda", "--size", "tiny"]))
+        resolve_args(args)
+    auto = resolve_args(train.parse_args(["--model", "loop", "--device", "cuda", "--size", "tiny"]))
     assert auto.dtype == "float32"
     # emulated only (V100, T4): torch's default including_emulation=True says yes; it is not native
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     with pytest.raises(train.UsageError, match=r"^--dtype bfloat16: cuda does not support it natively"):
-        train.resolve_args(args)
-    auto = train.resolve_args(train.parse_args(["--model", "loop", "--device", "cuda", "--size", "tiny"]))
+        resolve_args(args)
+    auto = resolve_args(train.parse_args(["--model", "loop", "--device", "cuda", "--size", "tiny"]))
     assert auto.dtype == "float32"

@@ -13,7 +13,7 @@ import pytest
 import train
 from common import UsageError
 from harness.checkpoint import MACHINE_FLAGS
-from harness.config import unread_model_flags
+from harness.config import resolve_args, unread_model_flags
 from tools import sweep, sweep_report
 from test_chargrid import pinned, sweep_options
 
@@ -63,22 +63,24 @@ HEADLINE_NAMES = {"TANGO": "tango", "Windowed TANGO": "tango-windowed", "Untied"
 
 
 def test_readme_headline_numbers_are_the_grids(monkeypatch):
-    """Every "model mean ± std" after "K = k:" in the README's headline is that model's test NLL at K = k
-    over the headline grid's committed runs, and TANGO's dev NLL trend over K = 4 → 8 → 16 its dev means."""
+    """Every "mean ± std" cell of the README's headline table is that row's model's test NLL at its
+    column's K over the headline grid's committed runs, the lowest of each column in bold, and TANGO's
+    dev NLL trend over K = 4 → 8 → 16 its dev means."""
     monkeypatch.chdir(HERE)
     with open("README.md", encoding="utf-8") as f:
         head = block(f.read(), ("<!-- headline -->\n", "<!-- end of headline -->"))
     rows = sweep_report.load_runs(HEADLINE_ROOT)
     assert sum(map(len, rows.values())) == 51
     stat = lambda m, k, metric="test_nll": sweep_report._stat(rows, ("stdlib", m, k), metric)
-    head = " ".join(head.split())  # the prose's line breaks as spaces
-    parts = re.split(r"K = (\d+): ", head)
-    names = "|".join(re.escape(n) for n in sorted(HEADLINE_NAMES, key=len, reverse=True))
-    cells = [(name, int(k), mu, sd) for k, text in zip(parts[1::2], parts[2::2])
-             for name, mu, sd in re.findall(rf"({names}) (\d\.\d{{3}}) ± (\d\.\d{{3}})", text)]
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in head.splitlines() if line.startswith("|")]
+    depths = [int(h.removeprefix("K = ")) for h in table[0][1:]]
+    cells = [(row[0], k, cell) for row in table[2:] for k, cell in zip(depths, row[1:]) if cell]
     assert len(cells) == 17  # seven models at K = 4 and 8, three at K = 16
-    for name, k, mu, sd in cells:
-        assert (mu, sd) == tuple(f"{x:.3f}" for x in stat(HEADLINE_NAMES[name], k)), (name, k)
+    for name, k, cell in cells:
+        mu, sd = stat(HEADLINE_NAMES[name], k)
+        lowest = min(stat(m, k)[0] for m in {HEADLINE_NAMES[n] for n, k_, _ in cells if k_ == k})
+        assert cell == (f"**{mu:.3f} ± {sd:.3f}**" if mu == lowest else f"{mu:.3f} ± {sd:.3f}"), (name, k, cell)
+    head = " ".join(head.split())  # the prose's line breaks as spaces
     trend = re.search(r"dev NLL rises over K = 4 → 8 → 16 \(([\d.]+), ([\d.]+), ([\d.]+)\)", head).groups()
     assert trend == tuple(f"{stat('tango', k, 'dev_nll')[0]:.3f}" for k in (4, 8, 16))
 
@@ -99,7 +101,7 @@ def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands,
             own, extra = next((o, e) for o, e in grids if m in o["--models"].split(",") and
                               str(k) in o["--depths"].split(",") and s["seed"] <= int(o["--seeds"]))
             argv = sweep.train_argv("runs/" + os.path.basename(root), ds, m, k, s["seed"], None, extra)
-            requested = vars(train.resolve_args(train.parse_args(argv + ["--device", "cpu"])))  # as they ran
+            requested = vars(resolve_args(train.parse_args(argv + ["--device", "cpu"])))  # as they ran
             with open(os.path.join(s["_dir"], "args.json")) as f:
                 saved = json.load(f)
             keys = set(saved) - set(MACHINE_FLAGS) - unread_model_flags(m)

@@ -30,7 +30,8 @@ import models
 from tools import flops_fit
 import latent_tokens as lt
 from studies import latent_experiments
-from harness import tasks
+from harness import evaluation, tasks
+from harness.config import resolve_args
 from tools import sweep
 from tools import sweep_report
 import train
@@ -575,7 +576,7 @@ def test_fit_says_skipped_for_every_law_it_cannot_fit(tmp_path, capsys):
 def fake_run(folder, argv, summary):
     """A finished run folder: log.jsonl with train.py's resolved flags for argv, and summary.json."""
     os.makedirs(folder, exist_ok=True)
-    a = vars(train.resolve_args(train.parse_args([*argv, "--out_dir", str(folder)])))
+    a = vars(resolve_args(train.parse_args([*argv, "--out_dir", str(folder)])))
     with open(os.path.join(folder, "log.jsonl"), "w") as f:
         f.write(json.dumps({"event": "start", "args": a}) + "\n")
     if summary is not None:
@@ -1209,7 +1210,7 @@ def behaviour(cfg):
     logits, loss = model(x, x)
     loss.backward()
     out += [logits.detach()] + [p.grad for p in model.parameters()]
-    with train.eval_mode(model), torch.no_grad():
+    with evaluation.eval_mode(model), torch.no_grad():
         out.append(model(x)[0])
     return out
 

@@ -25,7 +25,7 @@ import torch
 from harness import checkpoint, evaluation
 import data as data_mod
 import train
-import common
+import harness.cli
 from common import ModelConfig
 from harness.cli import run_command
 from harness import config as harness_config
@@ -884,7 +884,7 @@ def test_a_batch_past_the_hosts_free_memory_is_one_line_not_the_oom_killer(mdm, 
     Here the host pretends to have 256 MB free; the batch needs more (it trains without the cap)."""
     import resource
     before = resource.getrlimit(resource.RLIMIT_DATA)
-    monkeypatch.setattr(common, "host_memory_free", lambda: 2 ** 28, raising=False)
+    monkeypatch.setattr(harness.cli, "host_memory_free", lambda: 2 ** 28)
     big = ["--batch_size", "1024", "--max_iters", "1", "--eval_interval", "1"]  # about 4 GB without the cap
     with pytest.raises(SystemExit) as e:
         run_command(lambda: train.main(flags(mdm, data_root, tmp_path / "o", *big)), sizes=train.SIZE_FLAGS)
