@@ -52,7 +52,7 @@ from harness.cli import ExitParser, add_flags, run_command
 from tango_kernels import ATTN_CHUNK, QK_PAD, WINDOW_CHUNK  # fast-path q/k width (32 score dims + null dim, padded to 40), chunks
 
 # The TANGO paper's §4.1 figures: forward MACs, GPT-2 vocabulary, 70M tier, K = 4, T = 8192, W = 256.
-PAPER_MACS = {"tango": 9.44e12, "tango-windowed": 1.90e12, "loop": 1.94e12, "untied": 0.85e12}
+PAPER_MACS = {name: spec.paper_macs for name, spec in models.REGISTRY.items() if spec.paper_macs}  # the registry's
 
 
 def _gau_dims(cfg):

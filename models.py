@@ -6,24 +6,30 @@ needs to know about the model (width granularity, shared block, the model flags 
 their meaningful ranges, its MAC formula). build_model(cfg) wraps the body in the shared LM
 (embedding, tied head, loss, generation); model_config(args) turns train.py's flags into a ModelConfig.
 
-Adding a model (a checklist; tests/test_registry.py registers a toy model by it)
+Adding a model (a checklist; tests/test_registry.py registers a toy model by it and runs train.py,
+flops.py, the benchmark's plan and the sweep report over it; no other list of models exists to join,
+tests/test_layout.py checks that)
   1. yourmodel.py: the body, an nn.Module with forward(x (B, T, d), cos, sin, cache) -> (B, T, d)
      (cache None in training, else a dict of its decoding state), and a constructor
      `def yourmodel(cfg) -> body` whose docstring gives the non-embedding parameter count and the
      source (paper title, arXiv id, section). Module attributes the harness reads, if they apply:
      `no_decay` (names of the class's own gain/scale parameters: no weight decay),
-     `is_residual_out = True` on a Linear (smaller init), `rng_seed` (the seed of training draws,
-     set per micro-batch) and `diagnostics(spectral, read)` on the body (logged per update; read=False
+     `is_residual_out = True` on a Linear (smaller init), `init_constants()` and `own_init` (the
+     documented initial values, checked by the tests), `rng_seed` (the seed of training draws, set
+     per micro-batch) and `diagnostics(spectral, read)` on the body (logged per update; read=False
      returns device tensors, read later).
-  2. New hyperparameters: a field with its default in common.ModelConfig and a flag of the same
-     name in train.build_parser's "model" group (model_config passes every declared flag on).
-  3. models.py: a REGISTRY row `"yourmodel": ModelSpec(yourmodel.yourmodel, width_multiple=8,
+  2. models.py: a REGISTRY row `"yourmodel": ModelSpec(yourmodel.yourmodel, width_multiple=8,
      shared_block=..., flags={"your_flag": Range(lo, hi)}, macs=...)`. flags lists every model flag
      the body reads (the others are refused for --model yourmodel) with its meaningful values;
      macs is a function (cfg, T) -> {"linear", "scores", "mix", "head", "total"} MACs of one length-T
-     sequence by the convention of flops.py (the built-in models' formulas live there, by name).
-  4. tests: the float64 hand computation in tests/test_equations.py (HAND), cached decoding equal
-     to the full forward, and a fast path next to its reference compared in float64.
+     sequence by the convention of flops.py (the built-in models' formulas live there, by name);
+     counted_macs where its fast path computes other MACs than the convention (see ModelSpec).
+     A new hyperparameter is one field of common.ModelConfig declared with common.flag(default,
+     help): train.py's flag, flops.py's and the tools' come from it.
+  3. MATH.md: its section (equations, source, choices); README.md: its row of the models table.
+  4. tests: the float64 hand computation in tests/test_equations.py (HAND); the registry-wide tests
+     (cached decoding equal to the full forward, fast path against reference, gradients, init,
+     weight decay, parameter counts) pick the model up by themselves.
 """
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -81,13 +87,19 @@ class ModelSpec:
     counted_macs: (cfg, T, macs dict) -> the MACs torch's FlopCounterMode counts in the fast path,
     without the vocabulary padding (or such a function's name in flops.py), where the fast path
     does other work than the convention (chunks, padding, a masked full product); None: the
-    convention's total (flops.counter_expected_macs)."""
+    convention's total (flops.counter_expected_macs); paper_macs: the TANGO paper's §4.1 forward MACs
+    of the model at 70M, K = 4, T = 8192 (flops.py prints its own beside it); paper_grid: one of the
+    six models of the TANGO paper's §4.1 grid, whose claims the sweep report recomputes; bench_long:
+    tools.bench --quick also times it at the long block size (T = 8192 on a GPU)."""
     build: Callable
     width_multiple: object = 8
     shared_block: bool = False
     flags: dict = field(default_factory=dict)
     macs: object = None
     counted_macs: object = None
+    paper_macs: float = None
+    paper_grid: bool = False
+    bench_long: bool = False
 
 
 HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
@@ -113,16 +125,19 @@ LOOPS = {"n_core": Range(1)}
 # multiples of H cannot meet the paper's 0.20 % for every depth (untied Transformer++ at 70M,
 # K = 8: the nearest multiples of 16 give -0.203 % / +0.24 %).
 REGISTRY = {
-    "tango": ModelSpec(tango.tango, HEADS, shared_block=True, macs="tango_macs", counted_macs="tango_counted_macs"),
+    "tango": ModelSpec(tango.tango, HEADS, shared_block=True, macs="tango_macs", counted_macs="tango_counted_macs",
+                       paper_macs=9.44e12, paper_grid=True, bench_long=True),
     "tango-windowed": ModelSpec(tango.tango_windowed, HEADS, shared_block=True, flags={"window": Range(1)},
-                                macs="tango_windowed_macs", counted_macs="tango_windowed_counted_macs"),
+                                macs="tango_windowed_macs", counted_macs="tango_windowed_counted_macs",
+                                paper_macs=1.90e12, paper_grid=True, bench_long=True),
     "tango-3set": ModelSpec(tango.tango_3set, HEADS, shared_block=True, macs="tango_macs",
-                            counted_macs="tango_counted_macs"),
-    "loop": ModelSpec(baselines.loop_transformer, shared_block=True, macs="transformer_macs"),
-    "untied": ModelSpec(baselines.untied_transformer, macs="transformer_macs"),
-    "gau": ModelSpec(baselines.gau, shared_block=True, flags=GAU_S, macs="gau_macs"),
+                            counted_macs="tango_counted_macs", bench_long=True),
+    "loop": ModelSpec(baselines.loop_transformer, shared_block=True, macs="transformer_macs", paper_macs=1.94e12,
+                      paper_grid=True, bench_long=True),
+    "untied": ModelSpec(baselines.untied_transformer, macs="transformer_macs", paper_macs=0.85e12, paper_grid=True),
+    "gau": ModelSpec(baselines.gau, shared_block=True, flags=GAU_S, macs="gau_macs", paper_grid=True),
     "flash": ModelSpec(baselines.flash, shared_block=True, flags={"chunk": Range(1), **GAU_S}, macs="flash_macs",
-                       counted_macs="flash_counted_macs"),
+                       counted_macs="flash_counted_macs", paper_grid=True),
     "parcae": ModelSpec(parcae.parcae, HEADS, shared_block=True, flags=RECURRENT, macs="recurrent_forward_macs"),
     "rdm": ModelSpec(parcae.rdm, HEADS, shared_block=True, flags=RECURRENT, macs="recurrent_forward_macs"),
     "depth-attn": ModelSpec(depth_attention.depth_attn, flags=DEPTH_ATTN, macs="depth_attn_macs"),

@@ -138,6 +138,7 @@ def _check_core(cfg):
 class LoopStack(nn.Module):
     """Vanilla loop stack: forward(x (B, T, d), cos, sin, cache) -> h^N (B, T, d). cache[l][i] holds
     loop l's keys/values of block i (one KV cache per loop). Raises UsageError for n_core < 1."""
+    loop_rows = True  # its decoding cache holds one row per loop and token (tools.bench decode's rows)
 
     def __init__(self, cfg):
         super().__init__()
@@ -228,6 +229,7 @@ class PLT(nn.Module):
     (N-1, B, 1, d). clp_scales=(a, b) fixes the cross-loop scales instead of learning them.
     Norm_loop is the LM's final norm, handed over by LM (use_final_norm); N = 1 creates no gates
     and no a, b (nothing would train them). Raises UsageError for plt_window < 1 or n_core < 1."""
+    loop_rows = True  # its decoding cache holds one row per loop and token (tools.bench decode's rows)
     no_decay = ("clp_a", "clp_b")
 
     def __init__(self, cfg, clp_scales=None):
@@ -363,6 +365,7 @@ class LoopFold(nn.Module):
     predictor="oracle": P(r) := R(r) computed sequentially (test hook). Raises UsageError for
     fold < 1, fold_rank < 0, a fold_layout other than first/last, or n_core < 1. Without a stage
     of two loops or more (f = 1, or N too small) P and C are not created: it is the loop stack."""
+    loop_rows = True  # its decoding cache holds one row per loop and token (tools.bench decode's rows)
     no_decay = ()
 
     def __init__(self, cfg, predictor="learned"):

@@ -79,6 +79,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import baselines
 from common import LM, UsageError
 
 EPS = 1e-6
@@ -111,6 +112,13 @@ def parse_edge(spec, K, flag="--edge"):
 
 
 @dataclass(frozen=True)
+
+def is_transformer_pp(model_name):
+    """True for a registered model whose body is Transformer++ blocks (untied, loop: its registry
+    row builds baselines' Transformer++), the checkpoints ReFlux steps."""
+    import models  # (models imports the model files; this one is a tool on top of them)
+    return models.spec_of(model_name).build in (baselines.untied_transformer, baselines.loop_transformer)
+
 class Settings:
     """One ReFlux configuration. edges: ((s, d), ...) open with gate 1 (ignored under a router);
     alpha, beta: the write's α (every edge) and β; payload: delta | state; prefill: parallel |
@@ -385,7 +393,7 @@ class ReFluxLM(LM):
 
     def __init__(self, base, settings, router=None):
         nn.Module.__init__(self)
-        if not hasattr(base.body, "blocks") or base.cfg.model not in ("untied", "loop"):
+        if not hasattr(base.body, "blocks") or not is_transformer_pp(base.cfg.model):
             raise UsageError(f"--base: ReFlux steps Transformer++ blocks (untied or loop); this checkpoint "
                              f"is a '{base.cfg.model}' model")
         self.cfg = base.cfg

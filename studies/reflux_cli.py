@@ -28,7 +28,8 @@ from harness.cli import (UsageParser, check_output_file, check_output_folder, ch
                          nll_unit, repeated, run_command, seed_flag, write_text)
 from harness.datacheck import data_signature, same_data
 from harness.evaluation import eval_mode, evaluate
-from reflux import SCHEDULES, Router, Settings, all_edges, default_edge, parse_edge, recirc, reflux_lm
+from reflux import (SCHEDULES, Router, Settings, all_edges, default_edge, is_transformer_pp, parse_edge, recirc,
+                    reflux_lm)
 from sample import CheckpointTokenizer
 from harness.cli import TrainingError
 
@@ -41,7 +42,7 @@ def load(path, data_root=None):
     ck = load_checkpoint(path, keys=("model", "config", "data"), flag="--base")
     from models import build_model, checkpoint_config
     cfg = checkpoint_config(ck["config"], f"--base {path}")
-    if cfg.model not in ("untied", "loop"):
+    if not is_transformer_pp(cfg.model):
         raise UsageError(f"--base {path}: ReFlux needs a Transformer++ checkpoint (untied or loop), not '{cfg.model}'")
     saved = ck.get("args") if isinstance(ck.get("args"), dict) else {}
     if "dataset" not in saved:  # e.g. latent_tokens.py pretrain's base: its data would be taken for stdlib

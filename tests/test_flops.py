@@ -197,7 +197,9 @@ def test_cli_paper_rows(capsys):
         doc = f.read()
     command = "```\npython flops.py --size 70M --depth 4 --block_size 8192\n```\n```\n"
     start = doc.index(command) + len(command)
-    assert doc[start:doc.index("```", start)] == out
+    assert doc[start:doc.index("```", start)] == out, (
+        "results/cost/README.md is not this output (a model added or changed?): regenerate its block with "
+        "`python flops.py --size 70M --depth 4 --block_size 8192` and paste the output under that command")
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
     assert rows["tango"][3] == rows["tango"][4] == "9.44e12"
     assert rows["tango-windowed"][3] == "1.90e12"

@@ -202,3 +202,27 @@ def test_every_result_folder_has_a_readme_listed_in_the_index():
     for name in set(folders):
         assert os.path.exists(os.path.join(REPO, "results", name, "README.md")), name
         assert f"]({name}/README.md" in index, f"results/README.md does not list {name}/"
+
+
+def test_no_list_of_model_names_outside_the_registry():
+    """One fact, one place: what a model is lives in its file or its registry row (models.ModelSpec),
+    so no code keeps a list, tuple, set or dict naming two or more registered models, except
+    models.py (the registry) and a model file naming its own models. Tests may choose models for a
+    behaviour; the code a new model must pass through may not hold a list it must join."""
+    import ast
+    import models
+    home = {name: spec.build.__module__ for name, spec in models.REGISTRY.items()}
+    found = []
+    for path in tracked_files():
+        if not path.endswith(".py") or path.startswith(("tests/", "results/")) \
+                or path in ("models.py", "conftest.py", "test_all.py"):
+            continue
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                named = [e.value for e in items if isinstance(e, ast.Constant) and e.value in home]
+                if len(named) >= 2 and {home[n] + ".py" for n in named} != {path}:
+                    found.append(f"{path}:{node.lineno} {named}")
+    assert found == []

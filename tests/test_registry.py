@@ -111,6 +111,27 @@ def test_a_toy_model_registered_by_the_checklist_trains_one_update(toy_registere
     assert "--window: only used with --model tango-windowed; --model toy ignores it" in capsys.readouterr().err
 
 
+def test_a_toy_model_registered_by_the_checklist_reaches_every_tool(toy_registered, tmp_path, capsys):
+    """The checklist's registry row is all the tools need: flops.py prints the toy's row from its own
+    MAC formula (and FlopCounterMode's expected count is the convention's), tools.bench plans it,
+    and the sweep report tabulates its runs, with no list of model names edited anywhere."""
+    assert flops.main(["--size", "tiny", "--depth", "3", "--block_size", "16", "--vocab_size", "64"]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("toy "))
+    cfg = flops.train_config("toy", "tiny", 3, 16, 64, flops.train_flags("tiny"))[0]
+    assert row[1:4] == [str(cfg.width), f"{models.count_params(cfg):,}", f"{toy_macs(cfg, 16)['total']:.2e}".replace("e+", "e")]
+    assert flops.counter_expected_macs(cfg, 16) == toy_macs(cfg, 16)["total"]  # V = 64: no padding
+    from tools import bench, sweep_report
+    assert ("toy", False, 32) in bench.plan(bench.parse(["--quick"]))
+    for seed, nll in ((1, 2.0), (2, 2.2)):
+        run = tmp_path / "grid" / "stdlib" / f"toy-K2-s{seed}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps(dict(model="toy", depth=2, seed=seed, test_nll=nll,
+                                                         dev_nll=nll + 0.1, non_embedding_params=1000,
+                                                         unigram_dev=5.0, test_split="test")))
+    table = sweep_report.report(str(tmp_path / "grid"))
+    assert "| toy | 2 | 2 | 1,000 | 2.100 ± 0.141 | 2.200 ± 0.141 | - |\n" in table, table
+
+
 # ----------------------------------------------------------------------------- every flag's range
 
 def out_of_range():

@@ -339,7 +339,7 @@ def main_job_first_update(flags, device, timeout):
     return row
 
 
-QUICK_LONG = ("tango", "tango-windowed", "tango-3set", "loop")  # --quick: the models also run at the long T
+QUICK_LONG = tuple(m for m, spec in models.REGISTRY.items() if spec.bench_long)  # --quick: also at the long T
 QUICK_T = {"cuda": (2048, 8192), "cpu": (32, 128)}  # --quick: (every model, QUICK_LONG) block sizes
 
 

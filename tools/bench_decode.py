@@ -63,7 +63,7 @@ def decode_row(model_name, size, depth, width, prompt, tokens, warmup, device="c
             if i >= warmup:
                 times.append(time.perf_counter() - t)
     passes = getattr(model.body, "sequential_passes", None)
-    rows = depth if model_name in ("loopstack", "plt", "loopfold") else None
+    rows = depth if getattr(model.body, "loop_rows", False) else None
     n_core = cfg.n_core if "n_core" in models.spec_of(model_name).flags else None  # None: a model without it
     return {"model": model_name, "width": cfg.width, "non_embedding_params": model.num_params(), "depth": depth,
             "n_core": n_core, "passes": passes, "rows": rows, "prompt": prompt, "tokens": tokens,
