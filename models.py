@@ -319,14 +319,14 @@ def block_counts(cfg) -> tuple:
     return tuple(f for f in BLOCK_COUNTS if f == "depth" or f in spec_of(cfg.model).flags)
 
 
-def params_lower_bound(args) -> int:
-    """At most the non-embedding parameters model_config(args) builds, without solving the width:
-    the count at --width, or at the smallest width (the count grows with the width). The flags are
-    checked as model_config checks them, --width first, the model's own checks (count_params's
-    builds) before the ranges (UsageError: --width off its granularity, a flag outside its range)."""
-    cfg = flags_config(args, vocab_size=256)
-    check_width(cfg, args.width)
-    n = count_params(_with(cfg, width=args.width or width_multiple(cfg)))
+def params_lower_bound(cfg: ModelConfig, width: int) -> int:
+    """At most the non-embedding parameters of cfg (flags_config's, before its width is set) with
+    --width `width` (0: solved), without solving the width: the count at `width`, or at the smallest
+    width (the count grows with the width). Checked as model_config checks them, --width first, the
+    model's own checks (count_params's builds) before the ranges (UsageError: --width off its
+    granularity, a flag outside its range)."""
+    check_width(cfg, width)
+    n = count_params(_with(cfg, width=width or width_multiple(cfg)))
     check_flag_ranges(cfg)  # (--gau_s 320000000 builds: its range error, not a count from it)
     return n
 

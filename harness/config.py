@@ -16,8 +16,8 @@ import data as data_mod
 from common import UsageError
 from harness.cli import check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
 from harness.checkpoint import remove_stale, trim_log
-from models import (REGISTRY, TIERS, block_counts, count_params, model_config, model_flags, params_lower_bound,
-                    shared_block_models)
+from models import (REGISTRY, TIERS, block_counts, count_params, flags_config, model_config, model_flags,
+                    params_lower_bound, shared_block_models)
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
 # characters, takes under 5 minutes on 2 cores),
@@ -143,7 +143,7 @@ def check_model(args, use="train"):
         n, at_least = count_params(model_config(args, vocab_size=256)[0]), False  # the exact count
     except UsageError:
         # the width, model and range errors come first, as in model_config; what is left is a strict tier's solve
-        n, at_least = params_lower_bound(args), True
+        n, at_least = params_lower_bound(flags_config(args, vocab_size=256), args.width), True
         if have is None or BYTES_PER_PARAM[use] * n <= have:
             raise
     need = BYTES_PER_PARAM[use] * n

@@ -160,7 +160,7 @@ def pretrain(args):
         write_text(os.path.join(args.out_dir, "meta.json"), json.dumps(
             {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "itos": tok.itos, "tasks": names,
              "mix": weights, "n_samples": args.n_samples, "seed": args.seed,
-             "command": getattr(args, "command", None)}, indent=1))
+             "command": args.command}, indent=1))
     print(f"pretrain {args.model} d={args.d} depth={args.depth} width={width}: "
           f"{model.num_params():,} non-embedding params, vocab {tok.vocab_size}, rows <= {block} tokens, "
           f"{len(rows):,} samples of {', '.join(names)}")
@@ -292,7 +292,7 @@ def table_header(args, runs=()):
     for r in runs:
         if r.get("command") and r["command"] not in cmds:
             cmds.append(r["command"])
-    lines = ["Commands:", "", "```"] + ([pre] if pre else []) + (cmds or [getattr(args, "command", "")]) + ["```", ""]
+    lines = ["Commands:", "", "```"] + ([pre] if pre else []) + (cmds or [args.command]) + ["```", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -426,22 +426,27 @@ def run_parser():
 
 def check_args(args):
     """UsageError for a value out of its range, an unknown task, policy or mode, or an output path
-    that cannot be written (a missing folder is created when written), before any work."""
+    that cannot be written (a missing folder is created when written), before any work. Each
+    subcommand declares its own flags: a check applies where the subcommand has the flag (v)."""
+    v = vars(args)
     for flag in ("n_train", "epochs", "batch_size", "n_test", "threads", "steps", "n_samples", "n_dev",
                  "eval_interval", "depth"):
-        if getattr(args, flag, 1) < 1:
-            raise UsageError(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    if getattr(args, "width", None) is not None and args.width < 1:  # pretrain's; the default is 4 d
+        if flag in v and v[flag] < 1:
+            raise UsageError(f"--{flag} {v[flag]}: must be >= 1")
+    if v.get("width") is not None and args.width < 1:  # pretrain's; the default (None) is 4 d
         raise UsageError(f"--width {args.width}: must be >= 1 (leave it out for the default 4 d)")
     check_rate("--lr", args.lr)
     for flag in ("min_lr", "weight_decay", "grad_clip"):  # run and sweep (pretrain has none of them)
-        check_rate(f"--{flag}", getattr(args, flag, 0.0), positive=False,
-                   note=" (0 = off)" if flag == "grad_clip" else "")
-    check_decayed_rate("--lr", args.lr, getattr(args, "weight_decay", 0.0))
-    if not 0 <= getattr(args, "warmup", 0.0) < 1:
+        if flag in v:
+            check_rate(f"--{flag}", v[flag], positive=False, note=" (0 = off)" if flag == "grad_clip" else "")
+    if "weight_decay" in v:
+        check_decayed_rate("--lr", args.lr, args.weight_decay)
+    if "warmup" in v and not 0 <= args.warmup < 1:
         raise UsageError(f"--warmup {args.warmup}: a fraction of the updates, in [0, 1)")
-    choose("readout", getattr(args, "readout", "latent"), READOUTS)
-    choose("position_mode", getattr(args, "position_mode", "prepend"), POSITION_MODES)
+    if "readout" in v:
+        choose("readout", args.readout, READOUTS)
+    if "position_mode" in v:
+        choose("position_mode", args.position_mode, POSITION_MODES)
     if args.cmd == "run":
         get_task(args.task)
         parse_policy(args.policy)
@@ -455,7 +460,7 @@ def check_args(args):
                 raise UsageError(f"--{flag}: unknown task '{t}'; give all or a comma list of {', '.join(TASKS)}")
         if (twice := repeated([] if value == "all" else value.split(","))) is not None:
             raise UsageError(f"--{flag} {value}: {twice} given twice")
-    for p in getattr(args, "extra", []):
+    for p in v.get("extra") or []:  # run's and sweep's extra policies
         parse_policy(p, flag="--extra")
     flag = "--seeds" if hasattr(args, "seeds") else "--seed"  # sweep's --seeds, run's and pretrain's --seed
     seeds = args.seeds if hasattr(args, "seeds") else [args.seed]
@@ -464,9 +469,8 @@ def check_args(args):
     if len(set(seeds)) < len(seeds):  # a repeated seed would run twice and count twice in the table's mean ± std
         raise UsageError(f"{flag} {' '.join(map(str, seeds))}: each seed at most once")
     # run's output files: checked here, not after the training (an empty path given is refused, not skipped)
-    check_output_files([(f"--{flag}", getattr(args, flag)) for flag in ("save", "json")
-                        if getattr(args, flag, None) is not None])
-    if getattr(args, "out_dir", None) is not None:  # pretrain's and sweep's output folder
+    check_output_files([(f"--{flag}", v[flag]) for flag in ("save", "json") if v.get(flag) is not None])
+    if v.get("out_dir") is not None:  # pretrain's and sweep's output folder
         check_output_folder("--out_dir", args.out_dir)
 
 

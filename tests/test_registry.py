@@ -298,7 +298,7 @@ def test_the_parameter_count_is_affine_in_each_block_count_and_counted_without_b
             assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, (f, flags, counts)
         large = models._with(smallest, **{f: 9 + i for i, f in enumerate(models.block_counts(cfg))})
         assert models.count_params(large) == built(large) and models.count_params(smallest) == built(smallest)
-        assert models.params_lower_bound(args) == built(smallest), flags
+        assert models.params_lower_bound(cfg, args.width) == built(smallest), flags
         solved, _ = models.model_config(args, 256)
         assert built(smallest) <= built(solved) == models.count_params(solved)
 
@@ -331,7 +331,7 @@ def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
                                          r"non-embedding parameters need [\d,.]+ GB for its weights, gradients"):
         config.check_model(args)
     assert n > 10**9 * 4 * 64 * 64  # at least the attention's 4 d^2 per block
-    bound = models.params_lower_bound(strict)  # 70M: no width within 0.20 % of 44,270,000
+    bound = models.params_lower_bound(models.flags_config(strict, 256), strict.width)  # 70M: no width within 0.20 % of 44,270,000
     with pytest.raises(UsageError, match=rf"^--size 70M --depth 1000000000: the model's at least {bound:,} "):
         config.check_model(strict)
     # every block count: Parcae's and the loop stacks' --n_core 10**9 too
@@ -350,7 +350,7 @@ def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
                                  "--device", "cpu", *flags])
         args.depth = 10**8
         with pytest.raises(UsageError, match="^" + re.escape(message)):
-            models.params_lower_bound(args)
+            models.params_lower_bound(models.flags_config(args, 256), args.width)
 
 
 def test_solving_the_width_of_a_deep_model_builds_no_more_than_seven_blocks(monkeypatch):
