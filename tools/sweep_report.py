@@ -6,6 +6,7 @@ loss-curve PNGs (plot). sweep.py runs and collects the grid; these only read wha
 live here and sweep.py's main imports them for its report and plot commands. Bad input raises
 UsageError (one line, exit code 2).
 """
+import dataclasses
 import glob
 import json
 import math
@@ -20,6 +21,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
 import models
 from common import UsageError
 from harness.cli import nll_unit, not_a_command, write_text
+from harness.optim import AdamW, Schedule
 
 
 def log_records(run):
@@ -132,9 +134,10 @@ def run_settings(run, summary):
     return out
 
 
-# the flags of the training recipe: every model of a report's dataset must share them (check_recipe)
-RECIPE = ("size", "tokenizer", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
-          "lr_decay_iters", "warmup_iters", "learning_rate", "min_lr_ratio", "weight_decay", "grad_clip",
+# the flags of the training recipe: every model of a report's dataset must share them (check_recipe); the
+# schedule's and AdamW's are their dataclasses' fields, so a new option of either joins the recipe
+RECIPE = ("size", "tokenizer", "block_size", "batch_size", "gradient_accumulation_steps",
+          *(f.name for f in dataclasses.fields(Schedule)), *(f.name for f in dataclasses.fields(AdamW)), "grad_clip",
           "eval_interval", "eval_windows", "max_tokens", "dtype")
 
 
