@@ -407,6 +407,16 @@ def test_char_tokenizer_round_trip(tmp_path):
     assert d.encode("line 1\n") == [d.stoi[c] for c in "line 1\n"] and d.encode("€") == [d.meta["unk_id"]]
 
 
+def test_char_vocabulary_has_the_newline_when_no_text_holds_one(tmp_path):
+    """The character vocabulary always holds the newline (sample.py's prompts and dmmath's end of
+    text use it), also when no file of the train split holds one."""
+    write_files(tmp_path / "corpus", {f"doc{i:03d}.txt": f"value {i} is {i * i}" for i in range(40)})
+    d = data.Data(data.prepare(str(tmp_path / "corpus"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    chars = sorted(set("".join(f"value {i} is {i * i}" for i in range(40) if data.split_of(f"doc{i:03d}.txt") == "train")))
+    assert d.itos == ["\n"] + chars + ["<|endoftext|>", "\ufffd"]
+    assert d.encode("1\n") == [d.stoi["1"], 0]
+
+
 def test_train_passes_tokenizer_char_through(one_thread, tmp_path, capsys):
     """train.py --tokenizer char trains on character-level text, here 3 updates in-process."""
     import torch
