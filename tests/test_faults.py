@@ -757,6 +757,15 @@ def test_only_weight_matrices_are_decayed(name):
 
 # ============================================================================ 10. CI extras
 
+def ci_installs():
+    """The pip install lines of .ci/run and the requirement lines of the files they name (-r FILE)."""
+    lines = [line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+             if "pip install" in line and not line.lstrip().startswith("#")]
+    for name in re.findall(r"-r\s+(\S+)", " ".join(lines)):
+        lines += [line.split("#")[0].strip() for line in open(os.path.join(REPO, name)).read().splitlines()]
+    return lines
+
+
 def test_ci_installs_every_optional_extra_the_tests_import():
     """Every package a test imports with pytest.importorskip is installed by .ci/run, so those tests
     run (not skip) on every submission."""
@@ -766,9 +775,22 @@ def test_ci_installs_every_optional_extra_the_tests_import():
             if f.startswith("test_") and f.endswith(".py"):
                 wanted |= set(re.findall(r"importorskip\(\s*\"(\w+)\"", open(os.path.join(folder, f)).read()))
     assert {"transformers", "matplotlib"} <= wanted
-    installs = " ".join(line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
-                        if "pip install" in line and not line.lstrip().startswith("#"))
+    installs = " ".join(ci_installs())
     assert all(re.search(rf"\b{w}\b", installs) for w in wanted), (wanted, installs)
+
+
+def test_ci_installs_the_test_packages_a_new_user_gets():
+    """The test packages are declared where a user installs them (requirements-dev.txt, pytest
+    among them), and CI installs that file with --upgrade: the versions a new user gets today
+    (pytest 9.2's monkeypatch undo broke the suite where CI kept the machine's older pytest), with
+    torch held at its pin in the same command."""
+    dev = [line.split("#")[0].strip() for line in open(os.path.join(REPO, "requirements-dev.txt"))]
+    assert "pytest" in dev and "matplotlib==3.11.2" in dev
+    (line,) = [line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+               if "pip install" in line and not line.lstrip().startswith("#")]
+    args = line.split()
+    assert "--upgrade" in args and "torch==2.13.0" in args, line
+    assert [args[i + 1] for i, a in enumerate(args) if a == "-r"] == ["requirements.txt", "requirements-dev.txt"]
 
 
 # ============================================================================ 11. a newcomer's pass
