@@ -149,7 +149,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
             raise UsageError(f"--{flag}: only used with --dataset hf:NAME")
     suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")
     text = dict(tokenizer=tokenizer, max_tokens=max_tokens, num_proc=num_proc)
-    not_utf8 = []  # the files read with bytes that are not UTF-8 (_file_docs)
+    not_utf8 = text_data.NotUtf8()  # the bytes that are not UTF-8 and the files holding them (_file_docs)
     if dataset == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         rels = _walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")

@@ -360,6 +360,11 @@ def test_dmmath_errors(tmp_path):
     with pytest.raises(UsageError, match="algebra__linear_1d.txt: malformed"):
         data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")  # the out_root it created is removed again
+    bad.write_bytes(b"What is 1 + 1?\n2\nWhat is caf\xe9?\n3\n")  # Latin-1: a U+FFFD would change the question
+    with pytest.raises(UsageError, match=r"^" + re.escape(f"{bad}: not UTF-8 (byte 0xe9 at offset 28); the DeepMind "
+                                                           "Mathematics files are UTF-8 text") + "$"):
+        data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------- stdlib (real, ~5 s)
@@ -507,7 +512,7 @@ def test_cli_prepares_and_prints_counts(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     d = data.Data(os.path.join(tmp_path, "out", os.listdir(tmp_path / "out")[0]))
     counts = ", ".join(f"{k} {v:,}" for k, v in d.meta["splits"].items())
-    assert out == [f"{tmp_path / 'a.txt'}: read 1 files, kept 1, dropped 0 (binary or empty)",
+    assert out == [f"{tmp_path / 'a.txt'}: read 1 files, kept 1, dropped 0 (binary, empty or no UTF-8 text)",
                    f"prepared {d.folder}: {counts} tokens", f"{d.folder}: char vocab 12, {counts} tokens",
                    f"source {d.meta['source']}; split {d.meta['split_rule']}"]
     assert sum(d.meta["splits"].values()) == len("hello world, ") * 300 + 1
@@ -633,8 +638,8 @@ def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     (tmp_path / "src" / "empty.txt").write_text("")
     (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary or empty)" in capsys.readouterr().out
-    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2, "not_utf8": 0}
+    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary, empty or no UTF-8 text)" in capsys.readouterr().out
+    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2, "not_utf8": 0, "not_utf8_bytes": 0}
 
 
 def test_a_split_left_empty_is_refused_and_nothing_is_written(tmp_path, capsys):
@@ -708,7 +713,7 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
     with open(odd, "wb") as f:
         f.write(b"the odd one\n")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 0}
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 0, "not_utf8_bytes": 0}
     assert "not valid UTF-8" not in capsys.readouterr().out
     rel = os.fsdecode(b"caf\xe9.txt")
     assert data.split_of(rel) in ("train", "dev", "test")
@@ -716,8 +721,10 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
     with open(os.path.join(os.fsencode(tmp_path / "src"), b"f3.txt"), "wb") as f:
         f.write(b"latin-1 caf\xe9\n")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 1}
-    assert ": 1 of them not valid UTF-8 (those bytes read as U+FFFD), e.g. f3.txt\n" in capsys.readouterr().out
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 1, "not_utf8_bytes": 1}
+    total = sum(os.path.getsize(p) for p in (tmp_path / "src").iterdir())
+    assert (f": 1 of them not valid UTF-8: 1 bytes read as U+FFFD, {100 / total:.3g}% of the {total:,} bytes read, "
+            "e.g. f3.txt\n") in capsys.readouterr().out
     assert "latin-1 caf\ufffd\n" in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
 
     (tmp_path / "src" / "sub").mkdir()
@@ -743,6 +750,35 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
                        r"/\S+ \(Permission denied\); make it readable or move it out of the dataset$"):
         data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out3"), tokenizer="char")
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_a_source_without_readable_text_is_refused_like_an_empty_one(tmp_path, capsys):
+    """A file of 200,000 bytes that are not UTF-8 (every one read as U+FFFD) has no readable
+    character: it is dropped as an empty file is, so a source of only such files is refused (one
+    line, exit code 2, nothing written) by data.py and train.py, not prepared as a vocabulary of
+    U+FFFD. Where some text is readable, the bytes read as U+FFFD and their share are said."""
+    import train
+    junk = bytes(0x80 + i % 64 for i in range(200_000))
+    for name, content in (("empty", b""), ("junk", junk)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f.txt").write_bytes(content)
+        src, out = tmp_path / name, tmp_path / "out"
+        for main, extra in ((data.main, []), (train.main, ["--size", "tiny", "--out_dir", str(tmp_path / "run")])):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                main(["--dataset", str(src), "--tokenizer", "char", "--data_root", str(out), *extra])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err == (f"error: --dataset {src}: no readable text (1 files read, all binary, "
+                                                 "empty or no UTF-8 text)\n"), (name, main)
+            assert not out.exists() and not (tmp_path / "run").exists()
+    (tmp_path / "junk" / "g.txt").write_text("readable text\n" * 10)  # 140 bytes
+    d = data.Data(data.prepare(str(tmp_path / "junk"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    said = capsys.readouterr().out
+    assert f"{tmp_path / 'junk'}: read 2 files, kept 1, dropped 1 (binary, empty or no UTF-8 text)\n" in said
+    assert (f"{tmp_path / 'junk'}: 1 of them not valid UTF-8: 200,000 bytes read as U+FFFD, 99.9% of the 200,140 "
+            "bytes read, e.g. f.txt\n") in said
+    assert d.meta["files"] == {"read": 2, "kept": 1, "dropped": 1, "not_utf8": 1, "not_utf8_bytes": 200_000}
+    assert "\ufffd" not in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
 
 
 def test_sigterm_while_preparing_leaves_nothing(tmp_path):
