@@ -12,7 +12,9 @@ import functools
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 
 import numpy as np
 
@@ -161,7 +163,8 @@ def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
     first = list(itertools.islice(batches, 2))
     batches = itertools.chain(first, batches)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
+        with _stops_held():  # the pool is whole, and in the stack that ends it, before a stop unwinds
+            pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
         for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
             yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
 
@@ -173,6 +176,29 @@ def _pool_context():
     end, and the preparation with it."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+@contextlib.contextmanager
+def _stops_held(signals=(signal.SIGTERM, signal.SIGINT)):
+    """SIGTERM and Ctrl-C held back while the body runs (in the main thread), then delivered to the
+    handlers it found. A stop that raised inside Pool() left its workers unterminated (one being
+    started by the forkserver was not even known to the pool): they outlived this process's exit,
+    which removes the pool's named semaphores, and each printed a FileNotFoundError traceback from
+    SemLock._rebuild (likely on a loaded machine, where starting a worker takes long)."""
+    found = {s: signal.getsignal(s) for s in signals}
+    if threading.current_thread() is not threading.main_thread() or None in found.values():
+        yield  # only the main thread sets handlers; None: one set outside Python, which cannot be put back
+        return
+    held = []
+    for s in signals:
+        signal.signal(s, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in found.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):
+            signal.raise_signal(s)  # the handler found (run_command's SIGTERM: Terminated) takes it now
 
 
 def _batches(docs, batch_chars):

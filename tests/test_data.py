@@ -781,26 +781,69 @@ def test_a_source_without_readable_text_is_refused_like_an_empty_one(tmp_path, c
     assert "\ufffd" not in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
 
 
-def test_sigterm_while_preparing_leaves_nothing(tmp_path):
+# data.py run with a SIGTERM sent to itself at a chosen moment (no sleeping, whatever the load):
+# "start": as the forkserver starts the pool's first worker; "tokenize": after the first batch came back
+SIGTERM_AT = """
+import os, runpy, signal, sys
+moment, repo, root = sys.argv[1:4]
+sys.path.insert(0, repo)
+from multiprocessing import forkserver
+from harness import text_data
+sent = []
+
+def stop(real):
+    def wrapped(*a, **k):
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return real(*a, **k)
+    return wrapped
+
+if moment == "start":
+    forkserver.read_signed = stop(forkserver.read_signed)
+else:
+    real_map = text_data._ordered_map
+    text_data._ordered_map = lambda *a, **k: (stop(lambda r: r)(r) for r in real_map(*a, **k))
+sys.argv = ["data.py", "--dataset", "stdlib", "--tokenizer", "char", "--num_proc", "2", "--data_root", root]
+runpy.run_path(os.path.join(repo, "data.py"), run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("moment", ["start", "tokenize"])
+def test_sigterm_while_preparing_leaves_nothing(moment, tmp_path):
     """SIGTERM (a scheduler's stop) during a preparation with worker processes: one line, exit code
-    143, and neither the temporary folder nor the --data_root it created is left behind."""
-    import signal
+    143, and neither the temporary folder nor the --data_root it created is left behind. Sent while
+    the pool starts its workers (what a loaded machine made likely), a worker the pool did not know
+    yet outlived this process and printed a FileNotFoundError traceback (SemLock._rebuild) once
+    this process's exit had removed the pool's semaphores; the output is read to its end, so such a
+    worker's lines are in it."""
     import subprocess
     import sys
     root = tmp_path / "root"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "data.py", "--dataset", "stdlib", "--tokenizer", "char", "--num_proc", "2",
-                          "--data_root", str(root)], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (root.exists() and os.listdir(root)) and p.poll() is None and time.time() < deadline:
-        time.sleep(0.05)  # until the temporary folder exists: the preparation has started
-    assert p.poll() is None, p.communicate()
-    time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 143 and err.splitlines()[-1] == "terminated" and "Traceback" not in err, err
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", SIGTERM_AT, moment, repo, str(root)], cwd=repo, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert (p.returncode, p.stderr) == (143, "terminated\n"), p.stderr
     assert not root.exists(), list(root.iterdir())
+
+
+def test_a_stop_while_the_pool_starts_is_taken_once_it_is_whole():
+    """SIGTERM and Ctrl-C sent while the pool starts (text_data._stops_held) reach the handlers
+    found after the body, once each, and those handlers are back in place."""
+    import signal
+    calls = []
+    mine = lambda signum, frame: calls.append(signum)
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with text_data._stops_held():
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+                os.kill(os.getpid(), s)
+            calls.append("body")
+        calls.append("after")
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    assert calls == ["body", signal.SIGTERM, signal.SIGINT, "after"]
 
 
 def test_preparation_workers_start_without_this_process_s_signal_handlers():
