@@ -417,7 +417,8 @@ def test_char_vocabulary_has_the_newline_when_no_text_holds_one(tmp_path):
     text use it), also when no file of the train split holds one."""
     write_files(tmp_path / "corpus", {f"doc{i:03d}.txt": f"value {i} is {i * i}" for i in range(40)})
     d = data.Data(data.prepare(str(tmp_path / "corpus"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    chars = sorted(set("".join(f"value {i} is {i * i}" for i in range(40) if data.split_of(f"doc{i:03d}.txt") == "train")))
+    chars = sorted(set("".join(f"value {i} is {i * i}" for i in range(40)
+                               if data.split_of(f"doc{i:03d}.txt") == "train")))
     assert d.itos == ["\n"] + chars + ["<|endoftext|>", "\ufffd"]
     assert d.encode("1\n") == [d.stoi["1"], 0]
 
@@ -638,7 +639,8 @@ def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     (tmp_path / "src" / "empty.txt").write_text("")
     (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary, empty or no UTF-8 text)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary, empty or no UTF-8 text)" in said
     assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2, "not_utf8": 0, "not_utf8_bytes": 0}
 
 
@@ -858,6 +860,46 @@ def test_preparation_workers_start_without_this_process_s_signal_handlers():
             assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("where", ["tokens", "meta.json", "numpy"])
+def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_earlier_folder(where, tmp_path, monkeypatch, capsys):
+    """A write that finds the device full (ENOSPC while writing the tokens or meta.json; numpy's
+    tofile, which says "N requested and M written" without an errno, on a full device): one line
+    naming the folder and "no space left on device", exit code 2, the earlier prepared folder as
+    it was and no temporary folder left."""
+    import errno
+    import shutil
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    out = tmp_path / "out"
+    folder = data.prepare(str(tmp_path / "src"), out_root=str(out), tokenizer="char")
+    before = {f: (out / os.path.basename(folder) / f).read_bytes() for f in os.listdir(folder)}
+    (tmp_path / "src" / "f0.txt").write_text("changed text\n")  # the sources changed: prepared again
+
+    def full(*a, **k):
+        if where == "numpy":
+            raise OSError("4096 requested and 0 written")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if where == "tokens":
+        monkeypatch.setattr(text_data, "_char_vocab", full)
+    elif where == "meta.json":
+        monkeypatch.setattr(data.json, "dump", full)
+    else:
+        monkeypatch.setattr(text_data, "_split_by_position", full)
+        monkeypatch.setattr(text_data, "_char_vocab", full)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        data.main(["--dataset", str(tmp_path / "src"), "--tokenizer", "char", "--data_root", str(out)])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: {folder}: no space left on device while preparing it; nothing of it was written (an earlier copy, "
+        "if any, is as it was); free some space or give a --data_root on another disk\n")
+    assert os.listdir(out) == [os.path.basename(folder)]
+    assert {f: (out / os.path.basename(folder) / f).read_bytes() for f in os.listdir(folder)} == before
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="Permission denied"):  # any other failed write is not a full disk
+        with data._full_disk(folder):
+            raise PermissionError(errno.EACCES, "Permission denied")
 
 
 def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):
