@@ -303,5 +303,5 @@ def test_csv_texts_na_null_none_are_text_and_only_empty_cells_are_missing(tmp_pa
         capsys.readouterr()
         d = data.Data(data.prepare(out_root=str(tmp_path / f"out{n}"), tokenizer="char", **kw))
         assert d.meta["rows"] == {"read": 32, "kept": 30, "dropped": 2}, kw
-        assert f"read 32 rows, kept 30, dropped 2" in capsys.readouterr().out
+        assert "read 32 rows, kept 30, dropped 2" in capsys.readouterr().out
         assert sorted(t for s in SPLITS for t in decoded_docs(d, s)) == sorted(docs), kw
