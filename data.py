@@ -124,7 +124,8 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     A complete folder whose meta matches the sources (path, sizes, mtimes; for the hub: the
     arguments) is reused as is; otherwise everything is written into a temporary sibling folder
     and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
-    removes out_root again if it created it). Raises UsageError for bad input. A split that got no
+    removes out_root again if it created it). Raises UsageError for bad input, and for a device
+    that fills up while writing (one line naming the folder: _full_disk). A split that got no
     tokens is kept with allow_empty_splits (train.py then names it and --max_tokens:
     Data.check_block_size); without, it is a UsageError and nothing is written (check_splits; the
     command lines of data.py and tools.sweep).
@@ -150,7 +151,7 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
             raise UsageError(f"--{flag}: only used with --dataset hf:NAME")
     suffix = ("-char" if tokenizer == "char" else "") + (f"-max{max_tokens}" if max_tokens else "")
     text = dict(tokenizer=tokenizer, max_tokens=max_tokens, num_proc=num_proc)
-    not_utf8 = []  # the files read with bytes that are not UTF-8 (_file_docs)
+    not_utf8 = text_data.NotUtf8()  # the bytes that are not UTF-8 and the files holding them (_file_docs)
     if dataset == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         rels = _walk(root, keep=lambda r: r.endswith(".py"), skip_dir=lambda n: n == "site-packages")
@@ -188,54 +189,90 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         if not allow_empty_splits:
             check_splits(Data(folder).meta, dataset, max_tokens)
         return folder
-    created = _first_missing(out_root)
-    os.makedirs(out_root, exist_ok=True)
-    for kind in ("tmp", "old"):  # what a killed preparation of this folder left
-        remove_orphans(out_root, f".{name}.{kind}-", random_suffix=True)
-    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-{owner_tag()}-", dir=out_root), None  # (remove_orphans)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private
-    try:
-        meta = build(tmp)
-        if not allow_empty_splits:  # before the rename: a refused folder is never in place
-            check_splits(meta, dataset, max_tokens)
-        meta["fingerprint"] = fp
-        meta["sha256"] = {s: sha256_file(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}  # checkpoints record it
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        for attempt in range(10):  # other processes may be replacing the same stale folder at once
-            try:
-                os.replace(tmp, folder)  # fails when folder exists: a stale one, or one another process prepared
-                break
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise
-                if _matches(folder, fp):  # another process prepared the same tokens meanwhile: keep its folder
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    break
-                old = old or tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
-                moved = os.path.join(old, f"{name}-{attempt}")
+    with _full_disk(folder):  # a write that found the device full: one line, the earlier state kept
+        created = _first_missing(out_root)
+        os.makedirs(out_root, exist_ok=True)
+        for kind in ("tmp", "old"):  # what a killed preparation of this folder left
+            remove_orphans(out_root, f".{name}.{kind}-", random_suffix=True)
+        tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-{owner_tag()}-", dir=out_root), None  # (remove_orphans)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        try:
+            meta = build(tmp)
+            if not allow_empty_splits:  # before the rename: a refused folder is never in place
+                check_splits(meta, dataset, max_tokens)
+            meta["fingerprint"] = fp
+            # checkpoints record it
+            meta["sha256"] = {s: sha256_file(os.path.join(tmp, f"{s}.bin")) for s in meta["splits"]}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+            for attempt in range(10):  # other processes may be replacing the same stale folder at once
                 try:
-                    os.replace(folder, moved)  # the stale folder out of the way
-                except FileNotFoundError:  # another process moved it first: try again
-                    continue
-                if _matches(moved, fp):  # it was another process's fresh one, put in place since the check
-                    with contextlib.suppress(OSError):  # (unless a third one is in place by now)
-                        os.replace(moved, folder)
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    os.replace(tmp, folder)  # fails when folder exists: a stale one, or one another process prepared
                     break
-        else:
-            raise OSError(f"{folder}: could not replace it (other processes kept writing it); delete it and run again")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created and not any(files for _, _, files in os.walk(created)):
-            shutil.rmtree(created, ignore_errors=True)
-        raise
-    finally:
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    if _matches(folder, fp):  # another process prepared the same tokens meanwhile: keep its folder
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        break
+                    old = old or tempfile.mkdtemp(prefix=f".{name}.old-{owner_tag()}-", dir=out_root)
+                    moved = os.path.join(old, f"{name}-{attempt}")
+                    try:
+                        os.replace(folder, moved)  # the stale folder out of the way
+                    except FileNotFoundError:  # another process moved it first: try again
+                        continue
+                    if _matches(moved, fp):  # it was another process's fresh one, put in place since the check
+                        with contextlib.suppress(OSError):  # (unless a third one is in place by now)
+                            os.replace(moved, folder)
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        break
+            else:
+                raise OSError(f"{folder}: could not replace it (other processes kept writing it); "
+                              "delete it and run again")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if created and not any(files for _, _, files in os.walk(created)):
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+        finally:
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
     print(f"prepared {folder}: " + ", ".join(f"{k} {v:,}" for k, v in meta["splits"].items()) + " tokens",
           flush=True)
     return folder
+
+
+def _no_space(e, folder):
+    """True when OSError e is a write that found no space left: ENOSPC or EDQUOT, or numpy's tofile
+    ("N requested and M written", no errno) with the device of folder full."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if e.errno is None and "requested and" in str(e):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(_existing(folder)).free < 1 << 20
+    return False
+
+
+def _existing(path):
+    """path, or its nearest parent that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+@contextlib.contextmanager
+def _full_disk(folder):
+    """UsageError naming folder when the body's writing finds no space left on the device (_no_space),
+    after the body's own cleanup: nothing of the preparation is left, an earlier folder is as it was."""
+    try:
+        yield
+    except OSError as e:
+        if not _no_space(e, folder):
+            raise
+        raise UsageError(f"{folder}: no space left on device while preparing it; nothing of it was written (an "
+                         "earlier copy, if any, is as it was); free some space or give a --data_root on another "
+                         "disk") from None
 
 
 def _first_missing(path):

@@ -35,8 +35,15 @@ def source(data_dir=None):
 
 
 def _read_problems(path):
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    """[(question, answer)] of a module file; UsageError naming the file when it is not UTF-8 (a
+    byte read as U+FFFD would change a question or its answer) or its lines do not pair up."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); the "
+                         "DeepMind Mathematics files are UTF-8 text") from None
     lines = [line.rstrip("\r") for line in text.split("\n")]
     if lines and lines[-1] == "":
         lines.pop()

@@ -21,6 +21,8 @@ from harness.cli import repeated
 
 HF_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset")  # they read --hf_data_files
 SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# pandas' default missing-value list would drop texts such as "NA", "null", "None", "n/a": only an empty cell is missing
+CSV_MISSING = dict(keep_default_na=False, na_values=[""])
 HUB_TIMEOUT = 10.0  # seconds the Hugging Face Hub gets to answer before hf:NAME fails
 
 
@@ -74,7 +76,8 @@ def spec(dataset, split, text_field, split_key, data_files):
 def build(tmp, hf, **text):
     """Stream the dataset's rows into text_data._build_text; every failure of `datasets` is one UsageError.
     The first row of every source is checked (columns, text type) before the tokenizer loads, and
-    every later row too; rows whose text is null or empty are dropped, and the rows read, kept and
+    every later row too; rows whose text is null or empty (in a CSV table: an empty cell; "NA",
+    "null", "None" are text) are dropped, and the rows read, kept and
     dropped are printed and recorded as meta["rows"] (text_data._build_text). Returns the meta
     dict; its split rule names the column that decided the splits."""
     try:
@@ -108,11 +111,27 @@ def _streams(hf, cache_dir):
             _check_hub(hf["dataset"], hf["name"])
         groups = [[f] for f in hf["data_files"]] or [None]
         return [datasets.load_dataset(hf["name"], hf["config"] or None, split=hf["split"], data_files=g,
-                                      streaming=True, cache_dir=cache_dir) for g in groups]
+                                      streaming=True, cache_dir=cache_dir, **_reader_options(hf, g, cache_dir))
+                for g in groups]
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever `datasets` raises is bad input or no network
         raise _error(hf, e) from None
+
+
+def _reader_options(hf, data_files, cache_dir):
+    """The reader's keyword arguments for this source: for CSV tables (csv with --hf_data_files, or a
+    local folder or hub dataset of CSV files) only empty cells are missing (CSV_MISSING); {} for the
+    other readers, whose nulls are typed. A source that cannot be inspected gets {} (load_dataset
+    then names what is wrong with it)."""
+    if hf["kind"] == "builder":
+        return dict(CSV_MISSING) if hf["name"] == "csv" else {}
+    from datasets.load import dataset_module_factory
+    try:
+        module = dataset_module_factory(hf["name"], data_files=data_files, cache_dir=cache_dir).module_path
+    except Exception:  # noqa: BLE001 - load_dataset reports it, as one UsageError (_error)
+        return {}
+    return dict(CSV_MISSING) if module.rsplit(".", 1)[-1] == "csv" else {}
 
 
 def _error(hf, e):

@@ -12,7 +12,9 @@ import functools
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 
 import numpy as np
 
@@ -24,9 +26,26 @@ from harness.cli import not_a_command
 from harness.token_files import BY_POSITION, CHAR_EOT, EOT, EOT_SYMBOL, bin_dtype, gpt2_encoder, read_bin, split_of
 
 
+class NotUtf8:
+    """What _file_docs found of bytes that are not UTF-8: the files holding some (relative paths),
+    how many such bytes (each read as part of a U+FFFD) and how many bytes were read in all."""
+
+    def __init__(self):
+        self.files, self.bytes, self.read = [], 0, 0
+
+    def line(self, source):
+        """The line said of them: how many files, how many bytes and their share of the bytes read."""
+        share = 100 * self.bytes / max(1, self.read)
+        share = f"{share:.3g}%" if share >= 0.001 else "under 0.001%"
+        return (f"{source}: {len(self.files):,} of them not valid UTF-8: {self.bytes:,} bytes read as U+FFFD, "
+                f"{share} of the {self.read:,} bytes read, e.g. {self.files[0]}")
+
+
 def _read_text(path):
-    """(text, valid): a file's text and whether it was valid UTF-8 (invalid bytes read as U+FFFD);
-    text None for a binary file (a NUL byte). UsageError naming a file that cannot be read."""
+    """(text, bad, size): a file's text, how many of its bytes are not UTF-8 (read as U+FFFD) and
+    its size in bytes; text None for a binary file (a NUL byte), "" for one without a single UTF-8
+    character (no readable text: dropped as an empty file is). UsageError naming a file that
+    cannot be read."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -34,35 +53,42 @@ def _read_text(path):
         raise UsageError(f"--dataset: cannot read {path} ({e.strerror or type(e).__name__}); "
                          "make it readable or move it out of the dataset") from None
     if b"\0" in raw:  # binary
-        return None, True
+        return None, 0, len(raw)
     try:
-        return raw.decode("utf-8"), True
+        return raw.decode("utf-8"), 0, len(raw)
     except UnicodeDecodeError:
-        return raw.decode("utf-8", errors="replace"), False
+        # surrogateescape keeps each bad byte as one lone surrogate, which encoding with "ignore" drops
+        bad = len(raw) - len(raw.decode("utf-8", errors="surrogateescape").encode("utf-8", errors="ignore"))
+        return (raw.decode("utf-8", errors="replace") if bad < len(raw) else ""), bad, len(raw)
 
 
 def _file_docs(root, rels, not_utf8):
-    """(relative path, text) per file: the path decides the split. The relative paths of files
-    with bytes that are not UTF-8 (read as U+FFFD) are appended to the list not_utf8."""
+    """(relative path, text) per file: the path decides the split. The bytes read, and the files
+    with bytes that are not UTF-8 (read as U+FFFD) and those bytes, are counted in not_utf8 (a
+    NotUtf8)."""
     for rel in rels:
-        text, valid = _read_text(os.path.join(root, rel))
-        if not valid:
-            not_utf8.append(rel)
+        text, bad, size = _read_text(os.path.join(root, rel))
+        not_utf8.read += size
+        if bad:
+            not_utf8.files.append(rel)
+            not_utf8.bytes += bad
         yield rel, text
 
 
 # ----------------------------------------------------------------------------- text datasets
 
 def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, num_proc=1, count="n_files",
-                unit="files", empty="binary or empty", not_utf8=None):
+                unit="files", empty="binary, empty or no UTF-8 text", not_utf8=None):
     """Tokenize documents ``(split_key, text)`` in order into train/dev/test bins under ``tmp``.
 
-    A document whose text is None or "" is dropped (a binary or empty file; a row whose text is
-    null or empty, `empty` says which). The documents read, kept and dropped are printed
-    ("SOURCE: read N UNIT, kept K, dropped D (EMPTY)") and recorded as meta[unit] =
-    {"read", "kept", "dropped"} (read: taken from the source; with max_tokens, reading stops about
-    a batch after the last token written). not_utf8: the list that _file_docs fills with the files
-    whose bytes are not all UTF-8; their number is printed and recorded as meta[unit]["not_utf8"].
+    A document whose text is None or "" is dropped (a binary or empty file, or one without a
+    UTF-8 character; a row whose text is null or empty: `empty` says which). The documents read,
+    kept and dropped are printed ("SOURCE: read N UNIT, kept K, dropped D (EMPTY)") and recorded as
+    meta[unit] = {"read", "kept", "dropped"} (read: taken from the source; with max_tokens, reading
+    stops about a batch after the last token written). not_utf8: the NotUtf8 that _file_docs fills;
+    the files with bytes that are not UTF-8, those bytes and their share of the bytes read are
+    printed (NotUtf8.line), the files and bytes recorded as meta[unit]["not_utf8"] and
+    ["not_utf8_bytes"]. UsageError ("no readable text") when no document is kept.
 
     Each document is followed by an end-of-text token and goes whole into split_of(split_key)
     (the text itself when split_key is None). With max_tokens, writing stops at exactly that many
@@ -109,11 +135,10 @@ def _build_text(tmp, docs, source, rule, by_key_only, tokenizer, max_tokens=0, n
                 break
     print(f"{source}: read {seen['read']:,} {unit}, kept {seen['kept']:,}, dropped {seen['dropped']:,} ({empty})",
           flush=True)
-    if not_utf8:
-        print(f"{source}: {len(not_utf8):,} of them not valid UTF-8 (those bytes read as U+FFFD), "
-              f"e.g. {not_utf8[0]}", flush=True)
+    if not_utf8 is not None and not_utf8.files:
+        print(not_utf8.line(source), flush=True)
     if not_utf8 is not None:
-        seen["not_utf8"] = len(not_utf8)
+        seen.update(not_utf8=len(not_utf8.files), not_utf8_bytes=not_utf8.bytes)
     if not total:
         raise UsageError(f"--dataset {source}: no readable text ({seen['read']:,} {unit} read, all {empty})")
     if min(n_docs.values()) == 0 and not by_key_only:
@@ -139,7 +164,8 @@ def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
     first = list(itertools.islice(batches, 2))
     batches = itertools.chain(first, batches)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
+        with _stops_held():  # the pool is whole, and in the stack that ends it, before a stop unwinds
+            pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
         for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
             yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
 
@@ -151,6 +177,29 @@ def _pool_context():
     end, and the preparation with it."""
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+@contextlib.contextmanager
+def _stops_held(signals=(signal.SIGTERM, signal.SIGINT)):
+    """SIGTERM and Ctrl-C held back while the body runs (in the main thread), then delivered to the
+    handlers it found. A stop that raised inside Pool() left its workers unterminated (one being
+    started by the forkserver was not even known to the pool): they outlived this process's exit,
+    which removes the pool's named semaphores, and each printed a FileNotFoundError traceback from
+    SemLock._rebuild (likely on a loaded machine, where starting a worker takes long)."""
+    found = {s: signal.getsignal(s) for s in signals}
+    if threading.current_thread() is not threading.main_thread() or None in found.values():
+        yield  # only the main thread sets handlers; None: one set outside Python, which cannot be put back
+        return
+    held = []
+    for s in signals:
+        signal.signal(s, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in found.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):
+            signal.raise_signal(s)  # the handler found (run_command's SIGTERM: Terminated) takes it now
 
 
 def _batches(docs, batch_chars):

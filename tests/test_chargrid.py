@@ -1,6 +1,6 @@
 """The character-level reproduction grid: results/chargrid/README.md's tables, claims and wall time
 are `sweep.py report --grid` over the committed summaries in results/chargrid/, byte for byte, and so
-are its plots (`sweep.py plot`, with the matplotlib version .ci/run pins); the GPU recipe printed in
+are its plots (`sweep.py plot`, with the matplotlib version requirements-dev.txt pins); the GPU recipe printed in
 results/chargrid/README.md is the same grid at >= 2,000 updates and runs on CPU at a reduced size."""
 import json
 import os
@@ -101,21 +101,21 @@ def test_a_changed_summary_number_changes_the_report(tmp_path):
 
 
 def pinned(package):
-    """The version .ci/run installs of package (matplotlib draws the plots, pillow writes the PNG)."""
-    with open(os.path.join(HERE, ".ci", "run")) as f:
+    """The version requirements-dev.txt pins of package (matplotlib draws the plots, pillow writes the PNG)."""
+    with open(os.path.join(HERE, "requirements-dev.txt")) as f:
         return re.search(rf"\b{package}==([0-9][\w.]*)", f.read()).group(1)
 
 
 def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypatch):
     """sweep.py plot writes no version stamp (PNG metadata Software: None), so one matplotlib and
     pillow version make the same bytes from the same curves; the PNGs were made with the versions
-    .ci/run installs (elsewhere the test skips, naming them)."""
+    requirements-dev.txt pins (elsewhere the test skips, naming them)."""
     mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
     import PIL
     have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
     if have != {p: pinned(p) for p in have}:
         pytest.skip(f"the committed PNGs were made with matplotlib {pinned('matplotlib')} and pillow "
-                    f"{pinned('pillow')} (pinned in .ci/run); this has {have}, whose bytes may differ")
+                    f"{pinned('pillow')} (pinned in requirements-dev.txt); this has {have}, whose bytes may differ")
     monkeypatch.chdir(HERE)  # the plot's title names --root as given: results/chargrid
     written = sweep_report.plot(ROOT, str(tmp_path / "new"))
     committed = sorted(f for f in os.listdir(ROOT) if f.endswith(".png"))

@@ -354,12 +354,11 @@ def test_adamw_is_fused_on_cuda_only():
         assert opt.defaults.get("fused") is fused, device
 
 
-def test_depth_attention_compiles_one_graph_per_candidate_count_past_dynamos_limit(monkeypatch):
+def test_depth_attention_compiles_one_graph_per_candidate_count_past_dynamos_limit():
     """Depth-Attention's block traces one graph per candidate count |C(l)|: --da_stride 1 at K = 12 has
     12 counts, more than Dynamo's default recompile limit (8), past which the block ran eagerly after a
     warning. compile_regions raises the limit for the model's variants (compile_variants): the graphs
     beyond the blocks' are the same at K = 12 as at K = 4 (3 counts)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, restored afterwards
     extra = []
     for depth, stride, counts in ((4, 0, 3), (12, 1, 12)):
         torch._dynamo.reset()
@@ -368,7 +367,9 @@ def test_depth_attention_compiles_one_graph_per_candidate_count_past_dynamos_lim
         model = models.build_model(cfg)
         assert model.body.compile_variants == counts
         cnt = CompileCounter()
-        compile_regions(model, backend=cnt)
-        model(torch.randint(0, 64, (1, 16)))
+        # torch's own patch restores the default afterwards under every pytest (a monkeypatch's undo can hide it)
+        with torch._dynamo.config.patch(recompile_limit=8):
+            compile_regions(model, backend=cnt)
+            model(torch.randint(0, 64, (1, 16)))
         extra.append(cnt.frame_count - counts)
     assert extra[0] == extra[1] >= 0

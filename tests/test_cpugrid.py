@@ -132,7 +132,7 @@ def test_cpugrid_plot_is_the_committed_png_byte_for_byte(root, tmp_path, monkeyp
     have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
     if have != {p: pinned(p) for p in have}:
         pytest.skip(f"the committed PNG was made with matplotlib {pinned('matplotlib')} and pillow "
-                    f"{pinned('pillow')} (pinned in .ci/run); this has {have}, whose bytes may differ")
+                    f"{pinned('pillow')} (pinned in requirements-dev.txt); this has {have}, whose bytes may differ")
     monkeypatch.chdir(HERE)
     written = sweep_report.plot(root, str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["stdlib.png"]

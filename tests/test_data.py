@@ -360,6 +360,11 @@ def test_dmmath_errors(tmp_path):
     with pytest.raises(UsageError, match="algebra__linear_1d.txt: malformed"):
         data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")  # the out_root it created is removed again
+    bad.write_bytes(b"What is 1 + 1?\n2\nWhat is caf\xe9?\n3\n")  # Latin-1: a U+FFFD would change the question
+    with pytest.raises(UsageError, match=r"^" + re.escape(f"{bad}: not UTF-8 (byte 0xe9 at offset 28); the DeepMind "
+                                                           "Mathematics files are UTF-8 text") + "$"):
+        data.prepare("dmmath", data_dir=str(tmp_path / "dm"), out_root=str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------- stdlib (real, ~5 s)
@@ -405,6 +410,17 @@ def test_char_tokenizer_round_trip(tmp_path):
         seen += [rel for rel in files if data.split_of(rel) == s]
     assert sorted(seen) == sorted(files)
     assert d.encode("line 1\n") == [d.stoi[c] for c in "line 1\n"] and d.encode("€") == [d.meta["unk_id"]]
+
+
+def test_char_vocabulary_has_the_newline_when_no_text_holds_one(tmp_path):
+    """The character vocabulary always holds the newline (sample.py's prompts and dmmath's end of
+    text use it), also when no file of the train split holds one."""
+    write_files(tmp_path / "corpus", {f"doc{i:03d}.txt": f"value {i} is {i * i}" for i in range(40)})
+    d = data.Data(data.prepare(str(tmp_path / "corpus"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    chars = sorted(set("".join(f"value {i} is {i * i}" for i in range(40)
+                               if data.split_of(f"doc{i:03d}.txt") == "train")))
+    assert d.itos == ["\n"] + chars + ["<|endoftext|>", "\ufffd"]
+    assert d.encode("1\n") == [d.stoi["1"], 0]
 
 
 def test_train_passes_tokenizer_char_through(one_thread, tmp_path, capsys):
@@ -497,7 +513,7 @@ def test_cli_prepares_and_prints_counts(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     d = data.Data(os.path.join(tmp_path, "out", os.listdir(tmp_path / "out")[0]))
     counts = ", ".join(f"{k} {v:,}" for k, v in d.meta["splits"].items())
-    assert out == [f"{tmp_path / 'a.txt'}: read 1 files, kept 1, dropped 0 (binary or empty)",
+    assert out == [f"{tmp_path / 'a.txt'}: read 1 files, kept 1, dropped 0 (binary, empty or no UTF-8 text)",
                    f"prepared {d.folder}: {counts} tokens", f"{d.folder}: char vocab 12, {counts} tokens",
                    f"source {d.meta['source']}; split {d.meta['split_rule']}"]
     assert sum(d.meta["splits"].values()) == len("hello world, ") * 300 + 1
@@ -623,8 +639,9 @@ def test_files_read_kept_and_dropped_are_counted(tmp_path, capsys):
     (tmp_path / "src" / "empty.txt").write_text("")
     (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary or empty)" in capsys.readouterr().out
-    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2, "not_utf8": 0}
+    said = capsys.readouterr().out
+    assert f"{tmp_path / 'src'}: read 8 files, kept 6, dropped 2 (binary, empty or no UTF-8 text)" in said
+    assert d.meta["files"] == {"read": 8, "kept": 6, "dropped": 2, "not_utf8": 0, "not_utf8_bytes": 0}
 
 
 def test_a_split_left_empty_is_refused_and_nothing_is_written(tmp_path, capsys):
@@ -698,7 +715,7 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
     with open(odd, "wb") as f:
         f.write(b"the odd one\n")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 0}
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 0, "not_utf8_bytes": 0}
     assert "not valid UTF-8" not in capsys.readouterr().out
     rel = os.fsdecode(b"caf\xe9.txt")
     assert data.split_of(rel) in ("train", "dev", "test")
@@ -706,8 +723,10 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
     with open(os.path.join(os.fsencode(tmp_path / "src"), b"f3.txt"), "wb") as f:
         f.write(b"latin-1 caf\xe9\n")
     d = data.Data(data.prepare(str(tmp_path / "src"), out_root=str(tmp_path / "out"), tokenizer="char"))
-    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 1}
-    assert ": 1 of them not valid UTF-8 (those bytes read as U+FFFD), e.g. f3.txt\n" in capsys.readouterr().out
+    assert d.meta["files"] == {"read": 31, "kept": 31, "dropped": 0, "not_utf8": 1, "not_utf8_bytes": 1}
+    total = sum(os.path.getsize(p) for p in (tmp_path / "src").iterdir())
+    assert (f": 1 of them not valid UTF-8: 1 bytes read as U+FFFD, {100 / total:.3g}% of the {total:,} bytes read, "
+            "e.g. f3.txt\n") in capsys.readouterr().out
     assert "latin-1 caf\ufffd\n" in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
 
     (tmp_path / "src" / "sub").mkdir()
@@ -735,26 +754,98 @@ def test_names_that_are_not_utf8_and_files_that_cannot_be_read(tmp_path, monkeyp
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
 
 
-def test_sigterm_while_preparing_leaves_nothing(tmp_path):
+def test_a_source_without_readable_text_is_refused_like_an_empty_one(tmp_path, capsys):
+    """A file of 200,000 bytes that are not UTF-8 (every one read as U+FFFD) has no readable
+    character: it is dropped as an empty file is, so a source of only such files is refused (one
+    line, exit code 2, nothing written) by data.py and train.py, not prepared as a vocabulary of
+    U+FFFD. Where some text is readable, the bytes read as U+FFFD and their share are said."""
+    import train
+    junk = bytes(0x80 + i % 64 for i in range(200_000))
+    for name, content in (("empty", b""), ("junk", junk)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f.txt").write_bytes(content)
+        src, out = tmp_path / name, tmp_path / "out"
+        for main, extra in ((data.main, []), (train.main, ["--size", "tiny", "--out_dir", str(tmp_path / "run")])):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                main(["--dataset", str(src), "--tokenizer", "char", "--data_root", str(out), *extra])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err == (f"error: --dataset {src}: no readable text (1 files read, all binary, "
+                                                 "empty or no UTF-8 text)\n"), (name, main)
+            assert not out.exists() and not (tmp_path / "run").exists()
+    (tmp_path / "junk" / "g.txt").write_text("readable text\n" * 10)  # 140 bytes
+    d = data.Data(data.prepare(str(tmp_path / "junk"), out_root=str(tmp_path / "out"), tokenizer="char"))
+    said = capsys.readouterr().out
+    assert f"{tmp_path / 'junk'}: read 2 files, kept 1, dropped 1 (binary, empty or no UTF-8 text)\n" in said
+    assert (f"{tmp_path / 'junk'}: 1 of them not valid UTF-8: 200,000 bytes read as U+FFFD, 99.9% of the 200,140 "
+            "bytes read, e.g. f.txt\n") in said
+    assert d.meta["files"] == {"read": 2, "kept": 1, "dropped": 1, "not_utf8": 1, "not_utf8_bytes": 200_000}
+    assert "\ufffd" not in "".join(d.decode(d.tokens(s)) for s in ("train", "dev", "test"))
+
+
+# data.py run with a SIGTERM sent to itself at a chosen moment (no sleeping, whatever the load):
+# "start": as the forkserver starts the pool's first worker; "tokenize": after the first batch came back
+SIGTERM_AT = """
+import os, runpy, signal, sys
+moment, repo, root = sys.argv[1:4]
+sys.path.insert(0, repo)
+from multiprocessing import forkserver
+from harness import text_data
+sent = []
+
+def stop(real):
+    def wrapped(*a, **k):
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return real(*a, **k)
+    return wrapped
+
+if moment == "start":
+    forkserver.read_signed = stop(forkserver.read_signed)
+else:
+    real_map = text_data._ordered_map
+    text_data._ordered_map = lambda *a, **k: (stop(lambda r: r)(r) for r in real_map(*a, **k))
+sys.argv = ["data.py", "--dataset", "stdlib", "--tokenizer", "char", "--num_proc", "2", "--data_root", root]
+runpy.run_path(os.path.join(repo, "data.py"), run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("moment", ["start", "tokenize"])
+def test_sigterm_while_preparing_leaves_nothing(moment, tmp_path):
     """SIGTERM (a scheduler's stop) during a preparation with worker processes: one line, exit code
-    143, and neither the temporary folder nor the --data_root it created is left behind."""
-    import signal
+    143, and neither the temporary folder nor the --data_root it created is left behind. Sent while
+    the pool starts its workers (what a loaded machine made likely), a worker the pool did not know
+    yet outlived this process and printed a FileNotFoundError traceback (SemLock._rebuild) once
+    this process's exit had removed the pool's semaphores; the output is read to its end, so such a
+    worker's lines are in it."""
     import subprocess
     import sys
     root = tmp_path / "root"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "data.py", "--dataset", "stdlib", "--tokenizer", "char", "--num_proc", "2",
-                          "--data_root", str(root)], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (root.exists() and os.listdir(root)) and p.poll() is None and time.time() < deadline:
-        time.sleep(0.05)  # until the temporary folder exists: the preparation has started
-    assert p.poll() is None, p.communicate()
-    time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 143 and err.splitlines()[-1] == "terminated" and "Traceback" not in err, err
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", SIGTERM_AT, moment, repo, str(root)], cwd=repo, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert (p.returncode, p.stderr) == (143, "terminated\n"), p.stderr
     assert not root.exists(), list(root.iterdir())
+
+
+def test_a_stop_while_the_pool_starts_is_taken_once_it_is_whole():
+    """SIGTERM and Ctrl-C sent while the pool starts (text_data._stops_held) reach the handlers
+    found after the body, once each, and those handlers are back in place."""
+    import signal
+    calls = []
+    mine = lambda signum, frame: calls.append(signum)
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with text_data._stops_held():
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+                os.kill(os.getpid(), s)
+            calls.append("body")
+        calls.append("after")
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    assert calls == ["body", signal.SIGTERM, signal.SIGINT, "after"]
 
 
 def test_preparation_workers_start_without_this_process_s_signal_handlers():
@@ -769,6 +860,46 @@ def test_preparation_workers_start_without_this_process_s_signal_handlers():
             assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("where", ["tokens", "meta.json", "numpy"])
+def test_a_full_disk_while_preparing_is_one_line_and_keeps_the_earlier_folder(where, tmp_path, monkeypatch, capsys):
+    """A write that finds the device full (ENOSPC while writing the tokens or meta.json; numpy's
+    tofile, which says "N requested and M written" without an errno, on a full device): one line
+    naming the folder and "no space left on device", exit code 2, the earlier prepared folder as
+    it was and no temporary folder left."""
+    import errno
+    import shutil
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    out = tmp_path / "out"
+    folder = data.prepare(str(tmp_path / "src"), out_root=str(out), tokenizer="char")
+    before = {f: (out / os.path.basename(folder) / f).read_bytes() for f in os.listdir(folder)}
+    (tmp_path / "src" / "f0.txt").write_text("changed text\n")  # the sources changed: prepared again
+
+    def full(*a, **k):
+        if where == "numpy":
+            raise OSError("4096 requested and 0 written")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if where == "tokens":
+        monkeypatch.setattr(text_data, "_char_vocab", full)
+    elif where == "meta.json":
+        monkeypatch.setattr(data.json, "dump", full)
+    else:
+        monkeypatch.setattr(text_data, "_split_by_position", full)
+        monkeypatch.setattr(text_data, "_char_vocab", full)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 0))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        data.main(["--dataset", str(tmp_path / "src"), "--tokenizer", "char", "--data_root", str(out)])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: {folder}: no space left on device while preparing it; nothing of it was written (an earlier copy, "
+        "if any, is as it was); free some space or give a --data_root on another disk\n")
+    assert os.listdir(out) == [os.path.basename(folder)]
+    assert {f: (out / os.path.basename(folder) / f).read_bytes() for f in os.listdir(folder)} == before
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="Permission denied"):  # any other failed write is not a full disk
+        with data._full_disk(folder):
+            raise PermissionError(errno.EACCES, "Permission denied")
 
 
 def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):

@@ -495,6 +495,71 @@ def test_fit_skips_a_law_whose_variables_do_not_vary():
         flops_fit.fit_training_law([1e6, 2e6, 4e6, 8e6, 1.6e7], [1e7, 1e7, 2e7, 2e7, 2e7], [3, 2.8, 2.6, 2.5, 2.4])
 
 
+def parcae_runs(depths, iters_per_depth):
+    """read_run dicts of Parcae runs at these depths (tiny-like widths), --max_iters proportional to
+    the depth (iters_per_depth each; 8 x 256 tokens per update), their dev NLL from a training law."""
+    import flops
+    runs = []
+    for k in depths:
+        cfg = ModelConfig(model="parcae", vocab_size=4096, block_size=256, n_embd=128, n_head=4, depth=k, width=128,
+                          n_prelude=1, n_core=1, n_coda=1)
+        N, D = flops.unrolled_params(cfg), float(iters_per_depth * k * 8 * 256)
+        runs.append({"path": f"run-K{k}", "model": "parcae", "N": N, "D": D, "mu_rec": k, "sweep_depths": None,
+                     "sweep_nll": None, "dev_nll": 1.5 + 300.0 * N ** -0.35 + 400.0 * D ** -0.3})
+    return runs
+
+
+def test_fit_names_a_design_that_cannot_identify_its_exponents(tmp_path, capsys):
+    """Five Parcae runs at depth k with --max_iters proportional to k: N and D both grow with k
+    (correlation 0.99 in logs), so the training law's a and b trade off against each other; the fit
+    comes with a warning naming the reason, printed and in --out. N exactly proportional to D (a
+    rank-deficient design) is refused; a grid of N and D is fit without a word."""
+    runs = parcae_runs([1, 2, 3, 4, 5], 200)
+    (row,) = flops_fit.fit_runs(runs, "training", restarts=2)
+    assert "params" in row and row["warning"].startswith(
+        "training law: log N and log D move together in these runs (correlation 0.98")
+    cond, (u, v, r) = flops_fit.design_condition(**{"log N": torch.tensor([x["N"] for x in runs]).log(),
+                                                    "log D": torch.tensor([x["D"] for x in runs]).log()})
+    assert 10 < cond < 30 and (u, v) == ("log N", "log D") and 0.98 < r < 0.99
+    assert row["warning"].endswith(f"the design in log N, log D has condition number {cond:.3g} > 10): a and b are "
+                                   "weakly identified (the fit trades one for another); vary N and D independently "
+                                   "(e.g. two --max_iters per depth)")
+    with pytest.raises(UsageError, match=r"^training law: log N and log D move together in these runs \(correlation "
+                                         r"1\.0000; the design in log N, log D is rank deficient\): a and b cannot be "
+                                         r"identified; vary N and D independently"):
+        flops_fit.fit_training_law([1e6 * k for k in range(1, 6)], [4e8 * k for k in range(1, 6)],
+                                   [3.0, 2.8, 2.7, 2.6, 2.55])
+    grid = parcae_runs([1, 3, 5], 200) + parcae_runs([1, 3, 5], 600)
+    for i, r in enumerate(grid):
+        r["path"] = f"grid{i}"
+    (row,) = flops_fit.fit_runs(grid, "training", restarts=2)
+    assert "params" in row and "warning" not in row
+    cond, _ = flops_fit.design_condition(**{"log N": torch.tensor([x["N"] for x in grid]).log(),
+                                            "log D": torch.tensor([x["D"] for x in grid]).log()})
+    assert cond < 10 and math.isfinite(cond)
+    for i, r in enumerate(runs):  # the command line: the fit, then the warning
+        fit_log_parcae(tmp_path / f"K{i + 1}", r)
+    capsys.readouterr()
+    assert flops_fit.main([str(tmp_path / f"K{i}") for i in range(1, 6)] + ["--law", "training", "--restarts", "2",
+                                                                           "--out", str(tmp_path / "fits.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("training parcae     5 pts  E=") and out[1].startswith(
+        "         warning: training law: log N and log D move together") and len(out) == 2
+    assert json.load(open(tmp_path / "fits.json"))[0]["warning"] == out[1].split("warning: ", 1)[1]
+
+
+def fit_log_parcae(folder, run):
+    """A finished Parcae run's log.jsonl whose N and D are run's (the depth k of its path)."""
+    os.makedirs(folder, exist_ok=True)
+    k = int(run["path"].split("K")[1])
+    cfg = ModelConfig(model="parcae", vocab_size=4096, block_size=256, n_embd=128, n_head=4, depth=k, width=128,
+                      n_prelude=1, n_core=1, n_coda=1)
+    events = [{"event": "start", "config": cfg.to_dict(), "args": {"batch_size": 8, "gradient_accumulation_steps": 1}},
+              {"event": "summary", "best_iter": 0, "dev_nll": run["dev_nll"], "tokens": run["D"]}]
+    with open(os.path.join(folder, "log.jsonl"), "w") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in events))
+
+
 def fit_log(folder, dev_nll, sweep=None):
     """A finished train.py run for flops_fit.read_run: log.jsonl with a start, a summary and, with
     sweep = (depths, dev NLLs), a depth_sweep event."""
@@ -733,6 +798,15 @@ def test_only_weight_matrices_are_decayed(name):
 
 # ============================================================================ 10. CI extras
 
+def ci_installs():
+    """The pip install lines of .ci/run and the requirement lines of the files they name (-r FILE)."""
+    lines = [line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+             if "pip install" in line and not line.lstrip().startswith("#")]
+    for name in re.findall(r"-r\s+(\S+)", " ".join(lines)):
+        lines += [line.split("#")[0].strip() for line in open(os.path.join(REPO, name)).read().splitlines()]
+    return lines
+
+
 def test_ci_installs_every_optional_extra_the_tests_import():
     """Every package a test imports with pytest.importorskip is installed by .ci/run, so those tests
     run (not skip) on every submission."""
@@ -742,9 +816,22 @@ def test_ci_installs_every_optional_extra_the_tests_import():
             if f.startswith("test_") and f.endswith(".py"):
                 wanted |= set(re.findall(r"importorskip\(\s*\"(\w+)\"", open(os.path.join(folder, f)).read()))
     assert {"transformers", "matplotlib"} <= wanted
-    installs = " ".join(line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
-                        if "pip install" in line and not line.lstrip().startswith("#"))
+    installs = " ".join(ci_installs())
     assert all(re.search(rf"\b{w}\b", installs) for w in wanted), (wanted, installs)
+
+
+def test_ci_installs_the_test_packages_a_new_user_gets():
+    """The test packages are declared where a user installs them (requirements-dev.txt, pytest
+    among them), and CI installs that file with --upgrade: the versions a new user gets today
+    (pytest 9.2's monkeypatch undo broke the suite where CI kept the machine's older pytest), with
+    torch held at its pin in the same command."""
+    dev = [line.split("#")[0].strip() for line in open(os.path.join(REPO, "requirements-dev.txt"))]
+    assert "pytest" in dev and "matplotlib==3.11.2" in dev
+    (line,) = [line for line in open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+               if "pip install" in line and not line.lstrip().startswith("#")]
+    args = line.split()
+    assert "--upgrade" in args and "torch==2.13.0" in args, line
+    assert [args[i + 1] for i, a in enumerate(args) if a == "-r"] == ["requirements.txt", "requirements-dev.txt"]
 
 
 # ============================================================================ 11. a newcomer's pass

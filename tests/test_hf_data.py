@@ -285,3 +285,23 @@ def test_rows_with_null_or_empty_text_are_counted_printed_and_recorded(tmp_path,
     assert sum(d.meta["n_documents"].values()) == 20
     docs = sorted(t for s in SPLITS for t in decoded_docs(d, s))
     assert docs == sorted(f"document number {i}" for i in range(20))
+
+
+def test_csv_texts_na_null_none_are_text_and_only_empty_cells_are_missing(tmp_path, capsys):
+    """A CSV corpus whose text column holds "NA", "null", "None" or "n/a" keeps those rows as
+    documents (pandas' default missing-value list dropped them); an empty cell (bare or quoted)
+    is the only missing text. Read as csv with --hf_data_files, as hf:FILE.csv and as a folder."""
+    words = ["NA", "null", "None", "n/a", "NaN", "#N/A"]
+    docs = [f"row {i} text" for i in range(24)] + words
+    lines = ["id,text"] + [f"{i},{t}" for i, t in enumerate(docs)] + ["90,", '91,""']
+    (tmp_path / "corpus").mkdir()
+    path = tmp_path / "corpus" / "c.csv"
+    path.write_text("\n".join(lines) + "\n")
+    sources = [dict(dataset="hf:csv", hf_data_files=str(path)), dict(dataset=f"hf:{path}"),
+               dict(dataset=f"hf:{tmp_path / 'corpus'}")]
+    for n, kw in enumerate(sources):
+        capsys.readouterr()
+        d = data.Data(data.prepare(out_root=str(tmp_path / f"out{n}"), tokenizer="char", **kw))
+        assert d.meta["rows"] == {"read": 32, "kept": 30, "dropped": 2}, kw
+        assert "read 32 rows, kept 30, dropped 2" in capsys.readouterr().out
+        assert sorted(t for s in SPLITS for t in decoded_docs(d, s)) == sorted(docs), kw

@@ -81,6 +81,58 @@ def test_top_level_holds_at_most_18_python_files():
         assert brief in top
 
 
+# ----------------------------------------------------------------------------- torch's configuration in tests
+
+
+def dotted(node):
+    """The dotted name of an attribute chain (torch._dynamo.config), or None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def torch_config_writes(source):
+    """The line numbers where source sets or deletes an attribute of a torch config module
+    (torch._dynamo.config, torch._inductor.config, ...) other than through its own patch():
+    monkeypatch.setattr / delattr, setattr / delattr, or an assignment."""
+    is_config = lambda name: bool(name) and name.startswith("torch.") and name.split(".")[-1] == "config"
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args:
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("setattr", "delattr") and is_config(dotted(node.args[0])):
+                hits.append(node.lineno)
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        hits += [node.lineno for t in targets if isinstance(t, ast.Attribute) and is_config(dotted(t.value))]
+    return sorted(hits)
+
+
+def test_config_write_finder_sees_each_spelling():
+    source = ("import torch\n"
+              "def test_a(monkeypatch):\n"
+              "    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 8)\n"
+              "    setattr(torch._inductor.config, 'x', 1)\n"
+              "    torch._dynamo.config.cache_size_limit = 4\n"
+              "    monkeypatch.delattr(torch._dynamo.config, 'y')\n"
+              "    with torch._dynamo.config.patch(recompile_limit=8):\n"
+              "        monkeypatch.setattr(torch, 'compile', None)\n")
+    assert torch_config_writes(source) == [3, 4, 5, 6]
+
+
+def test_tests_change_torch_config_only_through_its_patch():
+    """A monkeypatch of torch._dynamo.config is undone by pytest 9.2 as if the attribute had not
+    existed: the option is hidden for every later test (AttributeError). torch's
+    config.patch(...) restores it under every pytest."""
+    paths = glob.glob(os.path.join(REPO, "tests", "*.py")) + glob.glob(os.path.join(REPO, "*.py"))
+    assert os.path.join(REPO, "tests", "test_compile.py") in paths
+    hits = [f"{os.path.relpath(p, REPO)}:{n}" for p in sorted(paths) if "test" in os.path.basename(p)
+            for n in torch_config_writes(open(p, encoding="utf-8").read())]
+    assert not hits, hits
+
+
 # ----------------------------------------------------------------------------- the front door and history
 
 HISTORY = re.compile(r"issue[ -][0-9]|this\s+round|previous\s+round", re.IGNORECASE)

@@ -583,3 +583,13 @@ def test_endoftext_in_a_prompt_is_the_end_of_text_token():
 def test_endoftext_in_a_gpt2_prompt_is_the_token(gpt2_bpe):
     bpe = sample.CheckpointTokenizer({"tokenizer": "gpt2"}, "x")
     assert bpe.encode(f"a{EOT_SYMBOL}b") == [64, 50256, 65]
+
+
+def test_top_k_0_samples_among_all_tokens(tmp_path):
+    """--top_k 0 means every token: the same draws as a k above the vocabulary's size (not a top_k
+    of 0 handed to the model, which refuses it)."""
+    _, run = own_text_run(tmp_path)
+    argv = ["--out_dir", run, "--start", "def ", "--num_samples", "3", "--max_new_tokens", "16", "--temperature", "1.5"]
+    every, _, _ = run_sample(argv + ["--top_k", "0"])
+    assert every == run_sample(argv + ["--top_k", "100000"])[0]
+    assert every != run_sample(argv + ["--top_k", "1"])[0] and len(every) == 3 and every[0].startswith("def ")

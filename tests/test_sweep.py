@@ -819,3 +819,19 @@ def test_collect_of_output_without_start_lines_keeps_no_line_twice():
     for new in (clone + done, clone + done):
         kept = sweep.merge_output(kept, new)
     assert kept == other + clone[len(SKIPPED):] + done
+
+
+def test_collect_completes_a_held_command_in_place_and_ends_a_cut_last_line():
+    """A command collected part-way, then another clone's command, then the first one done: its
+    rest goes in its place, before the other command's lines, not at the end. A file whose last
+    line has no newline (a sweep stopped mid-line) ends that line before the next command's."""
+    def command(n, body):
+        return f"{sweep.START_LINE} 2026-12-0{n} 10:00:00 UTC, id {n:08x}\n" + body
+    a_part = command(1, "[1/2] train.py --model loop\n")
+    a = a_part + "[2/2] train.py --model tango\nsweep: 2 runs, 0 failed, wall time 5 s\n"
+    b = command(2, "[1/1] train.py --model gau\nsweep: 1 run, 0 failed, wall time 3 s\n")
+    kept = sweep.merge_output(sweep.merge_output(a_part, b), a)
+    assert kept == a + b
+    cut = command(3, "[1/1] train.py --model loop (cut")
+    assert sweep.merge_output(cut, b) == cut + "\n" + b
+    assert sweep.merge_output(sweep.merge_output("", cut), b).splitlines() == cut.splitlines() + b.splitlines()

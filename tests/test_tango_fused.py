@@ -187,6 +187,23 @@ def test_every_sdpa_call_runs_with_math_disabled_and_no_t_by_t_mask(monkeypatch,
     assert torch.backends.cuda.math_sdp_enabled()  # restored afterwards
 
 
+@pytest.mark.parametrize("window,rows", [(10, 4), (5, 3), (40, 256)])
+def test_windowed_mask_columns_are_a_multiple_of_16(monkeypatch, window, rows):
+    """The windowed block mask (1 + W + 2C key columns, then never-visible padding) has a multiple
+    of 16 columns, one per key: 1 + 10 + 8 = 19 columns become 32 (a multiple of 8 would be 24)."""
+    seen = []
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, scale=None):
+        seen.append((attn_mask.shape[-1], k.shape[-2]))
+        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(tango_kernels, "FUSED_WINDOW_ROWS", rows)
+    tango_kernels.fused_average(*qkgb(T=45), window)
+    C = min(window, rows)
+    assert seen and all(cols == keys == -(-(1 + window + 2 * C) // 16) * 16 for cols, keys in seen), seen
+
+
 # ----------------------------------------------------------------------------- the device switch and the model
 
 def test_device_switch():

@@ -95,6 +95,46 @@ def _check_varies(law, **variables):
                              f"fitting its exponent needs >= 3")
 
 
+# Condition number of the design (a law's variables over its points: log N, log D, T / mu_rec, each
+# centered and scaled to unit length): 1 when they vary independently, infinite when one is an
+# affine function of the others. Above WEAK_DESIGN the exponents trade off against each other
+# (Belsley's threshold for estimates that collinearity degrades); at COLLINEAR_DESIGN or beyond
+# (numerically rank deficient) the points cannot tell the terms apart at all.
+WEAK_DESIGN, COLLINEAR_DESIGN = 10.0, 1e6
+
+
+def design_condition(**variables):
+    """(condition number, (name, name, correlation) of the most correlated pair) of the design whose
+    columns are the given variables (1-D tensors over the same points, each taking >= 2 values),
+    centered and scaled to unit length; math.inf for a rank-deficient design."""
+    names = list(variables)
+    Z = torch.stack([v - v.mean() for v in variables.values()], 1)
+    Z = Z / Z.norm(dim=0)
+    s = torch.linalg.svdvals(Z)
+    cond = float(s[0] / s[-1]) if float(s[-1]) > float(s[0]) / COLLINEAR_DESIGN else math.inf
+    corr = Z.T @ Z
+    i, j = max(((i, j) for i in range(len(names)) for j in range(i + 1, len(names))), key=lambda p: abs(float(corr[p])))
+    return cond, (names[i], names[j], float(corr[i, j]))
+
+
+def check_design(law, exponents, **variables):
+    """None when the design identifies each exponent; a warning naming the variables that move
+    together when it does so only weakly (condition number above WEAK_DESIGN). UsageError when it
+    cannot (COLLINEAR_DESIGN or beyond: one variable an affine function of the others, as with N
+    and D both power laws of the depth). exponents: what the law fits, for the message."""
+    cond, (u, v, r) = design_condition(**variables)
+    if cond <= WEAK_DESIGN:
+        return None
+    rank_deficient = cond >= COLLINEAR_DESIGN
+    moves = (f"{u} and {v} move together in these runs (correlation {r:.4f}; the design in {', '.join(variables)} "
+             + ("is rank deficient)" if rank_deficient else f"has condition number {cond:.3g} > {WEAK_DESIGN:g})"))
+    hint = "two --max_iters per depth" if {u, v} == {"log N", "log D"} else "other --eval_depths"
+    vary = f"vary {u.removeprefix('log ')} and {v.removeprefix('log ')} independently (e.g. {hint})"
+    if rank_deficient:
+        raise UsageError(f"{law} law: {moves}: {exponents} cannot be identified; {vary}")
+    return f"{law} law: {moves}: {exponents} are weakly identified (the fit trades one for another); {vary}"
+
+
 def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
     """Test-time depth law L(T) = L_inf + Z exp(-z T) (Parcae §5.3) from recurrences T and losses L.
     Returns {"L_inf", "Z", "z", "huber"}; UsageError for fewer than 3 distinct T."""
@@ -119,11 +159,13 @@ def fit_depth_law(T, L, restarts=32, max_iter=500, delta=HUBER_DELTA):
 
 def fit_training_law(N, D, L, restarts=32, max_iter=1000, delta=HUBER_DELTA):
     """Training law L = E + A N^-a + B D^-b (Parcae §5.2; N: unrolled parameters N(mu_rec), D: tokens).
-    Returns {"E", "A", "a", "B", "b", "huber"}; UsageError for fewer than 3 distinct N or D."""
+    Returns {"E", "A", "a", "B", "b", "huber"}; UsageError for fewer than 3 distinct N or D, or a
+    design that cannot identify a and b (check_design: log N and log D collinear)."""
     N, D, L = _as64(N, D, L)
     _check_points(len(L), 5, "training")
     _check_varies("training", N=N, D=D)
     lN, lD = N.log(), D.log()
+    check_design("training", "a and b", **{"log N": lN, "log D": lD})
     cN, cD, logL = lN.mean(), lD.mean(), L.log()
 
     def objective(th):  # [log E, a', a, b', b]
@@ -145,11 +187,12 @@ def fit_unified_law(N, D, T, mu_rec, L, restarts=32, max_iter=1500, delta=HUBER_
     """Unified law L = E + X N^-x + Y D^-y + Z exp(-z T / mu_rec) (Parcae §5.3): N unrolled parameters
     N(mu_rec), D tokens, T test-time recurrences, mu_rec the training mean recurrence.
     Returns {"E", "X", "x", "Y", "y", "Z", "z", "huber"}; UsageError for fewer than 3 distinct
-    N, D or T / mu_rec."""
+    N, D or T / mu_rec, or a design that cannot identify x, y and z (check_design)."""
     N, D, T, M, L = _as64(N, D, T, mu_rec, L)
     _check_points(len(L), 7, "unified")
     _check_varies("unified", N=N, D=D, T_over_mu_rec=T / M)
     lN, lD, R = N.log(), D.log(), T / M
+    check_design("unified", "x, y and z", **{"log N": lN, "log D": lD, "T / mu_rec": R})
     cN, cD, cR, logL = lN.mean(), lD.mean(), R.mean(), L.log()
 
     def objective(th):  # [log E, x', x, y', y, z', log z]
@@ -225,7 +268,8 @@ def fit_runs(runs, law="all", restarts=32):
     """Fit the laws to runs (read_run dicts): depth law per run with a sweep; training and
     unified laws per model over its runs. Returns a list of {"law", "model", "label", "points",
     "params" | "error"}: every law asked for that cannot be fit has a row with the reason (the
-    depth law without any sweep one row for all runs, labelled "every run")."""
+    depth law without any sweep one row for all runs, labelled "every run"); a fit whose design
+    identifies its exponents only weakly has a "warning" too (check_design)."""
     out = []
     by_model = {}
     for r in runs:
@@ -248,6 +292,9 @@ def fit_runs(runs, law="all", restarts=32):
             try:
                 row["params"] = fit_training_law([r["N"] for r in rs], [r["D"] for r in rs],
                                                  [r["dev_nll"] for r in rs], restarts)
+                N, D = _as64([r["N"] for r in rs], [r["D"] for r in rs])
+                if warning := check_design("training", "a and b", **{"log N": N.log(), "log D": D.log()}):
+                    row["warning"] = warning
             except UsageError as e:
                 row["error"] = str(e)
             out.append(row)
@@ -259,6 +306,10 @@ def fit_runs(runs, law="all", restarts=32):
                 row["params"] = fit_unified_law(*zip(*pts), restarts=restarts) if pts else None
                 if row["params"] is None:
                     raise UsageError(NO_SWEEP.format("unified"))
+                N, D, T, M = _as64(*list(zip(*pts))[:4])
+                if warning := check_design("unified", "x, y and z",
+                                           **{"log N": N.log(), "log D": D.log(), "T / mu_rec": T / M}):
+                    row["warning"] = warning
             except UsageError as e:
                 row.pop("params", None)
                 row["error"] = str(e)
@@ -299,6 +350,8 @@ def main(argv=None):
         if "params" in row:
             vals = "  ".join(f"{k}={v:.4g}" for k, v in row["params"].items())
             print(f"{row['law']:<9}{row['model']:<8}{row['points']:>4} pts  {vals}  [{row['label']}]")
+            if row.get("warning"):
+                print(f"{'':<9}warning: {row['warning']}")
         else:
             print(f"{row['law']:<9}{row['model']:<8}{row['points']:>4} pts  skipped: {row['error']}  [{row['label']}]")
     if a.out:
