@@ -190,7 +190,10 @@ def test_readme_keeps_the_commands_ci_runs_and_the_places_the_lead_fills():
     commands = commands[:commands.index("```")]
     # what a user types: no path outside the repository (the tests find the vocabulary file themselves)
     assert commands == ("pip install torch==2.13.0 -r requirements.txt && python train.py --model tango --depth 8\n"
-                        "python -m pytest -q\n")
+                        "pip install -r requirements-dev.txt && python -m pytest -q\n")
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:  # CI installs both files, runs the same test line
+        ci = f.read()
+    assert "-r requirements.txt -r requirements-dev.txt" in ci and "\npython -m pytest -q\n" in ci
     for marker in ("<!-- main job output -->", "<!-- headline -->"):
         assert readme.count(marker) == 1, marker
 
