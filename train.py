@@ -55,9 +55,9 @@ import data as data_mod
 from common import ModelConfig, UsageError, compile_regions, host_values
 from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, overrides, restore,
                                 resume_args, save_checkpoints, strip_prefixes)
-from harness.cli import (TrainingError, UsageParser, add_flags, run_command, seed_flag, synchronizer, values,
-                         write_text)
-from harness.config import Dist, DebugDump, Log, autocast_ctx, check_flags, tier_default
+from harness.cli import (TrainingError, UsageParser, add_flags, disk_full, run_command, seed_flag, synchronizer,
+                         values, write_text)
+from harness.config import Dist, DebugDump, Log, autocast_ctx, check_flags, hold_run_folder, tier_default
 from harness.datacheck import load_data
 from harness.evaluation import (check_scored_windows, depth_sweep, eval_only, evaluate, exact_match, print_report,
                                 print_sample, unigram_baselines)
@@ -188,29 +188,40 @@ class Run:
 
 
 def run(args, given=frozenset()):
-    """Validate, train, evaluate the best checkpoint on test; returns the summary (rank 0)."""
+    """Validate, train, evaluate the best checkpoint on test; returns the summary (rank 0). --out_dir
+    is held for the whole run (hold_run_folder: a second training run into it is refused)."""
     t_start = time.time()
-    r, ckpt, changed = setup(args, given)  # nothing written to out_dir before this returns
-    r.t_start = t_start
-    open_outputs(r, resumed=ckpt is not None, changed=changed)
-    try:
-        rates = train_loop(r)
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say what is left and how to go on (run_command prints it)
-        raise type(e)(f"stopped after update {r.it}; {r.checkpoint_note()}" + (
-            "" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues from it")) from None
-    r.log.start_writing()  # (a no-op once an update has run) a resumed run with no updates left: its log from here
-    summary = finish(r, rates)
-    r.log.close()
+    with contextlib.ExitStack() as held:
+        r, ckpt, changed = setup(args, given, held)  # nothing written to out_dir before this returns
+        r.t_start = t_start
+        open_outputs(r, resumed=ckpt is not None, changed=changed)
+        try:
+            rates = train_loop(r)
+            r.log.start_writing()  # (a no-op once an update has run) a resumed run with no updates left: log from here
+            summary = finish(r, rates)
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: say what is left and how to go on (run_command prints it)
+            if not r.dist.main:  # rank 0 alone knows that its save of the checkpoint finished
+                raise type(e)(f"rank {r.dist.rank} stopped after update {r.it}; rank 0 names the checkpoint left") from None
+            raise type(e)(f"stopped after update {r.it}; {r.checkpoint_note()}" + (
+                "" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues from it")) from None
+        except Exception as e:  # a full disk under a checkpoint, the log or summary.json: one line, not a traceback
+            if disk_full(e) is None:
+                raise
+            raise TrainingError(f"{args.out_dir}: no space left on device ({disk_full(e).strerror}); stopped after "
+                                f"update {r.it}; {r.checkpoint_note()}") from None
+        r.log.close()
     return summary
 
 
-def setup(args, given):
-    """Validate flags, data and checkpoints, build the model and optimizer, restore a checkpoint's
-    state. Returns (Run, checkpoint or None, resume overrides); UsageError on bad input; writes nothing."""
+def setup(args, given, held):
+    """Validate flags, data and checkpoints, hold --out_dir (held: the run's ExitStack), build the
+    model and optimizer, restore a checkpoint's state. Returns (Run, checkpoint or None, resume
+    overrides); UsageError on bad input; writes nothing but the hold's lock file."""
     dist = Dist.from_env()
     ckpt, changed = resume_args(args, given) if args.resume else (None, {})
     args = check_flags(args, given, dist)
     dist.start(args.device)
+    held.enter_context(hold_run_folder(args.out_dir, dist))  # before data preparation: a second run stops at once
     data = load_data(args, dist)
     check_scored_windows(data, args.block_size, args.eval_windows)  # an evaluation over nothing is no number
     cfg, target = model_config(args, data.vocab_size)  # --depth, --size, ... -> ModelConfig

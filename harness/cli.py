@@ -5,6 +5,7 @@ cap, broken pipes: run_command) and atomic output files (write_atomic). No model
 import argparse
 import contextlib
 import dataclasses
+import errno
 import functools
 import os
 import re
@@ -200,7 +201,8 @@ def run_command(main, sizes=()):
     character the console's encoding lacks prints as its escape (\ufffd), not a UnicodeEncodeError. Sizes
     this machine cannot hold (host or GPU memory) end in one line and exit code 2, not a traceback;
     Ctrl-C ends in one line ("interrupted", with what the command says of its state) and exit code
-    130, SIGTERM the same way ("terminated", exit code 143 = 128 + SIGTERM)."""
+    130, SIGTERM the same way ("terminated", exit code 143 = 128 + SIGTERM); a write on a full disk
+    (disk_full) in one line and exit code 1."""
     if hasattr(sys.stdout, "reconfigure"):  # a console that cannot show a sampled character (ascii, cp1252): \ufffd
         sys.stdout.reconfigure(errors="backslashreplace")
     main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers: main thread only)
@@ -216,13 +218,20 @@ def run_command(main, sizes=()):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail too
         code = 1
-    except (MemoryError, torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        if not is_out_of_memory(e):
+    except (MemoryError, torch.OutOfMemoryError, RuntimeError, ValueError, OSError) as e:
+        full = disk_full(e)  # any command's write on a full disk (train.py says more: its checkpoint)
+        if full is None and not is_out_of_memory(e):
             raise
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        print(f"error: out of memory ({first})" + (f"; give smaller sizes ({', '.join(sizes)})" if sizes else ""),
-              file=sys.stderr)
-        code = 2
+        if full is not None:
+            where = f"{full.filename}: " if full.filename else ""
+            print(f"error: {where}no space left on device ({full.strerror}); free some space and run the command "
+                  "again", file=sys.stderr)
+            code = 1
+        else:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            print(f"error: out of memory ({first})" + (f"; give smaller sizes ({', '.join(sizes)})" if sizes else ""),
+                  file=sys.stderr)
+            code = 2
     finally:
         if previous is not None:  # (a caller in this process, a test, keeps its own handling)
             signal.signal(signal.SIGTERM, previous)
@@ -429,3 +438,83 @@ def values(args, cls):
     """The dataclass cls (harness.optim.Schedule, AdamW, ...) of the parsed flags args: each field
     read from the flag of its name, so below the command line a value travels, not the namespace."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+class FolderLock:
+    """An exclusive hold of a folder by one writing process: <folder>/.lock, locked with flock and
+    holding '<pid> on <host> since <UTC time>' for the message of a second writer. The kernel drops
+    the lock when the process ends, however it ends (kill -9 too), so a lock file left behind is
+    stale and taken over. acquire() creates the folder if it is missing; release() removes the lock
+    file, and the folders acquire created when nothing else was written there. Readers
+    take no lock. A file system without flock (some network mounts) holds no lock: acquire works."""
+
+    NAME = ".lock"
+
+    def __init__(self, folder):
+        self.folder, self.fd, self.created = folder, None, []
+
+    def acquire(self, refuse):
+        """Take the hold; refuse(holder) -> the exception to raise when another live process holds it
+        (holder: its '<pid> on <host> since ...' text)."""
+        import fcntl
+        missing, parent = [], os.path.abspath(self.folder)
+        while not os.path.isdir(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        os.makedirs(self.folder, exist_ok=True)
+        self.created = missing  # innermost first: removed again in this order when left empty
+        path = os.path.join(self.folder, self.NAME)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+                os.close(fd)
+                self._remove_created_folder()
+                raise refuse(holder) from None
+            except OSError:  # no flock on this file system: no hold
+                break
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:  # (not a file a releasing writer just unlinked)
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}".encode())
+        self.fd = fd
+        return self
+
+    def release(self):
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(self.folder, self.NAME))  # before the unlock: a waiting writer then makes its own
+        os.close(self.fd)  # (closing drops the flock)
+        self.fd = None
+        self._remove_created_folder()
+
+    def _remove_created_folder(self):
+        for folder in self.created:
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: the run wrote there, it stays (and so do the folders above it)
+                break
+        self.created = []
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(e):
+    """The OSError of a full disk (or quota) among e and the exceptions it was raised from or while
+    handling (torch.save's writer raises a RuntimeError while an ENOSPC unwinds), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return e
+        e = e.__cause__ or e.__context__
+    return None

@@ -4,6 +4,7 @@ of a torchrun job, and what the run prints and logs (log.jsonl, the TRAIN_DEBUG_
 train.py declares the flags; resolve_args fills the defaults that depend on the tier or on other
 flags (all of them here, in one place) and rejects bad values with a one-line UsageError (exit 2).
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -14,7 +15,7 @@ import torch.distributed as tdist
 
 import data as data_mod
 from common import UsageError
-from harness.cli import check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
+from harness.cli import FolderLock, check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
 from harness.checkpoint import remove_stale, trim_log
 from models import (REGISTRY, TIERS, block_counts, count_params, flags_config, model_config, model_flags,
                     params_lower_bound, shared_block_models)
@@ -284,6 +285,31 @@ class Dist:
         """This rank's contiguous share of an update's micro-batches."""
         m = len(items) // self.world
         return items[self.rank * m:(self.rank + 1) * m]
+
+
+@contextlib.contextmanager
+def hold_run_folder(out_dir, dist):
+    """Within: --out_dir held by this training run (harness.cli.FolderLock, taken by rank 0), so a
+    second training run into it, in any process count, is refused before anything is written, with
+    one line naming the folder and the process holding it (UsageError on every rank). Released at
+    exit, however the run ends; a folder the hold created and nothing else used is removed again."""
+    lock = FolderLock(out_dir)
+    refusal = [None]
+    if dist.main:
+        try:
+            lock.acquire(lambda holder: UsageError(
+                f"--out_dir {out_dir}: another training run is writing there ({holder}); wait for it to end, "
+                "or give another --out_dir (reading it, --eval_only and sample.py, needs no wait)"))
+        except UsageError as e:
+            refusal[0] = str(e)
+    if dist.ddp:
+        tdist.broadcast_object_list(refusal, 0)
+    if refusal[0] is not None:
+        raise UsageError(refusal[0])
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # ----------------------------------------------------------------------------- console, log.jsonl
