@@ -6,6 +6,7 @@ the counter runs each graph eagerly (no C++ compile: seconds, not minutes, on CP
 inductor compile of every model is a manual check (python -m tools.bench --device cuda), too slow here.
 """
 import functools
+import sys
 
 import pytest
 import torch
@@ -373,3 +374,34 @@ def test_depth_attention_compiles_one_graph_per_candidate_count_past_dynamos_lim
             model(torch.randint(0, 64, (1, 16)))
         extra.append(cnt.frame_count - counts)
     assert extra[0] == extra[1] >= 0
+
+
+def test_deferred_reads_leave_every_value_on_the_device_between_reads(mdm, data_root, tmp_path, monkeypatch):
+    """Along the deferred path (CUDA; forced here) an update makes no host read and no blocking copy:
+    its loss, gradient norm and diagnostics (Parcae's state norms) stay tensors until read_updates
+    reads READ_EVERY updates at once, and the windows go to the device with non_blocking copies.
+    Recorded on CPU: what read_updates receives, and every Tensor.to that train_update makes."""
+    monkeypatch.setattr(train, "deferred_reads", lambda r: True)
+    batches, copies = [], []
+    read_updates = train.read_updates
+
+    def record_reads(r, pending, *a):
+        batches.append([(it, loss, grad_norm, diag) for it, _, loss, grad_norm, _, diag in pending])
+        return read_updates(r, pending, *a)
+    monkeypatch.setattr(train, "read_updates", record_reads)
+    to = torch.Tensor.to
+
+    def record_to(self, *a, **kw):
+        caller = sys._getframe(1)
+        if train.train_update.__code__ in (caller.f_code, caller.f_back.f_code):  # (or its list comprehension)
+            copies.append(kw.get("non_blocking", False))
+        return to(self, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "to", record_to)
+    _tiny_run(mdm, data_root, tmp_path / "run", "--model", "parcae", "--max_iters", "12", "--eval_interval", "12")
+    assert [[it for it, *_ in b] for b in batches] == [[1], list(range(2, 11)), [11, 12]]  # first, every 10th, eval
+    values = [v for b in batches for _, loss, grad_norm, diag in b
+              for v in (loss, grad_norm, diag["diag"]["abar_max"], diag["diag"]["state_norm_max"],
+                        *diag["diag"]["state_norm"])]
+    assert len(values) == 12 * 4 + sum(len(d["diag"]["state_norm"]) for b in batches for *_, d in b)
+    assert all(torch.is_tensor(v) for v in values)  # nothing read before read_updates
+    assert copies and all(copies) and len(copies) == 12 * 2  # x and y of each update, non_blocking

@@ -963,3 +963,42 @@ def test_docs_tier_defaults_are_the_code_s():
             f"{tiny['chunk']}, GAU/FLASH s = {tiny['gau_s']}" in doc)
     assert f"(`cpu`: {cpu['window']} and {cpu['chunk']}; paper tiers: {TIER_DEFAULTS['70M']['window']} and " \
            f"{TIER_DEFAULTS['70M']['chunk']})" in doc
+
+
+def test_eval_only_takes_the_evaluation_flags_of_the_latest_checkpoint(mdm, data_root, tmp_path):
+    """--eval_only evaluates as the run's last report did: the evaluation flags (EVAL_FLAGS) come
+    from ckpt_latest.pt, which a resumed run rewrites with its own, not from the older ckpt_best.pt
+    (here the latest holds --eval_batch_size 3 and --eval_depths 1,2, the best 4 and none)."""
+    out = tmp_path / "x"
+    train.main(flags(mdm, data_root, out, "--max_iters", "4", "--eval_interval", "2"))
+    latest = torch.load(out / "ckpt_latest.pt", weights_only=True)
+    latest["args"].update(eval_batch_size=3, eval_depths="1,2")
+    torch.save(latest, out / "ckpt_latest.pt")
+    assert torch.load(out / "ckpt_best.pt", weights_only=True)["args"]["eval_batch_size"] == 4
+    args = train.parse_args(["--eval_only", "--out_dir", str(out)])
+    _, changed = checkpoint.eval_only_args(args, {"eval_only", "out_dir"})
+    assert (args.eval_batch_size, args.eval_depths, changed) == (3, "1,2", {})
+    args = train.parse_args(["--eval_only", "--out_dir", str(out), "--eval_batch_size", "5"])  # given: it wins
+    checkpoint.eval_only_args(args, {"eval_only", "out_dir", "eval_batch_size"})
+    assert args.eval_batch_size == 5
+
+
+def test_a_resume_in_another_dtype_recomputes_the_best_checkpoints_dev_nll(mdm, data_root, tmp_path, capsys):
+    """The report's dev and test NLL share one dtype: when the best checkpoint was written in
+    another --dtype than the run's last one, finish evaluates its dev NLL again instead of printing
+    the recorded one. Here the best checkpoint says it was written under bfloat16 with dev NLL 123;
+    the run resumed (nothing left to train) under float32 reports the recomputed value, the one
+    --eval_only prints."""
+    out = tmp_path / "x"
+    train.main(flags(mdm, data_root, out, "--max_iters", "4", "--eval_interval", "2"))
+    os.remove(out / "summary.json")  # (so the run is not finished: a resume evaluates it again)
+    best = torch.load(out / "ckpt_best.pt", weights_only=True)
+    best["args"]["dtype"], best["dev_nll"] = "bfloat16", 123.0
+    torch.save(best, out / "ckpt_best.pt")
+    capsys.readouterr()
+    summary = train.run(train.parse_args(flags(mdm, data_root, out, "--resume", "--max_iters", "4",
+                                               "--eval_interval", "2", "--dtype", "float32")),
+                        {"resume", "max_iters", "eval_interval", "dtype", "out_dir"})
+    evaluated = train.eval_only(train.parse_args(["--eval_only", "--out_dir", str(out), "--dtype", "float32"]),
+                                {"eval_only", "out_dir", "dtype"})
+    assert summary["dev_nll"] != 123.0 and summary["dev_nll"] == evaluated["dev_nll"]
