@@ -111,14 +111,14 @@ def parse_edge(spec, K, flag="--edge"):
     return (s, d)
 
 
-@dataclass(frozen=True)
-
 def is_transformer_pp(model_name):
     """True for a registered model whose body is Transformer++ blocks (untied, loop: its registry
     row builds baselines' Transformer++), the checkpoints ReFlux steps."""
     import models  # (models imports the model files; this one is a tool on top of them)
     return models.spec_of(model_name).build in (baselines.untied_transformer, baselines.loop_transformer)
 
+
+@dataclass(frozen=True)
 class Settings:
     """One ReFlux configuration. edges: ((s, d), ...) open with gate 1 (ignored under a router);
     alpha, beta: the write's α (every edge) and β; payload: delta | state; prefill: parallel |

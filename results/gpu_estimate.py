@@ -24,8 +24,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train  # noqa: E402
-from common import ExitParser, UsageError  # noqa: E402
-from harness.config import model_config  # noqa: E402
+from common import UsageError  # noqa: E402
+from harness.cli import ExitParser  # noqa: E402
+from harness.config import model_config, resolve_args  # noqa: E402
 from models import REGISTRY, build_model  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
@@ -52,7 +53,7 @@ class CountOps(TorchDispatchMode):
 def config(model_name, depth, vocab=416):
     """(train.py's flags, ModelConfig) of model_name at depth (the tiny tier, characters); UsageError
     for a depth the model refuses."""
-    a = train.resolve_args(train.parse_args(["--model", model_name, "--depth", str(depth), "--size", "tiny",
+    a = resolve_args(train.parse_args(["--model", model_name, "--depth", str(depth), "--size", "tiny",
                                              "--device", "cpu", "--tokenizer", "char"]))
     return a, model_config(a, vocab)[0]
 

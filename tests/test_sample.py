@@ -241,7 +241,7 @@ def test_a_console_without_the_characters_gets_their_escapes():
     """A console whose encoding lacks a sampled character (PYTHONIOENCODING=ascii, a cp1252 console;
     the char vocabulary's unknown symbol is U+FFFD) prints its escape, not a UnicodeEncodeError
     traceback: every command's run_command sets stdout's errors to backslashreplace."""
-    code = "from common import run_command; run_command(lambda: print('caf\\xe9 \\ufffd'))"
+    code = "from harness.cli import run_command; run_command(lambda: print('caf\\xe9 \\ufffd'))"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONIOENCODING": "ascii"},
                        cwd=REPO, timeout=120)
     assert (p.returncode, p.stdout, p.stderr) == (0, b"caf\\xe9 \\ufffd\n", b"")

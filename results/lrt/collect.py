@@ -41,5 +41,5 @@ if missing:  # the committed file holds every run: a partial collection does not
           file=sys.stderr)
     sys.exit(2)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo: common
-from common import write_text  # noqa: E402  (atomic: a crash leaves the committed file whole)
+from harness.cli import write_text  # noqa: E402  (atomic: a crash leaves the committed file whole)
 write_text(os.path.join(os.path.dirname(os.path.abspath(__file__)), "summaries.json"), json.dumps(out, indent=1))
