@@ -423,7 +423,8 @@ def add_flags(add, cls, tier_help=None, defaults=True):
     for f in flag_fields(cls):
         kind = types[f.type if isinstance(f.type, str) else f.type.__name__]
         tier = f.metadata["tier"]
-        text = f.metadata["help"] + ("; " + tier_help(f.name) if tier and tier_help else "")
+        text = f.metadata["help"].replace("%", "%%")  # (argparse formats help with %: "20 %" is text)
+        text += "; " + tier_help(f.name) if tier and tier_help else ""
         default = None if tier else f.default
         if not defaults:
             default = argparse.SUPPRESS
