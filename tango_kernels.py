@@ -38,7 +38,14 @@ groups' (G * v)[a] W_o[a]), and both chunked kernels return (B, H, T, F/H) with 
 outermost in memory, so no F-wide activation is transposed or copied: with each group's rows
 contiguous the chunk products run faster on a CPU than on one (B T) x F matmul's layout.
 
-Memory: both chunked kernels save for backward only their inputs (queries, keys, gates, b), the
+Memory, fused path (training): gated_update keeps for backward u W_g (SiLU's input), the gates
+(the kernels' values), the attention kernels' outputs and u W_v: 4 (B, T, F) tensors in the compute
+dtype (full prefix: T + 1 rows, the null key's), plus query/key-sized ones; SiLU's output, the
+windowed merge and G * v are recomputed in backward (selective checkpointing of the step after the
+kernels, _keep_matmuls: the W_o matmul's output is kept, not recomputed). Without it one update
+kept about 7 such tensors.
+
+Memory, chunked kernels: both save for backward only their inputs (queries, keys, gates, b), the
 output and one log-sum-exp per query, and recompute the weights in backward: the activation memory
 of one update is O(B T (d + F)), the transients O(B H C S) (full prefix: S = T keys per chunk of C
 rows) or O(max(B H C, R) (C + W)) (windowed, R = WINDOW_GROUP_ROWS rows per group of chunks).
@@ -60,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from common import HEAD_DIM, is_out_of_memory
 
@@ -94,14 +102,26 @@ def gated_update(u, qs, kh, wg, wv, wo, b, window=None, cache=None):
         Gv = G.transpose(0, 1).reshape(H, B * T, -1) * torch.bmm(ue, w_in(wv))
         return torch.bmm(Gv, wo.view(d, H, -1).permute(1, 2, 0)).sum(0).view(B, T, d)
     g = F.silu(F.linear(u, wg)).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, F/H), a view
-    if cache is None:
-        G = fused_average(qs, kh, g, b, window)
-    elif is_prefill(cache, window):  # a whole prompt in one fused call, then its decoding state
+    if cache is None:  # module docstring, "Memory": the kernels' outputs kept, the rest recomputed in backward
+        parts, finish = fused_parts(qs, kh, g, b, window)
+        tail = lambda v, wo, *parts: F.linear(finish(parts).transpose(1, 2).reshape(B, T, -1) * v, wo)
+        return checkpoint(tail, F.linear(u, wv), wo, *parts, use_reentrant=False, context_fn=_keep_matmuls)
+    if is_prefill(cache, window):  # a whole prompt in one fused call, then its decoding state
         G = fused_average(qs, kh, g, b, window)
         prefill_state(qs, kh, g, b, window, cache)
     else:
         G = chunked_average(qs, kh, g, b, window, cache)
     return F.linear(G.transpose(1, 2).reshape(B, T, -1) * F.linear(u, wv), wo)
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _keep_matmuls():
+    """Selective checkpointing: keep the matmuls' outputs, recompute every other op in backward."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 def is_prefill(cache, window):
@@ -238,8 +258,8 @@ def _sdpa(q, k, D, values, mask=None, is_causal=False):
     in blocks of at most SDPA_VALUE_BLOCK sharing q and k, each block built when it is used
     (values(c0, c1): V's columns [c0, c1), (N, M, S, c1 - c0)) and padded to a multiple of 8;
     batches of more than GRID_LIMIT in separate launches (the kernels' grid is (L / 64, M, N)).
-    q: (N, M, L, e), k: (N, M, S, e) -> (N, M, L, D). RuntimeError naming the shapes if no fused
-    kernel takes them."""
+    q: (N, M, L, e), k: (N, M, S, e) -> the list of the blocks' outputs (N, M, L, width), views of
+    the kernels' outputs. RuntimeError naming the shapes if no fused kernel takes them."""
     outs = []
     N, M = q.shape[:2]
     _check_grid(N, M, "attention")
@@ -265,13 +285,21 @@ def _sdpa(q, k, D, values, mask=None, is_causal=False):
                         + (f", mask {tuple(mask.shape)}" if mask is not None else "") + f": {e}") from None
             o = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
             outs.append(o[..., :w])
-    return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+    return outs
 
 
 def fused_average(qs, kh, g, b, window=None):
     """TANGO's (window None, or W >= T) or Windowed TANGO's average G (B, H, T, F/H) of
     qs, kh: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) in PyTorch's fused attention (module
     docstring, "Fused path"); output in the compute dtype (autocast's when it is on)."""
+    parts, finish = fused_parts(qs, kh, g, b, window)
+    return finish(parts)
+
+
+def fused_parts(qs, kh, g, b, window=None):
+    """fused_average in two steps: (parts, finish), parts the list of the attention kernels'
+    outputs, finish(parts) -> G (elementwise: concatenation, the windowed log-sum-exp merge), so a
+    caller can keep the parts and recompute finish in backward (gated_update)."""
     B, H, T, _ = qs.shape
     if window is None or window >= T:
         split = fused_plan(_compute_dtype(qs)).split
@@ -280,7 +308,8 @@ def fused_average(qs, kh, g, b, window=None):
         qa, (kn, ka) = _fused_qk(qs, [null, (kh, zero)], split)
         qa = F.pad(qa, (0, 0, 1, 0))  # a dummy query in front: the causal mask over [null, keys] stays square
         values = lambda c0, c1: F.pad(g[..., c0:c1], (0, 0, 1, 0))  # the null key's value 0, then the gates
-        return _sdpa(qa, torch.cat((kn, ka), 2), g.shape[-1], values, is_causal=True)[:, :, 1:]
+        parts = _sdpa(qa, torch.cat((kn, ka), 2), g.shape[-1], values, is_causal=True)
+        return parts, lambda ps: (ps[0] if len(ps) == 1 else torch.cat(ps, -1))[:, :, 1:]  # dummy query dropped
     return _fused_windowed(qs, kh, g, b, window)
 
 
@@ -348,15 +377,43 @@ def window_flex(q, k, v, W):
     return o, lse.unsqueeze(-1)
 
 
+class _WindowDense(torch.autograd.Function):
+    """window_dense's autograd: saves what FlexAttention saves (q, k, v, O, lse) and recomputes the
+    scores in backward, so memory counts on CPU match the kernel's."""
+
+    @staticmethod
+    def _weights(q, k, W):
+        """The window's softmax weights P (B, H, T, T) and log-sum-exp (B, H, T, 1)."""
+        T = q.shape[2]
+        i = torch.arange(T, device=q.device)
+        visible = (i.view(-1, 1) >= i) & (i.view(-1, 1) - i < W)
+        s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        return (s - lse).exp(), lse
+
+    @staticmethod
+    def forward(ctx, q, k, v, W):
+        p, lse = _WindowDense._weights(q, k, W)
+        o = p.to(v.dtype) @ v
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.W = W
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, _ = ctx.saved_tensors
+        p, _ = _WindowDense._weights(q, k, ctx.W)
+        delta = (do * o).sum(-1, keepdim=True).to(p.dtype)  # rowsum(dO * O)
+        ds = p * ((do @ v.transpose(-1, -2)).to(p.dtype) - delta + dlse)  # d lse / d s = P
+        ds = ds.to(q.dtype)
+        return ds @ k, ds.transpose(-1, -2) @ q, p.to(v.dtype).transpose(-1, -2) @ do, None
+
+
 def window_dense(q, k, v, W):
-    """window_flex's function written densely (T x T scores; for tests, and FlexAttention's
-    missing CPU backward): (O, lse) of q, k: (B, H, T, e), v: (B, H, T, D)."""
-    T = q.shape[2]
-    i = torch.arange(T, device=q.device)
-    visible = (i.view(-1, 1) >= i) & (i.view(-1, 1) - i < W)
-    s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    return ((s - lse).exp().to(v.dtype) @ v), lse
+    """window_flex's function written densely (T x T scores; for tests, as FlexAttention has no
+    CPU backward): (O, lse) of q, k: (B, H, T, e), v: (B, H, T, D), saving for backward what
+    FlexAttention saves."""
+    return _WindowDense.apply(q, k, v, W)
 
 
 window_kernel = window_flex  # the window's (O, lse); tests on CPU swap in window_dense for gradients
@@ -368,17 +425,26 @@ def _fused_windowed(qs, kh, g, b, W):
     sources (one logit z_i = <q_i, unit(K_i)> + log n_i for the n_i = i - W + 1 sources j <= i - W,
     K_i their key sum, value their mean gate S_i / n_i) join through the log-sum-exp:
     tot = logsumexp(lse, b, z), G = O e^(lse - tot) + (S / n) e^(z - tot) (exact). Gates in
-    column blocks of FLEX_VALUE_BLOCK; no window is unfolded."""
+    column blocks of FLEX_VALUE_BLOCK; no window is unfolded. Returns (parts, finish) as
+    fused_parts: parts [O of each block, lse], finish the merge."""
     B, H, T, D = g.shape
     dt = _compute_dtype(qs)
     acc = torch.promote_types(dt, torch.float32)
     with torch.autocast(qs.device.type, enabled=False):  # every dtype below chosen here
         q, k, gd = qs.to(dt), kh.to(dt), g.to(dt)
-        nblk = -(-D // FLEX_VALUE_BLOCK)
         outs = [window_kernel(q, k, gd[..., c0:min(c0 + FLEX_VALUE_BLOCK, D)], W)
                 for c0 in range(0, D, FLEX_VALUE_BLOCK)]
-        O = outs[0][0] if nblk == 1 else torch.cat([o for o, _ in outs], -1)
-        lse = outs[0][1].to(acc)
+    return [o for o, _ in outs] + [outs[0][1]], lambda parts: _window_merge(parts, qs, kh, g, b, W)
+
+
+def _window_merge(parts, qs, kh, g, b, W):
+    """G from the window's blocks O and lse (parts) and the null and older-source logits (_fused_windowed)."""
+    B, H, T, D = g.shape
+    dt = _compute_dtype(qs)
+    acc = torch.promote_types(dt, torch.float32)
+    with torch.autocast(qs.device.type, enabled=False):
+        O = parts[0] if len(parts) == 2 else torch.cat(parts[:-1], -1)
+        lse = parts[-1].to(acc)
         idx = torch.arange(T, device=qs.device).view(T, 1)
         n_old = (idx - W + 1).clamp(min=0).to(acc)  # old sources of query i
         K = F.pad(kh.to(acc).cumsum(2), (0, 0, W, 0))[:, :, :T]  # sum of the keys j <= i - W

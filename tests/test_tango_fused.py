@@ -72,8 +72,8 @@ def test_windowed_fused_average_by_flexattention_equals_the_formula(monkeypatch,
     null option and the older-source summary: windowed_reference's average to 3e-15 (float64)."""
     monkeypatch.setattr(tango_kernels, "FLEX_BLOCK", 8)
     args = [t.detach() for t in qkgb(T=T, fh=9)]
-    out = tango_kernels._fused_windowed(*args, window)
-    assert (out - windowed_reference(*args, window)).abs().max() < 3e-15
+    parts, finish = tango_kernels._fused_windowed(*args, window)  # W >= T too (fused_average takes SDPA there)
+    assert (finish(parts) - windowed_reference(*args, window)).abs().max() < 3e-15
 
 
 @pytest.mark.parametrize("T, W, n", [(37, 4, 8), (37, 8, 8), (37, 9, 8), (64, 256, 16), (100, 33, 16), (5, 1, 4)])
@@ -260,6 +260,63 @@ def test_windowed_path_runs_flexattention_over_the_window_tiles_only(monkeypatch
     tango_kernels.fused_average(*[t.detach() for t in qkgb(T=37, fh=5)], 4)
     kv_num = tango_kernels.window_blocks(37, 4, 8)[0]
     assert calls == [((8, 8), kv_num.sum().item(), 1.0, True)]
+
+
+# ----------------------------------------------------------------------------- memory saved for backward
+
+def saved_bytes(fn, skip):
+    """Bytes of the distinct storages autograd saves for backward while fn() runs, leaving out the
+    storages of the tensors in skip (parameters)."""
+    skip_ptrs = {t.untyped_storage().data_ptr() for t in skip}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip_ptrs:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_update_saves_at_most_four_gate_tensors_for_backward(dense_window, monkeypatch, window):
+    """One gated_update on the fused path (float32; the attention kernels by stand-ins that save what
+    the CUDA kernels save: q, k, v, output, log-sum-exp) keeps for backward at most 4x one (B, T, F)
+    tensor (full prefix: of T + 1 rows, the null key's) plus query/key-sized ones (u, q, k, lse):
+    the gate pre-activation u W_g, the gates (the kernels' values), the kernels' outputs and u W_v;
+    SiLU's output, the merge and G * v are recomputed in backward. Without the checkpoint it keeps
+    more than 6x. The gradients are the same either way."""
+    def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None):  # the efficient kernel's saved tensors
+        assert attn_mask is None and is_causal and scale == 1.0
+        return tango_kernels.window_dense(q, k, v, q.shape[2])[0]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(tango_kernels, "choose_path", lambda device: "fused")
+    monkeypatch.setattr(tango_kernels, "FLEX_VALUE_BLOCK", 256)  # several blocks (F/H = 1024)
+    monkeypatch.setattr(tango_kernels, "SDPA_VALUE_BLOCK", 256)
+    B, T, d, H, width = 2, 64, 16, 2, 2048
+    qs, kh, _, b = [t.detach().float().requires_grad_() for t in qkgb(B=B, H=H, T=T)]
+    gen = torch.Generator().manual_seed(1)
+    u = torch.randn(B, T, d, generator=gen).requires_grad_()
+    wg, wv = (torch.randn(width, d, generator=gen).requires_grad_() for _ in range(2))
+    wo = torch.randn(d, width, generator=gen).requires_grad_()
+    inputs = [u, qs, kh, wg, wv, wo, b]
+    one = B * T * width * 4  # one (B, T, F) float32 tensor
+    small = 4 * B * H * (T + 1) * 40 * 4  # u, q, k (40 wide with the null dim on the full-prefix path), lse
+    results = []
+    for checkpointed in (True, False):
+        if not checkpointed:
+            monkeypatch.setattr(tango_kernels, "checkpoint", lambda fn, *a, **kw: fn(*a))
+        nbytes, y = saved_bytes(lambda: tango_kernels.gated_update(u, qs, kh, wg, wv, wo, b, window), [wg, wv, wo, b])
+        results.append((nbytes, torch.autograd.grad(y.square().sum(), inputs)))
+    (kept, grads), (plain, plain_grads) = results
+    rows = 1.0 if window else (T + 1) / T
+    assert kept <= 4 * one * rows + small and plain > 6 * one, (kept / one, plain / one)
+    for a, c in zip(grads, plain_grads):
+        assert torch.equal(a, c)
 
 
 # ----------------------------------------------------------------------------- executed work and launch limits
