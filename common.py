@@ -568,6 +568,15 @@ def compile_regions(model, **compile_kw):
     return model
 
 
+CE_ROWS = 8192  # tokens per cross-entropy chunk for bf16/fp16 logits (LM.head)
+
+
+def _nll_sum(logits, targets):
+    """Summed NLL (nats) of logits (N, V) widened to float32 or wider, over targets != -1."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> float32; float64 stays
+    return F.cross_entropy(wide, targets, ignore_index=-1, reduction="sum")
+
+
 class LM(nn.Module):
     """Token embedding E (V x d) -> body -> RMSNorm -> tied head x E^T (MATH.md, "What every model shares").
 
@@ -649,14 +658,20 @@ class LM(nn.Module):
     def head(self, x, targets=None, cache=None, reduction="mean"):
         """Final norm, head and the NLL over targets != -1: summed (nats) for reduction "sum", that
         sum over the count of scored targets for "mean" (nats/token; None without targets).
-        x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly)."""
+        x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly).
+        bf16/fp16 logits: the NLL by chunks of CE_ROWS tokens, each widened to float32 and
+        recomputed in backward, so no float32 copy of all the logits (nor its log-softmax) is kept."""
         # (B, T, Vp): the aligned matmul over the padded rows, whose logits the bias sets to -inf, so
         # the loss reads them contiguous (no copy of a V-column slice) and they get no gradient
         padded = F.linear(self.norm_f(x), self.wte.weight, self.vocab_bias)
         loss = None
         if targets is not None:
-            wide = padded.to(torch.promote_types(padded.dtype, torch.float32))  # bf16 -> float32; float64 stays
-            loss = F.cross_entropy(wide.view(-1, padded.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
+            flat, tgt = padded.view(-1, padded.size(-1)), targets.reshape(-1)
+            if padded.dtype in (torch.bfloat16, torch.float16):  # float32 only per chunk, recomputed in backward
+                loss = sum(torch.utils.checkpoint.checkpoint(_nll_sum, flat[r:r + CE_ROWS], tgt[r:r + CE_ROWS],
+                                                             use_reentrant=False) for r in range(0, len(tgt), CE_ROWS))
+            else:  # float32 / float64: one call, as before (the same sums to the bit)
+                loss = _nll_sum(flat, tgt)
             if reduction == "mean":
                 loss = loss / (targets != -1).sum()
         return padded[..., :self.cfg.vocab_size], loss
