@@ -551,9 +551,12 @@ def compile_regions(model, **compile_kw):
     """Regional compilation: torch.compile(fn, **compile_kw) for each @compiled_region method of
     model's modules, one compiled function per method shared by every module that has it.
     Returns the model (modified in place; its parameters and state_dict are unchanged).
+    dynamic=False unless given: every graph has static shapes (training and the padded evaluation
+    batches keep one shape each, harness.evaluation), so no region compiles a symbolic dimension.
     A module whose region traces several graphs per mode says how many (compile_variants, e.g.
     Depth-Attention: one per candidate count); Dynamo's recompile limit is raised to 4 graphs
     (train, eval, ...) per variant, past which the region would run eagerly after a warning."""
+    compile_kw.setdefault("dynamic", False)  # static shapes: a new batch size gets its own graph, none symbolic
     variants = max(getattr(m, "compile_variants", 1) for m in model.modules())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * variants)
     compiled = {}

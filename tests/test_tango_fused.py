@@ -454,6 +454,33 @@ def test_fused_update_is_one_graph_that_does_not_grow_with_the_context(math_sdpa
     assert sizes[0] == sizes[1] > 0
 
 
+@pytest.mark.parametrize("name", ["tango", "tango-windowed"])
+def test_compiled_regions_are_static_full_graphs_per_grad_mode(math_sdpa, dense_window, monkeypatch, name):
+    """compile_regions with fullgraph=True on the fused path (a graph break would raise): training
+    at batch 2, then evaluation (no grad) at batch 4 and again at 4: one graph per region per grad
+    mode (head and update, 4 in all), none with a symbolic dimension (compile_regions' dynamic=False;
+    without it the batch became dynamic in the evaluation's recompile)."""
+    monkeypatch.setattr(tango_kernels, "choose_path", lambda device: "fused")
+    torch._dynamo.reset()
+    symbolic = []
+
+    def backend(gm, example_inputs):
+        symbolic.append(any(isinstance(s, torch.SymInt) for t in example_inputs
+                            for s in (t.shape if isinstance(t, torch.Tensor) else [t])))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = models.build_model(small(name, block_size=16, window=4))
+    compile_regions(model, backend=backend, fullgraph=True)
+    idx = torch.randint(0, 61, (2, 16))
+    model(idx, idx)[1].backward()
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, 61, (4, 16)))
+    torch._dynamo.reset()
+    assert symbolic == [False] * 4
+
+
 def test_windowed_fused_average_traces_in_one_graph_with_flexattention():
     """The windowed fused average with FlexAttention and its block mask built inside the graph
     traces with fullgraph=True (no graph break) and computes windowed_reference (forward: no
