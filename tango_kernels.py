@@ -370,7 +370,9 @@ def window_flex(q, k, v, W):
     mask = build(T, W, FLEX_BLOCK, q.device)
     eager_cuda = q.device.type == "cuda" and not torch.compiler.is_compiling()
     fn = _compiled_flex() if eager_cuda else flex_attention
-    opts = {f"BLOCK_{s}": FLEX_BLOCK for s in ("M", "N", "M1", "N1", "M2", "N2")} if q.device.type == "cuda" else None
+    opts = None if q.device.type != "cuda" else {  # kernel tiles within the block mask's; every row sees itself
+        "BLOCK_M": FLEX_BLOCK, "BLOCK_N": FLEX_BLOCK, **{f"bwd_BLOCK_{s}": FLEX_BLOCK for s in ("M1", "N1", "M2", "N2")},
+        "ROWS_GUARANTEED_SAFE": True}
     parts = [fn(*(t[n0:n0 + GRID_LIMIT] for t in (q, k, v)), block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True),
                 kernel_options=opts) for n0 in range(0, q.shape[0], GRID_LIMIT)]  # grid (T / n, batch, heads)
     o, lse = (torch.cat(t, 0) for t in zip(*[(o, aux.lse) for o, aux in parts]))
