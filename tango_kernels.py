@@ -104,7 +104,11 @@ def gated_update(u, qs, kh, wg, wv, wo, b, window=None, cache=None):
     g = F.silu(F.linear(u, wg)).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, F/H), a view
     if cache is None:  # module docstring, "Memory": the kernels' outputs kept, the rest recomputed in backward
         parts, finish = fused_parts(qs, kh, g, b, window)
-        tail = lambda v, wo, *parts: F.linear(finish(parts).transpose(1, 2).reshape(B, T, -1) * v, wo)
+
+        def tail(v, wo, *parts):  # (G * v) W_o, W_o cast here: autocast's weight cache differs in the recompute
+            Gv = finish(parts).transpose(1, 2).reshape(B, T, -1) * v
+            with torch.autocast(u.device.type, enabled=False):
+                return F.linear(Gv, wo.to(Gv.dtype))
         return checkpoint(tail, F.linear(u, wv), wo, *parts, use_reentrant=False, context_fn=_keep_matmuls)
     if is_prefill(cache, window):  # a whole prompt in one fused call, then its decoding state
         G = fused_average(qs, kh, g, b, window)

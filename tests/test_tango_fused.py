@@ -425,6 +425,29 @@ def test_model_on_the_fused_path_equals_the_cpu_path_and_decodes_the_same(math_s
             assert (torch.cat(parts, 1) - full).abs().max() < 1e-10, prefill
 
 
+@pytest.mark.parametrize("name", ["tango", "tango-windowed", "tango-3set"])
+def test_model_on_the_fused_path_under_bf16_autocast(math_sdpa, dense_window, monkeypatch, name):
+    """Under bfloat16 autocast (the GPU's training dtype) the fused path, its checkpointed step
+    after the kernels included (recomputed in backward under the same autocast, with a shared
+    block whose weights autocast casts once per forward), trains like the CPU path: loss within
+    1e-4 relative, every gradient within 2 % (tests/test_bf16.py's bar)."""
+    torch.manual_seed(0)
+    model = models.build_model(small(name))
+    idx = torch.randint(0, 61, (2, 23))
+    results = {}
+    for path in ("grouped", "fused"):
+        monkeypatch.setattr(tango_kernels, "choose_path", lambda device, path=path: path)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)[1]
+        loss.backward()
+        results[path] = [loss.detach().float()] + [p.grad.float().clone() for p in model.parameters()]
+    (lf, *gf), (lg, *gg) = results["fused"], results["grouped"]
+    assert abs(lf - lg) < 1e-4 * lg
+    for a, b in zip(gf, gg):
+        assert (a - b).norm() <= 0.02 * b.norm()
+
+
 @pytest.mark.parametrize("name", ["tango", "tango-windowed"])
 def test_fused_update_is_one_graph_that_does_not_grow_with_the_context(math_sdpa, dense_window, monkeypatch, name):
     """On the fused path the compiled update is one graph (no graph break around the averages: no
