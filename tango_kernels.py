@@ -172,6 +172,7 @@ SDPA_VALUE_BLOCK = 128  # gate columns per full-prefix SDPA call: <= 128 selects
 SCORE_SPLIT = False  # scores from hi/lo halves of q, k under bf16/fp16 (3x the score dims; see fused_plan)
 FLEX_BLOCK = 32  # Windowed TANGO: query and key rows per FlexAttention tile (the block mask's granularity)
 FLEX_VALUE_BLOCK = 256  # Windowed TANGO: gate columns per FlexAttention call
+FULL_PREFIX_KERNEL = "sdpa"  # full prefix: "sdpa" (fused_plan's kernels) or "flex" (FlexAttention, causal band)
 GRID_LIMIT = 65535  # CUDA's limit on a launch grid's y and z sizes, where both kernels put batch and heads
 NEG = -1.0e4  # score of a padding key: exp underflows to 0 in every dtype
 
@@ -200,6 +201,9 @@ def fused_plan(dtype):
     about 0.02 (tests/test_tango_fused.py measures the averages and gradients against float64).
     The split keeps float32-like scores but triples the score dims (104 instead of 40): with
     value blocks of 128 the executed work is then about 2x the exact causal work (attention_work).
+    FULL_PREFIX_KERNEL = "flex" runs the full prefix by FlexAttention instead (the windowed path
+    with W = T: no null key row, about 1.13x the exact causal work at the 70M tier against SDPA's
+    1.46x; its speed against these kernels is for `python -m tools.bench kernels` on a GPU).
     """
     low = dtype in (torch.bfloat16, torch.float16)
     backends = (SDPBackend.EFFICIENT_ATTENTION,) + ((SDPBackend.CUDNN_ATTENTION,) if low else ())
@@ -305,6 +309,8 @@ def fused_parts(qs, kh, g, b, window=None):
     outputs, finish(parts) -> G (elementwise: concatenation, the windowed log-sum-exp merge), so a
     caller can keep the parts and recompute finish in backward (gated_update)."""
     B, H, T, _ = qs.shape
+    if (window is None or window >= T) and FULL_PREFIX_KERNEL == "flex":  # the window of all T keys: causal
+        return _fused_windowed(qs, kh, g, b, T)
     if window is None or window >= T:
         split = fused_plan(_compute_dtype(qs)).split
         zero = qs.new_zeros(B, H, 1, 1)
@@ -478,12 +484,14 @@ def attention_work(B, H, T, W, fh, dtype):
     T + 1 queries and keys (a dummy query, the null key), causal tiles skipped, per value block
     (q/k dims padded as _fused_qk pads them, values to 8); windowed, FlexAttention's tiles from
     window_blocks, per value block (q/k 32 dims, values padded to a power of two, as FlexAttention
-    pads head dims). Model work (flops.py's convention): full prefix T (T + 1) / 2 (32 + fh),
-    windowed T min(W, T) (32 + fh), per batch row and head.
+    pads head dims; also the full prefix with FULL_PREFIX_KERNEL "flex", over the causal band).
+    Model work (flops.py's convention): full prefix T (T + 1) / 2 (32 + fh), windowed T W (32 + fh),
+    per batch row and head.
     Returns {"executed", "model", "ratio", "kernel", "grid"} (MACs, MACs, executed / model, the
     kernel and tile, the launch grid of one value block, which CUDA caps at GRID_LIMIT on y, z)."""
     plan = fused_plan(dtype)
-    if W is None or W >= T:
+    full = W is None or W >= T
+    if full and FULL_PREFIX_KERNEL != "flex":
         e = (3 * HEAD_DIM + 2 if plan.split else HEAD_DIM + 1) + 7 & ~7  # _fused_qk's width
         L = T + 1
         executed = 0
@@ -496,12 +504,12 @@ def attention_work(B, H, T, W, fh, dtype):
         model = T * (T + 1) // 2 * (HEAD_DIM + fh)
         kernel, grid = f"efficient {M}x{N} (q/k {e})", (-(-L // M), H, B)
     else:
-        n = FLEX_BLOCK
+        n, W = FLEX_BLOCK, T if full else W  # full prefix by FlexAttention: the causal band of T (fused_parts)
         kv_num, _, full_num, _ = window_blocks(T, W, n)
         tiles = int(kv_num.sum() + full_num.sum())
         widths = [min(FLEX_VALUE_BLOCK, fh - c0) for c0 in range(0, fh, FLEX_VALUE_BLOCK)]
         executed = tiles * n * n * sum(HEAD_DIM + max(16, 1 << (w - 1).bit_length()) for w in widths)
-        model = T * W * (HEAD_DIM + fh)
+        model = T * (T + 1) // 2 * (HEAD_DIM + fh) if full else T * W * (HEAD_DIM + fh)
         kernel, grid = f"FlexAttention {n}x{n}", (-(-T // n), B, H)
     executed, model = B * H * executed, B * H * model
     return {"executed": executed, "model": model, "ratio": executed / model, "kernel": kernel, "grid": grid}

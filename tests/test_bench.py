@@ -302,7 +302,7 @@ def test_kernel_check_at_a_tiny_size(tmp_path):
     import tango_kernels
     import torch
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * (len(bench_kernels.FULL) + len(bench_kernels.WINDOWED))
+    assert len(rows) == 2 * (len(bench_kernels.FULL) + len(bench_kernels.FULL_FLEX) + len(bench_kernels.WINDOWED))
     for r in rows:
         assert r["status"] == "ok" and r["ms"] > 0 and r["check_error"] < 1e-5, r
     r = rows[-1]  # windowed, tiles 32 x 32

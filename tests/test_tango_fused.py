@@ -76,6 +76,18 @@ def test_windowed_fused_average_by_flexattention_equals_the_formula(monkeypatch,
     assert (finish(parts) - windowed_reference(*args, window)).abs().max() < 3e-15
 
 
+def test_full_prefix_by_flexattention_equals_the_formula(dense_window, monkeypatch):
+    """FULL_PREFIX_KERNEL "flex": the full prefix as the window of all T keys (FlexAttention's
+    causal band, the null option through the log-sum-exp) equals tango_reference: FlexAttention's
+    eager forward to 3e-15, outputs and gradients through the dense stand-in to 1e-12 (float64)."""
+    monkeypatch.setattr(tango_kernels, "FULL_PREFIX_KERNEL", "flex")
+    assert_same_outputs_and_gradients(lambda *a: tango_kernels.fused_average(*a, None), tango_reference, qkgb(), 1e-12)
+    monkeypatch.setattr(tango_kernels, "window_kernel", tango_kernels.window_flex)
+    monkeypatch.setattr(tango_kernels, "FLEX_BLOCK", 8)
+    args = [t.detach() for t in qkgb(T=37)]
+    assert (tango_kernels.fused_average(*args, None) - tango_reference(*args)).abs().max() < 3e-15
+
+
 @pytest.mark.parametrize("T, W, n", [(37, 4, 8), (37, 8, 8), (37, 9, 8), (64, 256, 16), (100, 33, 16), (5, 1, 4)])
 def test_window_tiles_cover_the_window_and_full_tiles_hold_only_it(T, W, n):
     """window_blocks, the tiles FlexAttention runs: every pair (i, j) with 0 <= i - j < W lies in a
@@ -331,8 +343,9 @@ def seventy_m(name):
 def test_executed_attention_work_at_the_70m_tier(monkeypatch):
     """attention_work at the 70M tier (H = 16, F/H = 1780, 32,768 tokens): Windowed TANGO at
     T = 8192, W = 256 at most 1.3x the model's window work; full prefix at T = 2048, bf16, at most
-    1.7x the exact causal work on the register-resident 64x128 kernel. Splitting the scores in
-    hi/lo halves would pass 1.7x (the reason fused_plan leaves it off)."""
+    1.7x the exact causal work on the register-resident 64x128 kernel, less by FlexAttention's
+    causal band. Splitting the scores in hi/lo halves would pass 1.7x (the reason fused_plan leaves
+    it off)."""
     H, fh = seventy_m("tango")
     assert (H, fh) == (16, 1780)
     win = tango_kernels.attention_work(4, H, 8192, 256, fh, torch.bfloat16)
@@ -340,16 +353,24 @@ def test_executed_attention_work_at_the_70m_tier(monkeypatch):
     full = tango_kernels.attention_work(16, H, 2048, None, fh, torch.bfloat16)
     assert 1.0 < full["ratio"] <= 1.7 and full["kernel"] == "efficient 64x128 (q/k 40)"
     assert tango_kernels.attention_work(16, H, 2048, None, fh, torch.float32)["kernel"].startswith("efficient 64x128")
+    monkeypatch.setattr(tango_kernels, "FULL_PREFIX_KERNEL", "flex")  # the causal band in FlexAttention
+    flex = tango_kernels.attention_work(16, H, 2048, None, fh, torch.bfloat16)
+    assert 1.0 < flex["ratio"] < full["ratio"] and flex["kernel"] == "FlexAttention 32x32"
+    monkeypatch.setattr(tango_kernels, "FULL_PREFIX_KERNEL", "sdpa")
     monkeypatch.setattr(tango_kernels, "SCORE_SPLIT", True)
     assert tango_kernels.attention_work(16, H, 2048, None, fh, torch.bfloat16)["ratio"] > 1.7
 
 
-def test_attention_work_counts_tiles():
+def test_attention_work_counts_tiles(monkeypatch):
     """The count by hand at a small size: full prefix T = 63 (64 rows and keys with the null, one
     64 x 64 tile, q/k 40, values 8), windowed T = 64, W = 32 (FlexAttention 32 x 32: query block 0
-    one tile, block 1 two; 32 q/k dims + 16 value columns)."""
+    one tile, block 1 two; 32 q/k dims + 16 value columns; the full prefix T = 64 the same way, its
+    model work 64 x 65 / 2 per head)."""
     full = tango_kernels.attention_work(1, 1, 63, None, 8, torch.float32)
     assert full["executed"] == 64 * 64 * (40 + 8) and full["model"] == 63 * 64 // 2 * (32 + 8)
+    monkeypatch.setattr(tango_kernels, "FULL_PREFIX_KERNEL", "flex")
+    flex = tango_kernels.attention_work(1, 1, 64, None, 8, torch.float32)
+    assert flex["executed"] == 3 * 32 * 32 * (32 + 16) and flex["model"] == 64 * 65 // 2 * (32 + 8)
     win = tango_kernels.attention_work(2, 3, 64, 32, 8, torch.float32)
     assert win["executed"] == 2 * 3 * 3 * 32 * 32 * (32 + 16) and win["model"] == 2 * 3 * 64 * 32 * 40
 

@@ -4,8 +4,8 @@
     python -m tools.bench kernels --device cpu --block_sizes 32,64 --tokens 64 --check_T 24 --heads 2 --fh 40 --window 8
 
 For each choice of the fused path's plan (tango_kernels.fused_plan and its constants: full prefix,
-the SDPA backend, the value-block width and the score split; windowed, FlexAttention's tile and
-value-block width) it times the average's forward + backward (tango_kernels.fused_average under
+the SDPA backend, the value-block width and the score split, or FlexAttention over the causal band
+(FULL_PREFIX_KERNEL "flex"); windowed, FlexAttention's tile and value-block width) it times the average's forward + backward (tango_kernels.fused_average under
 autocast, gradients of q, k, g, b) at each block size T with --tokens tokens (B = tokens // T,
 --heads heads, --fh gate columns per head), the median of --reps after one untimed call, and checks
 the choice against the float64 formula (tango.tango_reference / windowed_reference) at T =
@@ -37,12 +37,14 @@ FULL = [  # (backend, value block, score split): full prefix
     ("EFFICIENT_ATTENTION", 128, False), ("EFFICIENT_ATTENTION", 256, False), ("CUDNN_ATTENTION", 128, False),
     ("EFFICIENT_ATTENTION", 128, True)]
 WINDOWED = [(32, 256), (64, 256), (32, 128)]  # (FlexAttention tile, value block): windowed
+FULL_FLEX = [(32, 256), (64, 256)]  # (FlexAttention tile, value block): full prefix as the causal band
 
 
 @contextlib.contextmanager
 def choice(kind, params, device_type):
     """tango_kernels set to one choice (restored afterwards); on CPU the stand-ins for the kernels."""
-    names = ("SDPA_VALUE_BLOCK", "SCORE_SPLIT", "FLEX_BLOCK", "FLEX_VALUE_BLOCK", "sdpa_backends", "window_kernel")
+    names = ("SDPA_VALUE_BLOCK", "SCORE_SPLIT", "FLEX_BLOCK", "FLEX_VALUE_BLOCK", "FULL_PREFIX_KERNEL", "sdpa_backends",
+             "window_kernel")
     saved = {n: getattr(tango_kernels, n) for n in names}
     try:
         if kind == "full":
@@ -50,8 +52,9 @@ def choice(kind, params, device_type):
             use = [SDPBackend.MATH] if device_type == "cpu" else [getattr(SDPBackend, backend)]
             tango_kernels.sdpa_backends = lambda *a: use
             tango_kernels.SDPA_VALUE_BLOCK, tango_kernels.SCORE_SPLIT = block, split
-        else:
+        else:  # "windowed" or "full-flex"
             tango_kernels.FLEX_BLOCK, tango_kernels.FLEX_VALUE_BLOCK = params
+            tango_kernels.FULL_PREFIX_KERNEL = "flex" if kind == "full-flex" else "sdpa"
             if device_type == "cpu":  # FlexAttention has no CPU backward
                 tango_kernels.window_kernel = tango_kernels.window_dense
         torch._dynamo.reset()  # FlexAttention's kernel recompiled for this tile
@@ -142,11 +145,13 @@ def kernels_main(argv):
     dtype = torch.bfloat16 if auto_dtype(a.device) == "bfloat16" else torch.float32
     dev_type = a.device.split(":")[0]
     rows, t0 = [], time.time()
-    plans = [("full", c, None) for c in FULL] + [("windowed", c, a.window) for c in WINDOWED]
+    plans = ([("full", c, None) for c in FULL] + [("full-flex", c, None) for c in FULL_FLEX]
+             + [("windowed", c, a.window) for c in WINDOWED])
     for kind, params, window in plans:
         with choice(kind, params, dev_type):
             name = (f"full: {params[0].split('_')[0].lower()}, values {params[1]}" + (", split" if params[2] else "")
-                    if kind == "full" else f"windowed W={window}: FlexAttention {params[0]}x{params[0]}, values {params[1]}")
+                    if kind == "full" else f"full: FlexAttention {params[0]}x{params[0]}, values {params[1]}"
+                    if kind == "full-flex" else f"windowed W={window}: FlexAttention {params[0]}x{params[0]}, values {params[1]}")
             try:
                 err = check(window, dtype, a.device, a.check_T, min(a.heads, 2), a.fh)
             except Exception as e:  # noqa: BLE001  (a choice without a kernel is a row that says why)
