@@ -557,3 +557,19 @@ def test_fused_kernels_on_cuda_match_the_formula(window):
         assert out.dtype == dtype and rel(out, want) < out_tol, dtype
         for which, a, b in zip(["qs", "kh", "g", "b"], torch.autograd.grad(out, inp, dout.to(dtype)), gwant):
             assert rel(a, b) < grad_tol, (dtype, which)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's kernel itself")
+@pytest.mark.parametrize("window", [1, 2, 256])
+def test_small_windows_run_on_cuda_at_8192(window):
+    """W = 1, 2 (and 256) at T = 8192, H = 16 run on CUDA (FlexAttention's grid: T / 32 x batch x
+    heads) and equal the chunked kernels (tango_kernels.windowed_fast) in float32, outputs and
+    gradients within 1e-4 relative."""
+    args = [t.detach().float().cuda().requires_grad_() for t in qkgb(B=1, H=16, T=8192, fh=64, tau=10.0)]
+    out = tango_kernels.fused_average(*args, window)
+    want = tango_kernels.windowed_fast(*args, window)
+    dout = torch.randn_like(want)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    assert rel(out, want) < 1e-4
+    for a, b in zip(torch.autograd.grad(out, args, dout), torch.autograd.grad(want, args, dout)):
+        assert rel(a, b) < 1e-4
