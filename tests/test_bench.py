@@ -279,7 +279,9 @@ def test_quick_cpu_last_part_runs_its_configurations_and_the_main_job(tmp_path, 
     assert sorted((r["model"], r["T"]) for r in res["rows"]) == sorted((m, T) for m, _, T in bench.plan(a))
     assert all(r["status"] == "ok" and r["attention_work"] is None for r in res["rows"])  # CPU: no fused plan
     assert res["meta"]["part"] == [3, 3] and res["main_job"]["status"] == "ok"
-    assert "GPT-2 vocabulary (for data that uses it): GPT2_BPE_FILE=" in (tmp_path / "p.md").read_text()
+    vocabulary = bench.main_job_vocabulary()[1]
+    assert res["main_job"]["vocabulary"] == vocabulary
+    assert f"GPT-2 vocabulary (for data that uses it): {vocabulary}." in (tmp_path / "p.md").read_text()
 
 
 def test_table_prints_the_executed_attention_work_next_to_mfu():
