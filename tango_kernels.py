@@ -439,9 +439,8 @@ def _fused_windowed(qs, kh, g, b, W):
     tot = logsumexp(lse, b, z), G = O e^(lse - tot) + (S / n) e^(z - tot) (exact). Gates in
     column blocks of FLEX_VALUE_BLOCK; no window is unfolded. Returns (parts, finish) as
     fused_parts: parts [O of each block, lse], finish the merge."""
-    B, H, T, D = g.shape
+    D = g.shape[-1]
     dt = _compute_dtype(qs)
-    acc = torch.promote_types(dt, torch.float32)
     with torch.autocast(qs.device.type, enabled=False):  # every dtype below chosen here
         q, k, gd = qs.to(dt), kh.to(dt), g.to(dt)
         outs = [window_kernel(q, k, gd[..., c0:min(c0 + FLEX_VALUE_BLOCK, D)], W)
