@@ -206,9 +206,12 @@ def compile_regions(model, **compile_kw):
     """Regional compilation: torch.compile(fn, **compile_kw) for each @compiled_region method of
     model's modules, one compiled function per method shared by every module that has it.
     Returns the model (modified in place; its parameters and state_dict are unchanged).
+    dynamic=False unless given: every graph has static shapes (training and the padded evaluation
+    batches keep one shape each, harness.evaluation), so no region compiles a symbolic dimension.
     A module whose region traces several graphs per mode says how many (compile_variants, e.g.
     Depth-Attention: one per candidate count); Dynamo's recompile limit is raised to 4 graphs
     (train, eval, ...) per variant, past which the region would run eagerly after a warning."""
+    compile_kw.setdefault("dynamic", False)  # static shapes: a new batch size gets its own graph, none symbolic
     variants = max(getattr(m, "compile_variants", 1) for m in model.modules())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * variants)
     compiled = {}
@@ -221,6 +224,15 @@ def compile_regions(model, **compile_kw):
                         compiled[fn] = torch.compile(fn, **compile_kw)
                     m.__dict__.setdefault("_compiled_regions", {})[name] = compiled[fn]
     return model
+
+
+CE_ROWS = 8192  # tokens per cross-entropy chunk for bf16/fp16 logits (LM.head)
+
+
+def _nll_sum(logits, targets):
+    """Summed NLL (nats) of logits (N, V) widened to float32 or wider, over targets != -1."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> float32; float64 stays
+    return F.cross_entropy(wide, targets, ignore_index=-1, reduction="sum")
 
 
 class LM(nn.Module):
@@ -304,14 +316,20 @@ class LM(nn.Module):
     def head(self, x, targets=None, cache=None, reduction="mean"):
         """Final norm, head and the NLL over targets != -1: summed (nats) for reduction "sum", that
         sum over the count of scored targets for "mean" (nats/token; None without targets).
-        x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly)."""
+        x: (B, T, d) -> logits (B, T, V), loss. cache only marks a decoding call (run eagerly).
+        bf16/fp16 logits: the NLL by chunks of CE_ROWS tokens, each widened to float32 and
+        recomputed in backward, so no float32 copy of all the logits (nor its log-softmax) is kept."""
         # (B, T, Vp): the aligned matmul over the padded rows, whose logits the bias sets to -inf, so
         # the loss reads them contiguous (no copy of a V-column slice) and they get no gradient
         padded = F.linear(self.norm_f(x), self.wte.weight, self.vocab_bias)
         loss = None
         if targets is not None:
-            wide = padded.to(torch.promote_types(padded.dtype, torch.float32))  # bf16 -> float32; float64 stays
-            loss = F.cross_entropy(wide.view(-1, padded.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="sum")
+            flat, tgt = padded.view(-1, padded.size(-1)), targets.reshape(-1)
+            if padded.dtype in (torch.bfloat16, torch.float16):  # float32 only per chunk, recomputed in backward
+                loss = sum(torch.utils.checkpoint.checkpoint(_nll_sum, flat[r:r + CE_ROWS], tgt[r:r + CE_ROWS],
+                                                             use_reentrant=False) for r in range(0, len(tgt), CE_ROWS))
+            else:  # float32 / float64: one call, as before (the same sums to the bit)
+                loss = _nll_sum(flat, tgt)
             if reduction == "mean":
                 loss = loss / (targets != -1).sum()
         return padded[..., :self.cfg.vocab_size], loss

@@ -9,17 +9,19 @@ decoding state (prefill_state); the tokens after it run the chunked kernels' dec
 
 Fused path. TANGO's average is softmax attention with the gates as values and the null option as one
 extra key [0, b_a] whose value is 0 (queries [tau q^, 1], keys [k^, 0]). Full prefix: one causal
-SDPA over [null key, keys], with one dummy query in front so that the causal mask stays square.
-Windowed: blocks of C queries, each over the null key, its C + W window keys (positions before 0 are
-padding keys of score NEG) and C summary keys [unit(K_i), log n_i] whose values are the mean old
-gates S_i / n_i, an additive mask (C x (1 + W + 2C), padded to a multiple of 16 columns) the same
-for every block: O(T (W + C)) per head, linear in T. SDPA runs only with fused kernels
-(sdpa_backends): a missing kernel is an error naming the shapes, never the math backend, which
-materializes the scores (the memory-efficient kernel: Rabe and Staats, "Self-attention Does Not Need
-O(n^2) Memory", arXiv 2112.05682). The gates go through in column blocks of at most SDPA_VALUE_BLOCK (fused
-kernels take value head dims up to a limit), sharing the queries and keys. Under bfloat16/float16
-autocast queries and keys are split into a high and a low half (q k = q_hi k_hi + q_lo k_hi + q_hi
-k_lo), so scores keep about float32 precision.
+SDPA over [null key, keys], with one dummy query in front so that the causal mask stays square,
+in the kernels fused_plan chooses per dtype (memory-efficient, and cuDNN under bf16/fp16; value
+blocks of SDPA_VALUE_BLOCK = 128 gate columns, which select the register-resident variants).
+Windowed: FlexAttention over the window only (a block mask of FLEX_BLOCK x FLEX_BLOCK tiles along
+the band j in (i - W, i], window_blocks; tiles outside it are never run), which returns the
+window's average O and log-sum-exp lse; the null option and the older-source summary join
+through the log-sum-exp (_fused_windowed): work O(T (W + FLEX_BLOCK)) per head, nothing unfolded.
+SDPA runs only with fused kernels (sdpa_backends): a missing kernel is an error naming the
+shapes, never the math backend, which materializes the scores (the memory-efficient kernel:
+Rabe and Staats, "Self-attention Does Not Need O(n^2) Memory", arXiv 2112.05682). attention_work
+counts the tiles either plan executes. Under bf16 autocast scores come from q, k in bf16 with
+float32 accumulation (fused_plan states the precision; SCORE_SPLIT = True restores float32-like
+scores by a high and a low half, q k = q_hi k_hi + q_lo k_hi + q_hi k_lo, at 3x the score dims).
 
 Chunked kernels (CPU, and decoding everywhere). ChunkedCausalAttention computes the same causal
 attention in chunks of query rows (the FlashAttention recipe) with queries/keys padded to QK_PAD
@@ -36,7 +38,14 @@ groups' (G * v)[a] W_o[a]), and both chunked kernels return (B, H, T, F/H) with 
 outermost in memory, so no F-wide activation is transposed or copied: with each group's rows
 contiguous the chunk products run faster on a CPU than on one (B T) x F matmul's layout.
 
-Memory: both chunked kernels save for backward only their inputs (queries, keys, gates, b), the
+Memory, fused path (training): gated_update keeps for backward u W_g (SiLU's input), the gates
+(the kernels' values), the attention kernels' outputs and u W_v: 4 (B, T, F) tensors in the compute
+dtype (full prefix: T + 1 rows, the null key's), plus query/key-sized ones; SiLU's output, the
+windowed merge and G * v are recomputed in backward (selective checkpointing of the step after the
+kernels, _keep_matmuls: the W_o matmul's output is kept, not recomputed). Without it one update
+kept about 7 such tensors.
+
+Memory, chunked kernels: both save for backward only their inputs (queries, keys, gates, b), the
 output and one log-sum-exp per query, and recompute the weights in backward: the activation memory
 of one update is O(B T (d + F)), the transients O(B H C S) (full prefix: S = T keys per chunk of C
 rows) or O(max(B H C, R) (C + W)) (windowed, R = WINDOW_GROUP_ROWS rows per group of chunks).
@@ -52,10 +61,13 @@ The fused path has no loop over T and is traced into the update's graph.
 """
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from common import HEAD_DIM, is_out_of_memory
 
@@ -90,14 +102,30 @@ def gated_update(u, qs, kh, wg, wv, wo, b, window=None, cache=None):
         Gv = G.transpose(0, 1).reshape(H, B * T, -1) * torch.bmm(ue, w_in(wv))
         return torch.bmm(Gv, wo.view(d, H, -1).permute(1, 2, 0)).sum(0).view(B, T, d)
     g = F.silu(F.linear(u, wg)).view(B, T, H, -1).transpose(1, 2)  # (B, H, T, F/H), a view
-    if cache is None:
-        G = fused_average(qs, kh, g, b, window)
-    elif is_prefill(cache, window):  # a whole prompt in one fused call, then its decoding state
+    if cache is None:  # module docstring, "Memory": the kernels' outputs kept, the rest recomputed in backward
+        parts, finish = fused_parts(qs, kh, g, b, window)
+
+        def tail(v, wo, *parts):  # (G * v) W_o, W_o cast here: autocast's weight cache differs in the recompute
+            Gv = finish(parts).transpose(1, 2).reshape(B, T, -1) * v
+            with torch.autocast(u.device.type, enabled=False):
+                return F.linear(Gv, wo.to(Gv.dtype))
+        return checkpoint(tail, F.linear(u, wv), wo, *parts, use_reentrant=False, context_fn=_keep_matmuls)
+    if is_prefill(cache, window):  # a whole prompt in one fused call, then its decoding state
         G = fused_average(qs, kh, g, b, window)
         prefill_state(qs, kh, g, b, window, cache)
     else:
         G = chunked_average(qs, kh, g, b, window, cache)
     return F.linear(G.transpose(1, 2).reshape(B, T, -1) * F.linear(u, wv), wo)
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _keep_matmuls():
+    """Selective checkpointing: keep the matmuls' outputs, recompute every other op in backward."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 def is_prefill(cache, window):
@@ -140,24 +168,58 @@ def chunked_average(qs, kh, g, b, window=None, cache=None):
 
 # ----------------------------------------------------------------------------- fused path
 
-SDPA_VALUE_BLOCK = 256  # gate columns per fused-attention call (fused kernels cap the value head dim)
-FUSED_WINDOW_ROWS = 256  # Windowed TANGO, fused path: query rows per block, C = min(W, this)
-NEG = -1.0e4  # score of a padding key / of the summary of no old sources: exp underflows to 0 in every dtype
+SDPA_VALUE_BLOCK = 128  # gate columns per full-prefix SDPA call: <= 128 selects register-resident kernels
+SCORE_SPLIT = False  # scores from hi/lo halves of q, k under bf16/fp16 (3x the score dims; see fused_plan)
+FLEX_BLOCK = 32  # Windowed TANGO: query and key rows per FlexAttention tile (the block mask's granularity)
+FLEX_VALUE_BLOCK = 256  # Windowed TANGO: gate columns per FlexAttention call
+FULL_PREFIX_KERNEL = "sdpa"  # full prefix: "sdpa" (fused_plan's kernels) or "flex" (FlexAttention, causal band)
+GRID_LIMIT = 65535  # CUDA's limit on a launch grid's y and z sizes, where both kernels put batch and heads
+NEG = -1.0e4  # score of a padding key: exp underflows to 0 in every dtype
 
 
-def sdpa_backends(device_type):
-    """The SDPA kernels the fused path may take on a device type: fused ones only. MATH is never in
-    the list (it materializes the L x S scores): with no fused kernel for the shapes SDPA raises.
-    The memory-efficient kernel takes a value head dim different from the query/key dim (flash
-    does not)."""
-    return [SDPBackend.EFFICIENT_ATTENTION]
+class FusedPlan(NamedTuple):
+    """What the fused path runs for one compute dtype (fused_plan)."""
+    backends: tuple  # full prefix: the SDPA kernels allowed, tried in PyTorch's priority order
+    value_block: int  # full prefix: gate columns per SDPA call
+    split: bool  # scores from hi/lo halves of q and k (_hi_lo), else from q, k in the compute dtype
 
 
-def _low_precision(t):
-    """True if SDPA on t runs in bfloat16/float16 (autocast on, or t itself in that dtype)."""
+def fused_plan(dtype):
+    """The fused path's plan for attention in `dtype` (autocast's, or the inputs' without it).
+
+    Read from PyTorch 2.13's own selection code (ATen mem_eff_attention/kernels/cutlassF.h and
+    cutlassB.h, shipped in the wheel's include/): the memory-efficient kernel takes the first
+    variant whose kMaxK >= max(q/k dim, value dim). At <= 128 that is forward 64x128_rf (output
+    accumulator in registers) and backward 128x128_k128 (bf16) / 128x64_k128 (float32); wider
+    values fall to 32x128_gmem (accumulator through global memory) and 128x64_k65536. So values
+    go in blocks of SDPA_VALUE_BLOCK = 128 columns for every dtype; bf16/fp16 may also take cuDNN
+    attention (tried after the efficient kernel: PyTorch's default priority). float32: the
+    efficient kernel only (cuDNN takes no float32). Never MATH (it materializes the scores).
+
+    Precision: without the split (SCORE_SPLIT False, the default) scores come from q, k rounded
+    to bf16 (8-bit mantissa; kernels accumulate in float32): at tau = 10 a score moves by up to
+    about 0.02 (tests/test_tango_fused.py measures the averages and gradients against float64).
+    The split keeps float32-like scores but triples the score dims (104 instead of 40): with
+    value blocks of 128 the executed work is then about 2x the exact causal work (attention_work).
+    FULL_PREFIX_KERNEL = "flex" runs the full prefix by FlexAttention instead (the windowed path
+    with W = T: no null key row, about 1.13x the exact causal work at the 70M tier against SDPA's
+    1.46x; its speed against these kernels is for `python -m tools.bench kernels` on a GPU).
+    """
+    low = dtype in (torch.bfloat16, torch.float16)
+    backends = (SDPBackend.EFFICIENT_ATTENTION,) + ((SDPBackend.CUDNN_ATTENTION,) if low else ())
+    return FusedPlan(backends, SDPA_VALUE_BLOCK, SCORE_SPLIT and low)
+
+
+def sdpa_backends(device_type, dtype=torch.float32):
+    """The SDPA kernels the fused path may take for `dtype` on a device type: fused ones only
+    (fused_plan). MATH is never in the list: with no fused kernel for the shapes SDPA raises."""
+    return list(fused_plan(dtype).backends)
+
+
+def _compute_dtype(t):
+    """The dtype attention on t runs in: autocast's when it is on (and t is not float64), else t's."""
     dev = t.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and t.dtype != torch.float64 else t.dtype
-    return dt in (torch.bfloat16, torch.float16)
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and t.dtype != torch.float64 else t.dtype
 
 
 def _hi_lo(x, split):
@@ -176,11 +238,10 @@ def _hi_lo(x, split):
 
 def _fused_qk(q, keys, split):
     """Augmented queries and keys whose dot products are the logits: queries [q, 1] and keys
-    [k, e] for the score q k + e, e the extra column (0 for a source key, b_a for the null key,
-    NEG for padding, log n_i for a summary key). With split the products run as
-    q_hi k_hi + q_lo k_hi + q_hi k_lo and e as e_hi + e_lo. keys: a list of (k, e) pairs, each
-    k (..., n, 32) and e broadcastable to (..., n, 1). Returns (qa, [ka, ...]), padded to a
-    multiple of 8 dims."""
+    [k, e] for the score q k + e, e the extra column (0 for a source key, b_a for the null key).
+    With split the products run as q_hi k_hi + q_lo k_hi + q_hi k_lo and e as e_hi + e_lo.
+    keys: a list of (k, e) pairs, each k (..., n, 32) and e broadcastable to (..., n, 1).
+    Returns (qa, [ka, ...]), padded to a multiple of 8 dims."""
     qh = _hi_lo(q, split)
     ones = torch.ones_like(qh[0][..., :1])
     qa = torch.cat(qh + ([qh[0]] if split else []) + [ones] * (2 if split else 1), -1)
@@ -194,88 +255,263 @@ def _fused_qk(q, keys, split):
     return F.pad(qa, (0, pad)), [F.pad(ka, (0, pad)) for ka in kas]
 
 
+def _check_grid(B, H, what):
+    """ValueError (one line) if heads pass CUDA's grid limit: batch slices split the launch, heads cannot."""
+    if H > GRID_LIMIT:
+        raise ValueError(f"TANGO fused path: {H} heads in one {what} launch pass CUDA's grid limit of {GRID_LIMIT}")
+
+
 def _sdpa(q, k, D, values, mask=None, is_causal=False):
     """softmax(q k^T + mask) V with scale 1 in the fused kernels only (sdpa_backends), V's D columns
     in blocks of at most SDPA_VALUE_BLOCK sharing q and k, each block built when it is used
-    (values(c0, c1): V's columns [c0, c1), (N, M, S, c1 - c0)) and padded to a multiple of 8.
-    q: (N, M, L, e), k: (N, M, S, e) -> (N, M, L, D). RuntimeError naming the shapes if no fused
-    kernel takes them."""
+    (values(c0, c1): V's columns [c0, c1), (N, M, S, c1 - c0)) and padded to a multiple of 8;
+    batches of more than GRID_LIMIT in separate launches (the kernels' grid is (L / 64, M, N)).
+    q: (N, M, L, e), k: (N, M, S, e) -> the list of the blocks' outputs (N, M, L, width), views of
+    the kernels' outputs. RuntimeError naming the shapes if no fused kernel takes them."""
     outs = []
-    backends = sdpa_backends(q.device.type)
+    N, M = q.shape[:2]
+    _check_grid(N, M, "attention")
+    backends = sdpa_backends(q.device.type, q.dtype)
     with sdpa_kernel(backends):
         for c0 in range(0, D, SDPA_VALUE_BLOCK):
             w = min(SDPA_VALUE_BLOCK, D - c0)
             vc = F.pad(values(c0, c0 + w).to(q.dtype), (0, -w % 8)).contiguous()  # aligned row strides
-            if torch.compiler.is_compiling():  # traced: PyTorch itself raises for a missing kernel
-                o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
-            else:
+            parts = []
+            for n0 in range(0, N, GRID_LIMIT):
+                qn, kn, vn = (t[n0:n0 + GRID_LIMIT] for t in (q, k, vc))
+                if torch.compiler.is_compiling():  # traced: PyTorch itself raises for a missing kernel
+                    parts.append(F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, is_causal=is_causal, scale=1.0))
+                    continue
                 try:
-                    o = F.scaled_dot_product_attention(q, k, vc, attn_mask=mask, is_causal=is_causal, scale=1.0)
+                    parts.append(F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, is_causal=is_causal, scale=1.0))
                 except RuntimeError as e:
                     if is_out_of_memory(e):  # the shapes fit a kernel, not the memory: the out-of-memory line
                         raise
                     raise RuntimeError(
                         f"TANGO fused path: no fused attention kernel ({', '.join(b.name for b in backends)}) for "
-                        f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(vc.shape)} {q.dtype} on {q.device}"
+                        f"q {tuple(qn.shape)} k {tuple(kn.shape)} v {tuple(vn.shape)} {q.dtype} on {q.device}"
                         + (f", mask {tuple(mask.shape)}" if mask is not None else "") + f": {e}") from None
+            o = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
             outs.append(o[..., :w])
-    return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+    return outs
 
 
 def fused_average(qs, kh, g, b, window=None):
     """TANGO's (window None, or W >= T) or Windowed TANGO's average G (B, H, T, F/H) of
     qs, kh: (B, H, T, 32), g: (B, H, T, F/H), b: (H,) in PyTorch's fused attention (module
-    docstring, "Fused path"); output in SDPA's dtype (autocast's when it is on)."""
+    docstring, "Fused path"); output in the compute dtype (autocast's when it is on)."""
+    parts, finish = fused_parts(qs, kh, g, b, window)
+    return finish(parts)
+
+
+def fused_parts(qs, kh, g, b, window=None):
+    """fused_average in two steps: (parts, finish), parts the list of the attention kernels'
+    outputs, finish(parts) -> G (elementwise: concatenation, the windowed log-sum-exp merge), so a
+    caller can keep the parts and recompute finish in backward (gated_update)."""
     B, H, T, _ = qs.shape
-    split = _low_precision(qs)
+    if (window is None or window >= T) and FULL_PREFIX_KERNEL == "flex":  # the window of all T keys: causal
+        return _fused_windowed(qs, kh, g, b, T)
     if window is None or window >= T:
+        split = fused_plan(_compute_dtype(qs)).split
         zero = qs.new_zeros(B, H, 1, 1)
         null = (qs.new_zeros(B, H, 1, HEAD_DIM), b.to(qs.dtype).view(1, H, 1, 1).expand(B, H, 1, 1))
         qa, (kn, ka) = _fused_qk(qs, [null, (kh, zero)], split)
         qa = F.pad(qa, (0, 0, 1, 0))  # a dummy query in front: the causal mask over [null, keys] stays square
         values = lambda c0, c1: F.pad(g[..., c0:c1], (0, 0, 1, 0))  # the null key's value 0, then the gates
-        return _sdpa(qa, torch.cat((kn, ka), 2), g.shape[-1], values, is_causal=True)[:, :, 1:]
-    return _fused_windowed(qs, kh, g, b, window, split)
+        parts = _sdpa(qa, torch.cat((kn, ka), 2), g.shape[-1], values, is_causal=True)
+        return parts, lambda ps: (ps[0] if len(ps) == 1 else torch.cat(ps, -1))[:, :, 1:]  # dummy query dropped
+    return _fused_windowed(qs, kh, g, b, window)
 
 
-def _fused_windowed(qs, kh, g, b, W, split):
-    """Windowed TANGO, fused path: blocks of C = min(W, FUSED_WINDOW_ROWS) queries; block c's keys
-    are [null, the C + W keys at positions [cC - W, cC + C), the C summary keys of its queries]."""
-    B, H, T, D = qs.shape
-    C = min(W, FUSED_WINDOW_ROWS)
-    nb = -(-T // C)
-    Tp = nb * C
-    idx = torch.arange(T, device=qs.device)
-    n_old = (idx - W + 1).clamp(min=0).to(qs.dtype).view(1, 1, T, 1)  # old sources of query i
-    K = F.pad(kh.cumsum(2), (0, 0, W, 0))[:, :, :T]  # sum of the keys j <= i - W
-    log_n = torch.where(n_old > 0, n_old.clamp(min=1).log(), torch.full_like(n_old, NEG))
-    zero = qs.new_zeros(1, 1, 1, 1)
-    null = (qs.new_zeros(B, H, 1, D), b.to(qs.dtype).view(1, H, 1, 1).expand(B, H, 1, 1))
-    padding = (qs.new_zeros(1, 1, 1, D), torch.full_like(zero, NEG))  # before position 0: score NEG
-    qa, (kn, ka, ks, kp) = _fused_qk(qs, [null, (kh, zero), (F.normalize(K, dim=-1), log_n), padding], split)
-    blocks = lambda t: F.pad(t, (0, 0, 0, Tp - T)).unflatten(2, (nb, C))  # (B, H, nb, C, e)
-    ka = torch.cat((kp.expand(B, H, W, -1), ka, ka.new_zeros(B, H, Tp - T, ka.shape[-1])), 2)
-    win = lambda t: t.unfold(2, W + C, C).transpose(-1, -2)  # (B, H, nb, W + C, e): positions [cC - W, cC + C)
-    extra = -(1 + W + 2 * C) % 16  # never-visible keys, so the mask's rows are 16-aligned (fused kernels want it)
-    keys = torch.cat((kn.unsqueeze(2).expand(B, H, nb, 1, -1), win(ka), blocks(ks),
-                      ka.new_zeros(B, H, nb, extra, ka.shape[-1])), 3)
-    acc = torch.promote_types(g.dtype, torch.float32)
+# Windowed TANGO on the fused path: FlexAttention over the window only, then the log-sum-exp merge.
 
-    def values(c0, c1):  # columns [c0, c1) of the values: 0 (null), the window's gates, the mean old gates
-        gc = g[..., c0:c1].to(qa.dtype)
-        S = F.pad(g[..., c0:c1].cumsum(2, dtype=acc), (0, 0, W, 0))[:, :, :T]  # sum of the gates j <= i - W
-        return torch.cat((gc.new_zeros(B, H, nb, 1, c1 - c0), win(F.pad(gc, (0, 0, W, Tp - T))),
-                          blocks((S / n_old.clamp(min=1)).to(qa.dtype)), gc.new_zeros(B, H, nb, extra, c1 - c0)),
-                         3).flatten(1, 2)
+def window_blocks(T, W, n, device=None):
+    """The window's tiles for FlexAttention: query block m (rows [m n, m n + n)) meets key blocks
+    j = m - r for r = 0..R, R = (W + n - 2) // n, of which it needs those with some distance
+    i - j' in [0, W) (partial: some but not all; full: all, so FlexAttention skips the mask there).
+    Returns (kv_num, kv_idx, full_num, full_idx): (1, 1, nb) counts and (1, 1, nb, nb) int32
+    block indices (used ones first: at most R + 1 per row; FlexAttention's layout has nb columns),
+    nb = ceil(T / n). No T x T tensor: (T / n)^2 indices, 256 KiB at T = 8192."""
+    nb, R = -(-T // n), (W + n - 2) // n
+    m = torch.arange(nb, device=device).view(nb, 1)
+    r = torch.arange(R + 1, device=device).view(1, R + 1)
+    j = m - r
+    lo_dist, hi_dist = r * n - (n - 1), r * n + n - 1  # the smallest and largest i - j' in tile (m, j)
+    any_ = (j >= 0) & (lo_dist <= W - 1)
+    full = any_ & (lo_dist >= 0) & (hi_dist <= W - 1)
+    part = any_ & ~full
 
-    r = torch.arange(C, device=qs.device).view(C, 1)
-    j = torch.arange(W + C, device=qs.device).view(1, W + C)
-    visible = torch.cat((torch.ones(C, 1, dtype=torch.bool, device=qs.device), (j > r) & (j <= r + W),
-                         torch.eye(C, dtype=torch.bool, device=qs.device),
-                         torch.zeros(C, extra, dtype=torch.bool, device=qs.device)), 1)  # null, window, own summary
-    mask = torch.zeros(visible.shape, dtype=qa.dtype, device=qs.device).masked_fill(~visible, float("-inf"))
-    out = _sdpa(blocks(qa).flatten(1, 2), keys.flatten(1, 2), g.shape[-1], values, mask=mask)
-    return out.unflatten(1, (H, nb)).flatten(2, 3)[:, :, :T]
+    def pack(flags):  # the used blocks' indices first, ascending, then block 0 (never read), nb columns
+        order = torch.sort((~flags).to(torch.int8) * (R + 1) + (R - r).expand_as(flags), dim=1, stable=True).indices
+        idx = torch.where(torch.gather(flags, 1, order), torch.gather(j, 1, order), 0)
+        idx = F.pad(idx, (0, nb - R - 1)) if nb > R + 1 else idx[:, :nb]  # FlexAttention's layout: nb columns
+        return flags.sum(1).to(torch.int32).view(1, 1, nb), idx.to(torch.int32).view(1, 1, nb, nb)
+
+    return pack(part) + pack(full)
+
+
+@functools.lru_cache(maxsize=16)
+def window_block_mask(T, W, n, device):
+    """FlexAttention's BlockMask for the window j in (i - W, i] of T queries and keys, tiles n x n
+    (window_blocks; the mask function decides inside the partial tiles)."""
+    def in_window(b, h, i, j):
+        return (i >= j) & (i - j < W)
+    return BlockMask.from_kv_blocks(*window_blocks(T, W, n, device), BLOCK_SIZE=n, mask_mod=in_window,
+                                    seq_lengths=(T, T))
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    """flex_attention compiled (its fused kernel); eager flex_attention materializes the scores."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def window_flex(q, k, v, W):
+    """The window's softmax average and its log-sum-exp by FlexAttention with the window's block
+    mask: q, k: (B, H, T, e), v: (B, H, T, D), one dtype -> O (B, H, T, D) normalized over the
+    window keys j in (i - W, i], lse (B, H, T, 1) in float32 or wider (natural log).
+    On CUDA it runs FlexAttention's kernel (traced into the compiled update, or compiled here when
+    eager) over tiles of FLEX_BLOCK rows; on CPU FlexAttention runs eagerly (scores materialized,
+    forward only: for tests). Batches of more than GRID_LIMIT run in separate launches; more heads
+    than that: ValueError."""
+    T = q.shape[2]
+    _check_grid(q.shape[0], q.shape[1], "FlexAttention")
+    build = window_block_mask.__wrapped__ if torch.compiler.is_compiling() else window_block_mask  # traced: no cache
+    mask = build(T, W, FLEX_BLOCK, q.device)
+    eager_cuda = q.device.type == "cuda" and not torch.compiler.is_compiling()
+    fn = _compiled_flex() if eager_cuda else flex_attention
+    opts = None if q.device.type != "cuda" else {  # kernel tiles within the block mask's; every row sees itself
+        "BLOCK_M": FLEX_BLOCK, "BLOCK_N": FLEX_BLOCK, **{f"bwd_BLOCK_{s}": FLEX_BLOCK for s in ("M1", "N1", "M2", "N2")},
+        "ROWS_GUARANTEED_SAFE": True}
+    parts = [fn(*(t[n0:n0 + GRID_LIMIT] for t in (q, k, v)), block_mask=mask, scale=1.0, return_aux=AuxRequest(lse=True),
+                kernel_options=opts) for n0 in range(0, q.shape[0], GRID_LIMIT)]  # grid (T / n, batch, heads)
+    o, lse = (torch.cat(t, 0) for t in zip(*[(o, aux.lse) for o, aux in parts]))
+    return o, lse.unsqueeze(-1)
+
+
+class _WindowDense(torch.autograd.Function):
+    """window_dense's autograd: saves what FlexAttention saves (q, k, v, O, lse) and recomputes the
+    scores in backward, so memory counts on CPU match the kernel's."""
+
+    @staticmethod
+    def _weights(q, k, W):
+        """The window's softmax weights P (B, H, T, T) and log-sum-exp (B, H, T, 1)."""
+        T = q.shape[2]
+        i = torch.arange(T, device=q.device)
+        visible = (i.view(-1, 1) >= i) & (i.view(-1, 1) - i < W)
+        s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        return (s - lse).exp(), lse
+
+    @staticmethod
+    def forward(ctx, q, k, v, W):
+        p, lse = _WindowDense._weights(q, k, W)
+        o = p.to(v.dtype) @ v
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.W = W
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, _ = ctx.saved_tensors
+        p, _ = _WindowDense._weights(q, k, ctx.W)
+        delta = (do * o).sum(-1, keepdim=True).to(p.dtype)  # rowsum(dO * O)
+        ds = p * ((do @ v.transpose(-1, -2)).to(p.dtype) - delta + dlse)  # d lse / d s = P
+        ds = ds.to(q.dtype)
+        return ds @ k, ds.transpose(-1, -2) @ q, p.to(v.dtype).transpose(-1, -2) @ do, None
+
+
+def window_dense(q, k, v, W):
+    """window_flex's function written densely (T x T scores; for tests, as FlexAttention has no
+    CPU backward): (O, lse) of q, k: (B, H, T, e), v: (B, H, T, D), saving for backward what
+    FlexAttention saves."""
+    return _WindowDense.apply(q, k, v, W)
+
+
+window_kernel = window_flex  # the window's (O, lse); tests on CPU swap in window_dense for gradients
+
+
+def _fused_windowed(qs, kh, g, b, W):
+    """Windowed TANGO, fused path. The window j in (i - W, i] by window_kernel: O_i, its average of
+    the gates, and lse_i, the log-sum-exp of its scores. The null option (logit b) and the older
+    sources (one logit z_i = <q_i, unit(K_i)> + log n_i for the n_i = i - W + 1 sources j <= i - W,
+    K_i their key sum, value their mean gate S_i / n_i) join through the log-sum-exp:
+    tot = logsumexp(lse, b, z), G = O e^(lse - tot) + (S / n) e^(z - tot) (exact). Gates in
+    column blocks of FLEX_VALUE_BLOCK; no window is unfolded. Returns (parts, finish) as
+    fused_parts: parts [O of each block, lse], finish the merge."""
+    D = g.shape[-1]
+    dt = _compute_dtype(qs)
+    with torch.autocast(qs.device.type, enabled=False):  # every dtype below chosen here
+        q, k, gd = qs.to(dt), kh.to(dt), g.to(dt)
+        outs = [window_kernel(q, k, gd[..., c0:min(c0 + FLEX_VALUE_BLOCK, D)], W)
+                for c0 in range(0, D, FLEX_VALUE_BLOCK)]
+    return [o for o, _ in outs] + [outs[0][1]], lambda parts: _window_merge(parts, qs, kh, g, b, W)
+
+
+def _window_merge(parts, qs, kh, g, b, W):
+    """G from the window's blocks O and lse (parts) and the null and older-source logits (_fused_windowed)."""
+    B, H, T, D = g.shape
+    dt = _compute_dtype(qs)
+    acc = torch.promote_types(dt, torch.float32)
+    with torch.autocast(qs.device.type, enabled=False):
+        O = parts[0] if len(parts) == 2 else torch.cat(parts[:-1], -1)
+        lse = parts[-1].to(acc)
+        idx = torch.arange(T, device=qs.device).view(T, 1)
+        n_old = (idx - W + 1).clamp(min=0).to(acc)  # old sources of query i
+        K = F.pad(kh.to(acc).cumsum(2), (0, 0, W, 0))[:, :, :T]  # sum of the keys j <= i - W
+        z = (qs.to(acc) * F.normalize(K, dim=-1)).sum(-1, keepdim=True) + n_old.log()  # -inf without old sources
+        tot = torch.logsumexp(torch.cat((lse, b.to(acc).view(1, H, 1, 1).expand(B, H, T, 1), z), -1), -1, keepdim=True)
+        S = F.pad(g.to(dt).cumsum(2, dtype=acc), (0, 0, W, 0))[:, :, :T]  # sum of the gates j <= i - W
+        mean_old = (S / n_old.clamp(min=1)).to(dt)
+        return O * (lse - tot).exp().to(dt) + mean_old * (z - tot).exp().to(dt)
+
+
+def _efficient_tile(e, w):
+    """(query rows, key rows) of the memory-efficient forward kernel PyTorch picks for q/k dim e and
+    value dim w (cutlassF.h, sm80+: the first variant with kMaxK >= max(e, w))."""
+    k = max(e, w)
+    return (64, 64) if k <= 64 else (64, 128) if k <= 128 else (32, 128)
+
+
+def attention_work(B, H, T, W, fh, dtype):
+    """The attention work the fused path's plan executes, counted by tiles, against the model's.
+
+    B, H, T: batch, heads, tokens; W: Windowed TANGO's window or None (full prefix); fh: gate
+    columns per head (F / H); dtype: the compute dtype (fused_plan). Counts the forward's
+    multiply-accumulates in whole tiles (a tile that is partly masked costs all of it; the
+    backward runs over the same tiles): full prefix, the memory-efficient kernel's tiles over the
+    T + 1 queries and keys (a dummy query, the null key), causal tiles skipped, per value block
+    (q/k dims padded as _fused_qk pads them, values to 8); windowed, FlexAttention's tiles from
+    window_blocks, per value block (q/k 32 dims, values padded to a power of two, as FlexAttention
+    pads head dims; also the full prefix with FULL_PREFIX_KERNEL "flex", over the causal band).
+    Model work (flops.py's convention): full prefix T (T + 1) / 2 (32 + fh), windowed T W (32 + fh),
+    per batch row and head.
+    Returns {"executed", "model", "ratio", "kernel", "grid"} (MACs, MACs, executed / model, the
+    kernel and tile, the launch grid of one value block, which CUDA caps at GRID_LIMIT on y, z)."""
+    plan = fused_plan(dtype)
+    full = W is None or W >= T
+    if full and FULL_PREFIX_KERNEL != "flex":
+        e = (3 * HEAD_DIM + 2 if plan.split else HEAD_DIM + 1) + 7 & ~7  # _fused_qk's width
+        L = T + 1
+        executed = 0
+        for c0 in range(0, fh, plan.value_block):
+            w = min(plan.value_block, fh - c0) + 7 & ~7
+            M, N = _efficient_tile(e, w)
+            tiles = sum(-(-min(L, q0 + M) // N) for q0 in range(0, L, M))  # causal: keys up to the block's last row
+            executed += tiles * M * N * (e + w)
+        M, N = _efficient_tile(e, min(plan.value_block, fh) + 7 & ~7)
+        model = T * (T + 1) // 2 * (HEAD_DIM + fh)
+        kernel, grid = f"efficient {M}x{N} (q/k {e})", (-(-L // M), H, B)
+    else:
+        n, W = FLEX_BLOCK, T if full else W  # full prefix by FlexAttention: the causal band of T (fused_parts)
+        kv_num, _, full_num, _ = window_blocks(T, W, n)
+        tiles = int(kv_num.sum() + full_num.sum())
+        widths = [min(FLEX_VALUE_BLOCK, fh - c0) for c0 in range(0, fh, FLEX_VALUE_BLOCK)]
+        executed = tiles * n * n * sum(HEAD_DIM + max(16, 1 << (w - 1).bit_length()) for w in widths)
+        model = T * (T + 1) // 2 * (HEAD_DIM + fh) if full else T * W * (HEAD_DIM + fh)
+        kernel, grid = f"FlexAttention {n}x{n}", (-(-T // n), B, H)
+    executed, model = B * H * executed, B * H * model
+    return {"executed": executed, "model": model, "ratio": executed / model, "kernel": kernel, "grid": grid}
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -229,6 +229,89 @@ def test_cuda_defaults_and_quick_plan(monkeypatch):
     assert f"({n}\nconfigurations: {models} models + 4," in bench.__doc__
 
 
+def test_quick_cuda_plan_in_parts(monkeypatch):
+    """--quick --device cuda --part i/3: every configuration but Loop Transformer++'s runs in exactly
+    one part, each part also runs Loop Transformer++ at its block sizes (its MFU ratios), the main
+    job and ReFlux run with the last part only, and each part writes its own default files."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench.torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(bench.torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 10**9))
+    whole = bench.plan(bench.parse(["--quick", "--device", "cuda"]))
+    parts = [bench.parse(["--quick", "--device", "cuda", "--part", f"{i}/3"]) for i in (1, 2, 3)]
+    plans = [bench.plan(a) for a in parts]
+    others = [c for pl in plans for c in pl if c[0] != "loop"]
+    assert sorted(others) == sorted(c for c in whole if c[0] != "loop") and len(others) == len(set(others))
+    for pl in plans:
+        assert [c for c in whole if c in pl] == pl  # in the whole plan's order
+        assert {(c, T) for m, c, T in pl if m == "loop"} == {(c, T) for m, c, T in pl if m != "loop"}
+        assert 7 <= len(pl) <= 10
+    assert [(a.main_job, a.reflux) for a in parts] == [(None, False), (None, False), (bench.MAIN_JOB, True)]
+    assert [os.path.basename(a.json) for a in parts] == [f"bench_cuda_part{i}of3.json" for i in (1, 2, 3)]
+
+
+def test_main_job_vocabulary_source(monkeypatch, tmp_path):
+    """The main job's GPT-2 vocabulary: GPT2_BPE_FILE as set; else shared/data/gpt2.tiktoken under
+    the repository root (as the device machine's copy holds it), set for the job; else tiktoken's
+    download, said so."""
+    monkeypatch.setenv("GPT2_BPE_FILE", "/x/gpt2.tiktoken")
+    assert bench.main_job_vocabulary() == ({}, "GPT2_BPE_FILE=/x/gpt2.tiktoken (from the environment)")
+    monkeypatch.delenv("GPT2_BPE_FILE")
+    monkeypatch.setattr(bench, "ROOT", str(tmp_path / "repo"))
+    assert bench.main_job_vocabulary()[1].startswith("tiktoken's download (GPT2_BPE_FILE unset")
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "gpt2.tiktoken").write_text("")
+    path = str(tmp_path / "shared" / "data" / "gpt2.tiktoken")
+    assert bench.main_job_vocabulary() == ({"GPT2_BPE_FILE": path}, f"GPT2_BPE_FILE={path} (found by bench)")
+
+
+def test_quick_cpu_last_part_runs_its_configurations_and_the_main_job(tmp_path, mdm, data_root):
+    """`--quick --device cpu --size tiny --part 3/3` runs its share of the plan (with Loop
+    Transformer++ beside it) and the main job, whose row says where the vocabulary comes from."""
+    out = tmp_path / "p.json"
+    main_job = (f"--model tango --depth 2 --size tiny --block_size 32 --batch_size 2 --dataset dmmath "
+                f"--data_dir {mdm} --data_root {data_root}")
+    assert bench.main(["--quick", "--device", "cpu", "--size", "tiny", "--part", "3/3", "--json", str(out),
+                       "--main_job", main_job]) == 0
+    res = json.loads(out.read_text())
+    a = bench.parse(["--quick", "--device", "cpu", "--size", "tiny", "--part", "3/3"])
+    assert sorted((r["model"], r["T"]) for r in res["rows"]) == sorted((m, T) for m, _, T in bench.plan(a))
+    assert all(r["status"] == "ok" and r["attention_work"] is None for r in res["rows"])  # CPU: no fused plan
+    assert res["meta"]["part"] == [3, 3] and res["main_job"]["status"] == "ok"
+    vocabulary = bench.main_job_vocabulary()[1]
+    assert res["main_job"]["vocabulary"] == vocabulary
+    assert f"GPT-2 vocabulary (for data that uses it): {vocabulary}." in (tmp_path / "p.md").read_text()
+
+
+def test_table_prints_the_executed_attention_work_next_to_mfu():
+    """A CUDA TANGO row's executed-work ratio (tango_kernels.attention_work) is in its MFU cell,
+    with a note under the table; rows without one show MFU alone."""
+    rows = [dict(_row("tango", 2048, 1000.0, 10.0, 0.3), attention_work=1.4596), _row("loop", 2048, 1000.0, 10.0, 0.35)]
+    bench_report.add_ratios(rows, 1.0)
+    text = bench_report.table(rows)
+    assert "| 30.0% (work 1.46x) |" in text and "| 35.0% |" in text and "tango_kernels.attention_work" in text
+
+
+def test_kernel_check_at_a_tiny_size(tmp_path):
+    """`python -m tools.bench kernels` on CPU at a tiny size (the stand-ins for the kernels): a row
+    per choice and T, each timed, checked against float64 (float32 here: within 1e-5) and with the
+    work ratio of tango_kernels.attention_work; the report says the GPU figures are not measured."""
+    out = tmp_path / "k.json"
+    assert bench.main(["kernels", "--device", "cpu", "--block_sizes", "32,64", "--tokens", "64", "--check_T", "24",
+                       "--heads", "2", "--fh", "40", "--window", "8", "--reps", "1", "--json", str(out)]) == 0
+    from tools import bench_kernels
+    import tango_kernels
+    import torch
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * (len(bench_kernels.FULL) + len(bench_kernels.FULL_FLEX) + len(bench_kernels.WINDOWED))
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0 and r["check_error"] < 1e-5, r
+    r = next(r for r in rows if r["choice"].startswith("windowed") and "32x32" in r["choice"] and r["T"] == 64)
+    assert r["work_ratio"] == tango_kernels.attention_work(1, 2, 64, 8, 40, torch.float32)["ratio"]  # tiles 32 x 32
+    assert "the GPU figures are not measured here" in (tmp_path / "k.md").read_text()
+
+
 def test_mfu_of_known_flops_time_and_peak(monkeypatch):
     """MFU = model FLOPs per step / median step time / peak. 6e9 FLOPs in steps of 3, 2 and 10 s
     (median 3 s; the mean, 5 s, or the fastest, 2 s, would give other values) is 2e9 FLOP/s; over a
@@ -397,6 +480,12 @@ BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py
     (["--main_job", "--model nope"], "--main_job '--model nope': --model: unknown model 'nope'; choose one of tango,"),
     (["--main_job", "--depth 0"], "--main_job '--depth 0': --depth 0: must be >= 1"),
     (["--main_job", "--start 'x"], "--main_job \"--start 'x\": No closing quotation"),
+    (["--part", "0/3"], "--part 0/3: give i/n with 1 <= i <= n (e.g. 1/3)"),
+    (["kernels", "--reps", "0"], "--reps 0: must be >= 1"), (["kernels", "--block_sizes", "64", "--tokens", "32"],
+                                                          "--block_sizes 64: positive integers, each at most --tokens 32"),
+    (["--part", "4/3"], "--part 4/3: give i/n with 1 <= i <= n"), (["--part", "x"], "--part x: give i/n"),
+    (["--models", "tango,loop", "--block_sizes", "64", "--part", "1/2"],
+     "--part 1/2: the plan has 1 configurations besides Loop Transformer++; use n <= 1"),
 ]
 
 
@@ -409,7 +498,7 @@ def test_bad_values_are_one_line_errors_and_nothing_is_written(argv, message, tm
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     out, err = capsys.readouterr()
-    prog = "bench.py decode" if argv[0] == "decode" else "bench.py"
+    prog = {"decode": "bench.py decode", "kernels": "bench.py kernels"}.get(argv[0], "bench.py")
     assert e.value.code == 2 and out == "" and err.count("\n") == 1, (e.value.code, out, err)
     assert err.startswith(f"{prog}: error: {message}"), err
     assert os.listdir(tmp_path) == []

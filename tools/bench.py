@@ -4,6 +4,8 @@
     python -m tools.bench --models tango,tango-3set,loop --block_sizes 512,2048
     python -m tools.bench --device cuda                     # 70M tier, T = 2048 and 8192, bf16, compiled and eager
     python -m tools.bench --quick --device cuda             # every model at T = 2048 compiled, four at T = 8192
+    python -m tools.bench --quick --device cuda --part 1/3  # its first third (then 2/3, 3/3; main job with the last)
+    python -m tools.bench kernels --device cuda             # TANGO's fused-path kernel choices (tools/bench_kernels.py)
     python -m tools.bench --quick --device cpu --size tiny  # the same plan scaled down (T = 32 / 128, eager; in the suite)
 
 Each (model, block size T, compile) configuration runs in a fresh subprocess (`--timeout` caps
@@ -214,6 +216,12 @@ def child(spec):
         raise RuntimeError(f"non-finite loss {losses}")
     tokens = B * T
     fl = flops.train_flops(cfg, T, tokens)
+    work = None
+    if dev.startswith("cuda") and spec["model"] in ("tango", "tango-windowed", "tango-3set"):  # the fused path's plan
+        import tango_kernels
+        dt = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+        work = tango_kernels.attention_work(B, cfg.n_head, T, cfg.window if spec["model"] == "tango-windowed" else None,
+                                            cfg.width // cfg.n_head, dt)["ratio"]
     compile_s = max(0.0, first_dur - statistics.median(times)) if spec["compile"] else 0.0
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
             "warmup_s": warmup_s, "first_step_s": first_step_s, "model_flops_per_step": fl, "model_flops_per_token": fl / tokens,
@@ -221,7 +229,7 @@ def child(spec):
             "graphs": graphs_compiled() - graphs0,
             "recompiles": graphs_compiled() - graphs_first,
             "peak_mem_mb": mem_mb, "memory_method": method, "peak_rss_mb": max_rss_mb(), "settle_steps": settle_steps,
-            "final_loss": losses[-1]}
+            "final_loss": losses[-1], "attention_work": work}
 
 
 def child_config(spec):
@@ -302,20 +310,38 @@ def run_config(spec, timeout):
 MAIN_JOB = "--model tango --depth 8"  # the main job (README): its time to its first update, with --quick
 
 
+BPE_PLACES = ("shared/data/gpt2.tiktoken", "../shared/data/gpt2.tiktoken")  # from the repository root, in order
+
+
+def main_job_vocabulary():
+    """(environment additions, text): where the main job's GPT-2 vocabulary comes from (for data
+    that uses it): GPT2_BPE_FILE as set; else the first of BPE_PLACES that exists (set for the
+    job); else tiktoken's download (harness.token_files.gpt2_encoder), which fails offline."""
+    if os.environ.get("GPT2_BPE_FILE"):
+        return {}, f"GPT2_BPE_FILE={os.environ['GPT2_BPE_FILE']} (from the environment)"
+    for place in BPE_PLACES:
+        path = os.path.normpath(os.path.join(ROOT, place))
+        if os.path.isfile(path):
+            return {"GPT2_BPE_FILE": path}, f"GPT2_BPE_FILE={path} (found by bench)"
+    return {}, "tiktoken's download (GPT2_BPE_FILE unset and no " + " or ".join(BPE_PLACES) + ")"
+
+
 def main_job_first_update(flags, device, timeout):
     """Seconds from start to the end of the first update of `python train.py FLAGS --device DEVICE`
     as it prints them ("first update after X s": data, model and compile included), the process
     stopped right after that line. Returns a dict: command, status ("ok", "timeout", "error: ...")
-    and first_update_s, prepared (True if the run prepared its data, whose time is included)."""
+    and first_update_s, prepared (True if the run prepared its data, whose time is included),
+    vocabulary (where a GPT-2 vocabulary comes from: main_job_vocabulary)."""
     import shlex
     import tempfile
     import threading
+    env, vocabulary = main_job_vocabulary()
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "train.py", *shlex.split(flags), "--device", device, "--out_dir", out, "--quiet"]
         row = {"command": "python " + " ".join(shlex.quote(c) for c in cmd[1:-5]) + f" --device {device}",
-               "prepared": False}
+               "prepared": False, "vocabulary": vocabulary}
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # its lines as they are printed
+                             env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})  # its lines as they are printed
         timer = threading.Timer(timeout, p.kill)  # a run that hangs without printing is stopped too
         timer.start()
         last = ""
@@ -344,13 +370,28 @@ QUICK_T = {"cuda": (2048, 8192), "cpu": (32, 128)}  # --quick: (every model, QUI
 
 
 def plan(a):
-    """The (model, compile, T) configurations in run order."""
+    """The (model, compile, T) configurations in run order (of --part i/n: part_of)."""
     if a.quick:
         short, long = QUICK_T["cuda" if a.device.startswith("cuda") else "cpu"]
         comp = a.device.startswith("cuda")
-        return [(m, comp, short) for m in a.models] + [(m, comp, long) for m in QUICK_LONG if m in a.models]
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
-    return [(m, c, T) for T in a.block_sizes for c in compiles for m in a.models]  # the models compared at one T run together
+        configs = [(m, comp, short) for m in a.models] + [(m, comp, long) for m in QUICK_LONG if m in a.models]
+    else:
+        compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
+        configs = [(m, c, T) for T in a.block_sizes for c in compiles for m in a.models]  # the models compared at one T together
+    return part_of(configs, *a.part) if getattr(a, "part", None) else configs
+
+
+REFERENCE_MODEL = "loop"  # Loop Transformer++: the MFU ratio's reference (tools.bench_report.REFERENCE)
+
+
+def part_of(configs, i, n):
+    """Part i of n (1-based) of a plan: every n-th configuration other than the reference model's,
+    starting at the i-th, plus the reference's configurations at the block sizes and compile modes
+    that part has (so each part's MFU ratios are measured within it). Order as in configs."""
+    others = [c for c in configs if c[0] != REFERENCE_MODEL]
+    mine = set(others[i - 1::n])
+    keys = {(c, T) for _, c, T in mine}
+    return [cfg for cfg in configs if cfg in mine or (cfg[0] == REFERENCE_MODEL and (cfg[1], cfg[2]) in keys)]
 
 
 def schedule(configs, rounds):
@@ -446,6 +487,10 @@ def parse(argv):
     p.add_argument("--compile_backend", default=None, help="torch.compile backend of the compiled rows (default inductor)")
     p.add_argument("--reflux", action="store_true",
                    help="also time the ReFlux schedules (reflux.py) at the smallest block size (on with --quick)")
+    p.add_argument("--part", default=None,
+                   help="i/n: run part i of n of the plan (every n-th configuration, plus Loop Transformer++ at the "
+                        "same block sizes for the MFU ratio); the main job and ReFlux run with the last part "
+                        "(e.g. --quick --device cuda --part 1/3)")
     flops.add_train_model_flags(p)  # --width, --window, --chunk, --gau_s, ...: the models as train.py builds them
     a = p.parse_args(argv)
     try:
@@ -523,6 +568,18 @@ def parse(argv):
             p.error(f"--main_job {a.main_job!r}: {e}")
     if a.compile is None:
         a.compile = "both" if cuda else "off"
+    if a.part is not None:
+        m = re.fullmatch(r"(\d+)/(\d+)", a.part)
+        if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+            p.error(f"--part {a.part}: give i/n with 1 <= i <= n (e.g. 1/3)")
+        i, n = int(m.group(1)), int(m.group(2))
+        a.part = None
+        count = len([c for c in plan(a) if c[0] != REFERENCE_MODEL])
+        if n > count:
+            p.error(f"--part {i}/{n}: the plan has {count} configurations besides Loop Transformer++; use n <= {count}")
+        a.part = (i, n)
+        if i < n:  # the main job and ReFlux run once, with the last part
+            a.reflux, a.main_job = False, None
     if a.compile_backend is not None:  # every row would record the backend's error, or none would use it
         import torch._dynamo
         if a.compile == "off":
@@ -533,7 +590,7 @@ def parse(argv):
     a.compile_backend = a.compile_backend or "inductor"
     if a.dtype is None:  # as train.py's --dtype auto
         a.dtype = auto_dtype(a.device)
-    kind = a.device.split(":")[0]
+    kind = a.device.split(":")[0] + (f"_part{a.part[0]}of{a.part[1]}" if a.part else "")
     a.json = os.path.join(OUT_DIR, f"bench_{kind}.json") if a.json is None else a.json  # (an empty one is refused)
     a.md = os.path.splitext(a.json)[0] + ".md" if a.md is None else a.md
     try:  # before the run, not after it (harness.cli.check_output_file: creates nothing)
@@ -551,6 +608,9 @@ def main(argv=None):
     from tools.bench_decode import decode_main, reflux_rows, reflux_table  # the inference benchmarks
     if argv[:1] == ["decode"]:
         return decode_main(argv[1:])
+    if argv[:1] == ["kernels"]:  # TANGO's fused-path kernel choices: time and float64 check
+        from tools.bench_kernels import kernels_main
+        return kernels_main(argv[1:])
     a = parse(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -579,7 +639,8 @@ def main(argv=None):
                 failed[model, comp] = f"T={T} {row['status'].split(':')[0]}"
         parts.setdefault((model, comp, T), []).append(row)
         msg = (f"{row['tokens_per_s']:,.0f} tokens/s  MFU {100 * row['achieved_flops_per_s'] / peak:.1f}%  "
-               f"{row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s  "
+               + (f"(attention work {row['attention_work']:.2f}x the model's)  " if row.get("attention_work") else "")
+               + f"{row['peak_mem_mb']:,.0f} MB  first step {row['first_step_s']:.1f} s  "
                + (f"compile {row['compile_s']:.1f} s  recompiles {row['recompiles']} " if comp else "")
                + f"({row['wall_s']:.0f} s, load {row['load_before']})"
                if row["status"] == "ok" else row["status"])
@@ -590,7 +651,8 @@ def main(argv=None):
         main_job = main_job_first_update(a.main_job, a.device, a.timeout)
         print(f"  main job `{main_job['command']}`: " + (f"first update after {main_job['first_update_s']:.1f} s"
               + (" (data prepared in this run, included)" if main_job["prepared"] else "")
-              if main_job["status"] == "ok" else main_job["status"]), flush=True)
+              if main_job["status"] == "ok" else main_job["status"]) + f"; GPT-2 vocabulary: {main_job['vocabulary']}",
+              flush=True)
     rows = [merge_rounds(p) for p in parts.values()]
     rows.sort(key=lambda r: (a.models.index(r["model"]), r["compile"], r["T"]))  # listed model by model
     add_ratios(rows, peak)
@@ -603,7 +665,7 @@ def main(argv=None):
         "cpu_count": os.cpu_count(), "size": a.size, "tier": dict(zip(("d", "n_head", "target"), models.TIERS[a.size])),
         "depth": a.depth, "vocab_size": a.vocab_size, "model_flags": a.flags, "batch_tokens": a.batch_tokens,
         "steps": a.steps, "step_budget_s": a.step_budget, "rounds": a.rounds, "warmup": a.warmup, "compile": a.compile, "timeout_s": a.timeout,
-        "quick": a.quick, "cpu_memory": None if a.device.startswith("cuda") else a.cpu_memory,
+        "quick": a.quick, "part": list(a.part) if a.part else None, "cpu_memory": None if a.device.startswith("cuda") else a.cpu_memory,
         "peak_flops_per_s": peak, "peak_matmul": {"n": a.peak_n, "reps": a.peak_reps, "dtype": a.dtype},
         "flops_convention": FLOPS_DEF, "mfu_reference": REFERENCE,
         "memory_definition": MEMORY_DEF_CUDA if a.device.startswith("cuda") else MEMORY_DEF_CPU,
@@ -637,7 +699,8 @@ def main(argv=None):
           + (f"\nMain job `{main_job['command']}`: "
              + (f"first update after {main_job['first_update_s']:.1f} s from start"
                 + (" (its data prepared in this run, included)" if main_job["prepared"] else "")
-                if main_job["status"] == "ok" else main_job["status"]) + ".\n" if main_job else "")
+                if main_job["status"] == "ok" else main_job["status"])
+             + f"; GPT-2 vocabulary (for data that uses it): {main_job['vocabulary']}.\n" if main_job else "")
           + (f"\nReFlux schedules (inference, one sequence, no gradients, {a.device} {a.dtype}; "
              "bench_decode.reflux_rows):\n\n"
              + reflux_table(rf_rows) + "\n" if rf_rows is not None else "")

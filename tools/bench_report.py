@@ -118,12 +118,16 @@ def table(rows):
                          f"{r['status']} | | | | | | | |")
             continue
         ratio = f"{r['mfu_vs_ref']:.2f}" if "mfu_vs_ref" in r else ""
+        work = f" (work {r['attention_work']:.2f}x)" if r.get("attention_work") else ""  # TANGO's fused plan, CUDA rows
         lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {c} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}% | {ratio} | "
+                     f"{r['ms_per_token']:.4f} | {r['peak_mem_mb']:,.0f} | {100 * r['mfu']:.1f}%{work} | {ratio} | "
                      + (f"{r['first_step_s']:.1f} |" if "first_step_s" in r else " |")
                      + (" - | - |" if not r["compile"] else
                         f" {r['compile_s']:.1f} | {r['recompiles']} |" if "compile_s" in r else " | |"))
     notes = nominal_notes(rows)
+    if any(r.get("attention_work") for r in rows):
+        notes.append("MFU (work Nx): the attention work TANGO's fused plan executes, whole tiles, over the model's "
+                     "(tango_kernels.attention_work; the forward's, the backward runs the same tiles).")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
