@@ -21,11 +21,11 @@ configuration (model build) to the end of its first training step, compile inclu
 
 On CUDA the defaults are what a GPU user would run: the 70M tier, T = 2048 and 8192, at least
 32768 tokens per step, bf16 autocast, compiled and eager. --quick covers every model at T = 2048
-compiled plus TANGO, Windowed TANGO, three-set TANGO and Loop Transformer++ at T = 8192 (21
-configurations: 17 models + 4, 2 warm-up and 3 timed steps each). Its time is an estimate from FLOPs, not
+compiled plus the registry's bench_long models (models.ModelSpec) at T = 8192, 2 warm-up and 3
+timed steps each. Its time is an estimate from FLOPs, not
 measured yet (no GPU was available while writing this): a 32k-token step at 70M is 1.5e13
 (untied, T = 2048) to 2.3e14 (TANGO, T = 8192) model FLOPs (flops.train_flops), 0.05-1 s at
-250 TFLOP/s, so the ~6 steps of all 21 configurations take about a minute together; the rest
+250 TFLOP/s, so the ~6 steps of every configuration take about a minute together; the rest
 is interpreter and CUDA start-up (~10 s each) and the regional compile (~10-20 s each: one unit
 and the head, forward and backward), about 8-12 minutes in all on one H100/H200-class GPU. On CPU, --quick runs the same plan at
 T = 32 / 128 and V = 256, eager (an inductor compile takes minutes per model on CPU), in this
