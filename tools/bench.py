@@ -217,10 +217,11 @@ def child(spec):
     tokens = B * T
     fl = flops.train_flops(cfg, T, tokens)
     work = None
-    if dev.startswith("cuda") and spec["model"] in ("tango", "tango-windowed", "tango-3set"):  # the fused path's plan
+    import tango
+    if dev.startswith("cuda") and isinstance(model.body, tango.Tango):  # the fused path's plan
         import tango_kernels
         dt = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
-        work = tango_kernels.attention_work(B, cfg.n_head, T, cfg.window if spec["model"] == "tango-windowed" else None,
+        work = tango_kernels.attention_work(B, cfg.n_head, T, cfg.window if model.body.windowed else None,
                                             cfg.width // cfg.n_head, dt)["ratio"]
     compile_s = max(0.0, first_dur - statistics.median(times)) if spec["compile"] else 0.0
     return {"width": cfg.width, "non_embedding_params": model.num_params(), "batch": B, "tokens_per_step": tokens,
