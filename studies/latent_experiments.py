@@ -27,12 +27,12 @@ if not __package__:  # run as python studies/x.py, not python -m studies.x: find
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness.evaluation import eval_mode
-from harness.cli import TrainingError
 from harness.checkpoint import clean_state_dict, save_atomic
 from harness.optim import AdamW, make_optimizer
 from common import ModelConfig, UsageError
-from harness.cli import (UsageParser, check_decayed_rate, check_output_files, check_output_folder, check_rate,
-                         check_seed, make_parent, nll_unit, repeated, run_command, seed_flag, write_text)
+from harness.cli import (FolderLock, TrainingError, UsageParser, check_decayed_rate, check_output_files,
+                         check_output_folder, check_rate, check_seed, make_parent, nll_unit, repeated, run_command,
+                         seed_flag, write_text)
 from harness.latent_bases import load_base
 from latent_tokens import (GROUPINGS, POSITION_MODES, READOUTS, LatentLM, Policy, choose, cosine_lr, evaluate, fit,
                            latent_params, parse_policy, train_latents)
@@ -478,11 +478,15 @@ def main(argv=None):
     """The command line: `pretrain ...`, `sweep ...` (argv[0]) or one run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] == "pretrain":
-            pretrain(parse(pretrain_parser(), argv, "pretrain"))
-        elif argv and argv[0] == "sweep":
-            args = parse(sweep_parser(), argv, "sweep")
-            sweep(args, *load_base(args.base))
+        if argv and argv[0] in ("pretrain", "sweep"):  # each writes its --out_dir: one such command at a time there
+            args = parse(pretrain_parser() if argv[0] == "pretrain" else sweep_parser(), argv, argv[0])
+            held = FolderLock(args.out_dir).acquire(lambda holder: UsageError(
+                f"--out_dir {args.out_dir}: another run is writing there ({holder}); wait for it to end, or give "
+                "another --out_dir"))
+            try:
+                pretrain(args) if argv[0] == "pretrain" else sweep(args, *load_base(args.base))
+            finally:
+                held.release()
         else:
             run(parse(run_parser(), argv, "run"))
     except (UsageError, TrainingError) as e:

@@ -207,3 +207,39 @@ def test_sigterm_under_torchrun_prints_only_true_lines(mdm, data_root, tmp_path)
     rank1 = next(s for s in stops if s is not rank0)
     assert rank1.startswith("terminated: rank 1 stopped after update ")
     assert rank1.endswith("; rank 0 names the checkpoint left") and "no checkpoint exists yet" not in err
+
+
+def test_a_second_sweep_into_a_held_root_is_refused(tmp_path, monkeypatch):
+    """One sweep at a time in a --root: a second `sweep run` into it (here the root is held by this
+    process) is one line naming the root and the holder, before any run starts or any line is logged;
+    once released, the same command runs."""
+    from common import UsageError
+    from tools import sweep
+    started = []
+    monkeypatch.setattr(sweep, "prepare_data", lambda resolved: None)
+    monkeypatch.setattr(sweep, "run_process", lambda cmd, stdout, env: started.append(cmd) or 0)
+    argv = ["run", "--root", str(tmp_path / "grid"), "--models", "loop", "--depths", "2", "--", "--size", "tiny"]
+    held = FolderLock(str(tmp_path / "grid")).acquire(refused)
+    try:
+        with pytest.raises(UsageError, match=rf"^--root {tmp_path / 'grid'}: another sweep is running there \(pid "
+                                             rf"{os.getpid()} on .*\); wait for it to end"):
+            sweep.main(argv)
+        assert started == [] and os.listdir(tmp_path / "grid") == [FolderLock.NAME]
+    finally:
+        held.release()
+    assert sweep.main(argv) == 0 and len(started) == 1 and not os.path.exists(tmp_path / "grid" / FolderLock.NAME)
+
+
+def test_a_latent_token_study_into_a_held_folder_is_refused(tmp_path, capsys):
+    """The latent-token study's pretrain and sweep write their --out_dir: a second one there is one
+    line naming the folder and its holder, exit 2, before any work."""
+    from studies import latent_experiments
+    held = FolderLock(str(tmp_path / "base")).acquire(refused)
+    try:
+        with pytest.raises(SystemExit) as e:
+            latent_experiments.main(["pretrain", "--out_dir", str(tmp_path / "base"), "--steps", "1"])
+    finally:
+        held.release()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --out_dir {tmp_path / 'base'}: another run is writing there (pid {os.getpid()} on ")

@@ -46,7 +46,7 @@ if not __package__:  # run as python tools/x.py, not python -m tools.x: find the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import UsageError
-from harness.cli import (FLOAT32_MAX, Terminated, UsageParser, check_not_empty, check_output_file,
+from harness.cli import (FLOAT32_MAX, FolderLock, Terminated, UsageParser, check_not_empty, check_output_file,
                          check_output_folder, make_parent, repeated, run_command, write_text)
 from tools.sweep_report import curves_of, log_records, read_json, run_args
 
@@ -109,28 +109,34 @@ def cmd_run(args, extra):
         return rc
 
     prepare_data(resolved)  # once, here: parallel runs never prepare the same folder
-    os.makedirs(args.root, exist_ok=True)  # only now: a sweep refused above leaves no folder
-    log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
-    with open(log, "a") as f:  # (merge_output keys this command's lines by it)
-        f.write(f"{START_LINE} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, id {secrets.token_hex(4)}\n")
-    _runs["stopping"] = False
+    # only now (a sweep refused above leaves no folder), and one sweep at a time in a root (each run holds its folder)
+    held = FolderLock(args.root).acquire(lambda holder: UsageError(
+        f"--root {args.root}: another sweep is running there ({holder}); wait for it to end (it runs this grid's "
+        "runs too), or give another --root"))
     try:
-        if args.jobs > 1:
-            pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
-            try:
-                rcs = [f.result() for f in [pool.submit(one, i, *g) for i, g in enumerate(grid, 1)]]
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)  # (stopped: the queued runs never start)
-        else:
-            rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the running train.py processes end as they would alone
-        stop_runs(e)
-        with open(log, "a") as f:  # (harness.cli.run_command prints the same line on stderr)
-            f.write(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: {RESUME_HINT}\n")
-        raise
-    failed = sum(rc != 0 for rc in rcs)
-    say(f"sweep: {len(grid)} run{'s' * (len(grid) != 1)}, {failed} failed, wall time {time.time() - t0:.0f} s", log)
-    return 1 if failed else 0
+        log = os.path.join(args.root, "sweep-output.txt")  # what this prints, appended (report --grid reads it)
+        with open(log, "a") as f:  # (merge_output keys this command's lines by it)
+            f.write(f"{START_LINE} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, id {secrets.token_hex(4)}\n")
+        _runs["stopping"] = False
+        try:
+            if args.jobs > 1:
+                pool = concurrent.futures.ThreadPoolExecutor(args.jobs)
+                try:
+                    rcs = [f.result() for f in [pool.submit(one, i, *g) for i, g in enumerate(grid, 1)]]
+                finally:
+                    pool.shutdown(wait=False, cancel_futures=True)  # (stopped: the queued runs never start)
+            else:
+                rcs = [one(i, *g) for i, g in enumerate(grid, 1)]
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the running train.py processes end as they would alone
+            stop_runs(e)
+            with open(log, "a") as f:  # (harness.cli.run_command prints the same line on stderr)
+                f.write(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: {RESUME_HINT}\n")
+            raise
+        failed = sum(rc != 0 for rc in rcs)
+        say(f"sweep: {len(grid)} run{'s' * (len(grid) != 1)}, {failed} failed, wall time {time.time() - t0:.0f} s", log)
+        return 1 if failed else 0
+    finally:
+        held.release()
 
 
 START_LINE = "sweep run started"  # a run command's first line in sweep-output.txt (a time and a random id follow)
