@@ -55,8 +55,8 @@ import data as data_mod
 from common import ModelConfig, UsageError, compile_regions, host_values
 from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, load_checkpoint, overrides, restore,
                                 resume_args, save_checkpoints, strip_prefixes)
-from harness.cli import (TrainingError, UsageParser, add_flags, disk_full, run_command, seed_flag, synchronizer,
-                         values, write_text)
+from harness.cli import (TrainingError, UsageParser, add_flags, disk_full, full_disk_text, run_command, seed_flag,
+                         synchronizer, values, write_text)
 from harness.config import Dist, DebugDump, Log, autocast_ctx, check_flags, hold_run_folder, tier_default
 from harness.datacheck import load_data
 from harness.evaluation import (check_scored_windows, depth_sweep, eval_only, evaluate, exact_match, print_report,
@@ -207,8 +207,8 @@ def run(args, given=frozenset()):
         except Exception as e:  # a full disk under a checkpoint, the log or summary.json: one line, not a traceback
             if disk_full(e) is None:
                 raise
-            raise TrainingError(f"{args.out_dir}: no space left on device ({disk_full(e).strerror}); stopped after "
-                                f"update {r.it}; {r.checkpoint_note()}") from None
+            raise TrainingError(f"{args.out_dir}: {full_disk_text(disk_full(e))}; stopped after update {r.it}; "
+                                f"{r.checkpoint_note()}") from None
         r.log.close()
     return summary
 

@@ -224,8 +224,7 @@ def run_command(main, sizes=()):
             raise
         if full is not None:
             where = f"{full.filename}: " if full.filename else ""
-            print(f"error: {where}no space left on device ({full.strerror}); free some space and run the command "
-                  "again", file=sys.stderr)
+            print(f"error: {where}{full_disk_text(full)}; free some space and run the command again", file=sys.stderr)
             code = 1
         else:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -507,6 +506,11 @@ class FolderLock:
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_text(err):
+    """'no space left on device', with the OS's words where they say more (a quota: 'Disk quota exceeded')."""
+    return "no space left on device" + ("" if err.errno == errno.ENOSPC else f" ({err.strerror})")
 
 
 def disk_full(e):

@@ -154,8 +154,8 @@ def test_a_full_disk_under_a_checkpoint_is_one_line_and_keeps_the_last_one(mdm, 
         return f
     monkeypatch.setattr(harness.cli, "open", fake_open, raising=False)
     code, err = main(flags(mdm, data_root, out, "--max_iters", "6", "--eval_interval", "2"), capsys)
-    assert code == 1 and err == (f"error: {out}: no space left on device (No space left on device); stopped after "
-                                 f"update 4; the last good checkpoint is {out}/ckpt_latest.pt (update 2)\n"), err
+    assert code == 1 and err == (f"error: {out}: no space left on device; stopped after update 4; the last good "
+                                 f"checkpoint is {out}/ckpt_latest.pt (update 2)\n"), err
     assert torch.load(out / "ckpt_latest.pt", weights_only=True)["iter"] == 2
     assert glob.glob(str(out / "*.tmp-*")) == [] and not os.path.exists(out / FolderLock.NAME)
 
@@ -171,8 +171,8 @@ def test_every_command_says_a_full_disk_in_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         harness.cli.run_command(main_)
     assert e.value.code == 1
-    assert capsys.readouterr().err == ("error: /data/out/x.bin: no space left on device (No space left on device); "
-                                       "free some space and run the command again\n")
+    assert capsys.readouterr().err == ("error: /data/out/x.bin: no space left on device; free some space and run the "
+                                       "command again\n")
 
 
 # ----------------------------------------------------------------------------- a stop under torchrun
