@@ -318,7 +318,8 @@ def test_a_resume_trains_with_its_own_weight_decay(runs, mdm, data_root, tmp_pat
     saved = load(out / "ckpt_latest.pt")["optimizer"]
     for extra, decay in (([], 0.1), (["--weight_decay", "0.02"], 0.02)):
         argv = flags(mdm, data_root, out, "--resume", "--max_iters", "7", *extra)
-        r, _, changed = train.setup(train.parse_args(argv), train.given_flags(argv))
+        with contextlib.ExitStack() as held:  # (the run's hold of out_dir, released after the checks)
+            r, _, changed = train.setup(train.parse_args(argv), train.given_flags(argv), held)
         assert [g["weight_decay"] for g in r.optimizer.param_groups] == [decay, 0.0]
         assert changed == ({"max_iters": [6, 7]} | ({"weight_decay": [0.1, 0.02]} if extra else {}))
         moments = r.optimizer.state_dict()["state"]
