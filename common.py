@@ -328,7 +328,7 @@ class LM(nn.Module):
             if padded.dtype in (torch.bfloat16, torch.float16):  # float32 only per chunk, recomputed in backward
                 loss = sum(torch.utils.checkpoint.checkpoint(_nll_sum, flat[r:r + CE_ROWS], tgt[r:r + CE_ROWS],
                                                              use_reentrant=False) for r in range(0, len(tgt), CE_ROWS))
-            else:  # float32 / float64: one call, as before (the same sums to the bit)
+            else:  # float32 / float64: one call (chunks would change the sum's rounding)
                 loss = _nll_sum(flat, tgt)
             if reduction == "mean":
                 loss = loss / (targets != -1).sum()

@@ -70,7 +70,7 @@ def test_bf16_loss_keeps_no_float32_copy_of_the_logits(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_float_loss_is_the_single_cross_entropy_to_the_bit(monkeypatch, dtype):
     """float32/float64 logits: the loss is one F.cross_entropy over all tokens (CE_ROWS does not
-    apply), bit for bit, so CPU runs print the same NLL as before."""
+    apply), bit for bit: a CPU run's NLL does not depend on the chunking of bf16 losses."""
     monkeypatch.setattr(common, "CE_ROWS", 32)
     model, x, targets = head_inputs()
     model, x = model.to(dtype), x.detach().to(dtype)
