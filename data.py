@@ -244,10 +244,11 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
 
 def _no_space(e, folder):
     """True when OSError e is a write that found no space left: ENOSPC or EDQUOT, or numpy's tofile
-    ("N requested and M written", no errno) with the device of folder full."""
+    ("N requested and M written" or "Not enough free space to write N bytes", no errno) with the
+    device of folder full."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    if e.errno is None and "requested and" in str(e):
+    if e.errno is None and ("requested and" in str(e) or "Not enough free space" in str(e)):
         with contextlib.suppress(OSError):
             return shutil.disk_usage(_existing(folder)).free < 1 << 20
     return False
@@ -508,7 +509,8 @@ def add_arguments(add):
     add("--max_tokens", type=_count, default=0, help="keep the first N tokens of the source, all splits "
         "together (e.g. 1.7e9); 0: all")
     add("--num_proc", type=int, default=os.cpu_count() or 1, help="tokenizer worker processes for text "
-        "datasets (at most this machine's CPUs; dmmath's characters are tokenized in one)")
+        "datasets (at most this machine's CPUs; dmmath's characters are tokenized in one); default: this "
+        "machine's CPU count")
     add("--hf_split", default="train", help="hf: the source split to read (this repo splits it by document)")
     add("--hf_text_field", default="text", help="hf: the column holding each document's text")
     add("--hf_split_key", default="auto", help="hf: column whose value picks the split; equal values share one "

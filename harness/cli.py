@@ -481,10 +481,14 @@ class FolderLock:
             except FileNotFoundError:
                 pass
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}".encode())
         self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}".encode())
+        except OSError:  # (a full disk) the hold is not taken: nothing of it stays
+            self.release()
+            raise
         return self
 
     def release(self):

@@ -212,6 +212,14 @@ def test_docs_training_flag_table_is_the_parsers_declarations():
     assert "`--[no-]jacobi_random`" in block and "| `--learning_rate` | peak learning rate; default: tiny" in block
 
 
+def test_docs_flag_tables_do_not_depend_on_the_machine(monkeypatch):
+    """A default that is this machine's (--num_proc: its CPU count) is said in words, so the tables
+    are the same on 2 cores and on a 16-core GPU machine."""
+    from tools import flag_table
+    here = flag_table.flag_tables()
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert flag_table.flag_tables() == here
+
 def markdown_links(path):
     """The relative link targets [text](target) of a markdown file."""
     with open(os.path.join(REPO, path), encoding="utf-8") as f:

@@ -243,3 +243,15 @@ def test_a_latent_token_study_into_a_held_folder_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --out_dir {tmp_path / 'base'}: another run is writing there (pid {os.getpid()} on ")
+
+
+def test_a_hold_that_cannot_write_its_holder_leaves_nothing(tmp_path, monkeypatch):
+    """On a full disk the lock file's holder text fails to write: the hold is not taken and neither
+    the lock file nor the folder it created is left behind (a later run would find them)."""
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(harness.cli.os, "write", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        FolderLock(str(tmp_path / "new" / "run")).acquire(refused)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
