@@ -140,7 +140,8 @@ class Run:
     """What a run holds once its inputs are validated. model is the LM (checkpoints, generation),
     its repeated units compiled under --compile; fwd is the model evaluation calls; train_model
     is fwd, DDP-wrapped under torchrun. it: updates done; saved_at: update of the checkpoint in
-    out_dir (None: none yet); first_update_s: seconds from t_start to the end of the first update;
+    out_dir (None: none yet); best_saved_at: update of the best checkpoint this process wrote
+    (None: none); first_update_s: seconds from t_start to the end of the first update;
     resumed_at: the update this process resumed from (None: a fresh run); wall_before: seconds of
     training behind the resumed checkpoint (0 for a fresh run; None when the checkpoint predates
     that record), so wall_s() counts every process that led to this run."""
@@ -161,6 +162,7 @@ class Run:
     t_start: float = 0.0
     first_update_s: float = None
     saved_at: int = None
+    best_saved_at: int = None
     wall_before: float = 0.0
     resumed_at: int = None
 
@@ -173,6 +175,9 @@ class Run:
         stopped before its first update leaves out_dir as it was: Log)."""
         if self.saved_at is None and self.log is not None and self.log.pending is not None:
             return f"nothing was written to {self.args.out_dir} (a run writes there after its first update)"
+        if self.saved_at is None and self.best_saved_at is not None:  # the best was written, the latest failed
+            return (f"no checkpoint to resume from yet; {self.best_path} (update {self.best_saved_at}) holds the best "
+                    "weights (--eval_only and sample.py read it)")
         if self.saved_at is None:
             first = min(self.args.eval_interval, self.args.max_iters)  # (train_loop's first dev evaluation)
             return f"no checkpoint exists yet (the first is written after update {first})"

@@ -60,6 +60,7 @@ def save_checkpoints(r, dev, improved):
              "seed": args.seed, "data_seed": args.data_seed, "args": vars(args), "wall_s": r.wall_s()}
     if improved:
         save_atomic(state, os.path.join(args.out_dir, BEST))
+        r.best_saved_at = r.it
     save_atomic(dict(state, optimizer=to_cpu(r.optimizer.state_dict()), rng=rng_state(r.rng, args.device)),
                 os.path.join(args.out_dir, LATEST))
     r.saved_at = r.it

@@ -136,12 +136,14 @@ class FullDisk(io.RawIOBase):
         super().close()
 
 
-def test_a_full_disk_under_a_checkpoint_is_one_line_and_keeps_the_last_one(mdm, data_root, tmp_path, monkeypatch,
-                                                                            capsys):
+@pytest.mark.parametrize("failing_save", [2, 1])
+def test_a_full_disk_under_a_checkpoint_is_one_line_and_keeps_the_last_one(failing_save, mdm, data_root, tmp_path,
+                                                                            monkeypatch, capsys):
     """The disk fills while the update-4 checkpoint is written: torch.save's zip writer then raises
     a RuntimeError while the ENOSPC unwinds (the 44-line double traceback). The run stops in one line
     naming the folder, "no space left on device" and the last good checkpoint, exit 1; that
-    checkpoint (update 2) still loads, and no temporary file is left."""
+    checkpoint (update 2) still loads, and no temporary file is left. When the first latest checkpoint
+    fails, the line says that the best one (written just before) holds the weights, and none resumes."""
     out = tmp_path / "x"
     real_open, writes = open, []
 
@@ -149,11 +151,17 @@ def test_a_full_disk_under_a_checkpoint_is_one_line_and_keeps_the_last_one(mdm, 
         f = real_open(path, mode, *a, **kw)
         if "ckpt_latest.pt.tmp-" in str(path):
             writes.append(path)
-            if len(writes) == 2:  # the second save of the latest checkpoint (update 4)
+            if len(writes) == failing_save:  # the second (update 4) or the first (update 2) latest checkpoint
                 return FullDisk(f, room=4096)
         return f
     monkeypatch.setattr(harness.cli, "open", fake_open, raising=False)
     code, err = main(flags(mdm, data_root, out, "--max_iters", "6", "--eval_interval", "2"), capsys)
+    if failing_save == 1:
+        assert code == 1 and err == (f"error: {out}: no space left on device; stopped after update 2; no checkpoint "
+                                     f"to resume from yet; {out}/ckpt_best.pt (update 2) holds the best weights "
+                                     "(--eval_only and sample.py read it)\n"), err
+        assert not os.path.exists(out / "ckpt_latest.pt") and glob.glob(str(out / "*.tmp-*")) == []
+        return
     assert code == 1 and err == (f"error: {out}: no space left on device; stopped after update 4; the last good "
                                  f"checkpoint is {out}/ckpt_latest.pt (update 2)\n"), err
     assert torch.load(out / "ckpt_latest.pt", weights_only=True)["iter"] == 2
