@@ -16,16 +16,9 @@ import harness.cli
 import train
 from harness.cli import FolderLock
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "loop", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--eval_windows", "6",
-        "--eval_batch_size", "4", "--sample_tokens", "5", "--em_samples", "3", "--quiet"]
+from test_train import REPO, flags  # noqa: E402  (train.py's tiny run of the train tests)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def flags(mdm, data_root, out_dir, *extra):
-    return [*TINY, "--dataset", "dmmath", "--data_dir", str(mdm), "--data_root", str(data_root),
-            "--out_dir", str(out_dir), *extra]
 
 
 def main(argv, capsys):
