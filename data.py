@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from common import UsageError
-from harness.cli import INT64_RANGE, UsageParser, check_output_folder, owner_tag, remove_orphans, run_command
+from harness.cli import (INT64_RANGE, UsageParser, check_output_folder, disk_full, owner_tag, remove_orphans,
+                         run_command)
 from harness import text_data
 from harness.token_files import (  # noqa: F401 (callers read them as data.X)
     BY_FILE, BY_POSITION, EOT, _download_gpt2, _fingerprint, _try, _walk, bin_dtype, gpt2_encoder, read_bin,
@@ -242,34 +243,15 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     return folder
 
 
-def _no_space(e, folder):
-    """True when OSError e is a write that found no space left: ENOSPC or EDQUOT, or numpy's tofile
-    ("N requested and M written" or "Not enough free space to write N bytes", no errno) with the
-    device of folder full."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if e.errno is None and ("requested and" in str(e) or "Not enough free space" in str(e)):
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(_existing(folder)).free < 1 << 20
-    return False
-
-
-def _existing(path):
-    """path, or its nearest parent that exists."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 @contextlib.contextmanager
 def _full_disk(folder):
-    """UsageError naming folder when the body's writing finds no space left on the device (_no_space),
-    after the body's own cleanup: nothing of the preparation is left, an earlier folder is as it was."""
+    """UsageError naming folder when the body's writing finds no space left on the device
+    (harness.cli.disk_full, numpy's messages too), after the body's own cleanup: nothing of the
+    preparation is left, an earlier folder is as it was."""
     try:
         yield
     except OSError as e:
-        if not _no_space(e, folder):
+        if disk_full(e, folder) is None:
             raise
         raise UsageError(f"{folder}: no space left on device while preparing it; nothing of it was written (an "
                          "earlier copy, if any, is as it was); free some space or give a --data_root on another "

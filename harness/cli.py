@@ -510,6 +510,8 @@ class FolderLock:
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# numpy's tofile on a full device raises an OSError without an errno, with one of these messages
+NUMPY_DISK_FULL = ("requested and", "Not enough free space")
 
 
 def full_disk_text(err):
@@ -517,13 +519,27 @@ def full_disk_text(err):
     return "no space left on device" + ("" if err.errno == errno.ENOSPC else f" ({err.strerror})")
 
 
-def disk_full(e):
+def disk_full(e, folder=None):
     """The OSError of a full disk (or quota) among e and the exceptions it was raised from or while
-    handling (torch.save's writer raises a RuntimeError while an ENOSPC unwinds), else None."""
+    handling (torch.save's writer raises a RuntimeError while an ENOSPC unwinds), else None. With
+    folder (where the writes went), also numpy's errno-less messages (NUMPY_DISK_FULL) when that
+    folder's device has under 1 MiB free."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in DISK_FULL:
+        if isinstance(e, OSError) and (e.errno in DISK_FULL or folder is not None and e.errno is None
+                                       and any(m in str(e) for m in NUMPY_DISK_FULL) and _free(folder) < 1 << 20):
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _free(path):
+    """Free bytes on the device of path, or of its nearest existing parent (inf where unknown)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return float("inf")
