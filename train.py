@@ -210,9 +210,10 @@ def run(args, given=frozenset()):
             raise type(e)(f"stopped after update {r.it}; {r.checkpoint_note()}" + (
                 "" if r.saved_at is None else f"; --resume --out_dir {args.out_dir} continues from it")) from None
         except Exception as e:  # a full disk under a checkpoint, the log or summary.json: one line, not a traceback
-            if disk_full(e) is None:
+            full = disk_full(e)
+            if full is None:
                 raise
-            raise TrainingError(f"{args.out_dir}: {full_disk_text(disk_full(e))}; stopped after update {r.it}; "
+            raise TrainingError(f"{args.out_dir}: {full_disk_text(full)}; stopped after update {r.it}; "
                                 f"{r.checkpoint_note()}") from None
         r.log.close()
     return summary
