@@ -208,8 +208,9 @@ def test_tango_unit_queries_and_keys_stay_float32_under_bf16_autocast(monkeypatc
 # ----------------------------------------------------------------------------- train.py end to end
 
 @pytest.fixture(scope="module")
-def text_data(tmp_path_factory):
-    """A small text folder and a data_root prepared once for every model's run."""
+def text_data(tmp_path_factory, gpt2_bpe):
+    """A small text folder and a data_root prepared once for every model's run (the tiny tier's
+    GPT-2 BPE: the runs skip, with the shared reason, where its file is missing)."""
     d = tmp_path_factory.mktemp("bf16_text")
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "def", "return", "(", ")", ":", "\n"]
