@@ -2,6 +2,36 @@
 import torch
 
 from common import rope_cos_sin
+from models import REGISTRY
+
+# Tests choose models by what the registry says of them, not by lists of names (a new model joins
+# every choice its row qualifies it for).
+# The headline grids (results/chargrid, results/cpugrid*): the TANGO paper's section 4.1 models and Parcae.
+GRID_MODELS = tuple(name for name, spec in REGISTRY.items() if spec.paper_grid) + ("parcae",)
+
+
+
+
+def one_per_file():
+    """One model per model file: the first registered of each (tango, loop, parcae, ...)."""
+    picks = {}
+    for name, spec in REGISTRY.items():
+        picks.setdefault(spec.build.__module__, name)
+    return list(picks.values())
+
+
+def readers(flag):
+    """The registered models whose registry row declares the model flag, in registry order."""
+    return [name for name, spec in REGISTRY.items() if flag in spec.flags]
+
+
+def first_readers(*flags):
+    """One model per behaviour: the first registered model reading each flag, and the first reading
+    none of them (registry order, without repeats)."""
+    picks = [readers(f)[0] for f in flags]
+    picks.append(next(name for name, spec in REGISTRY.items() if not set(flags) & set(spec.flags)))
+    return list(dict.fromkeys(picks))
+
 
 # parallel loops (parallel_loops.py): one block per loop, so K = 3 loops are 3 block applications like the other
 # models (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)

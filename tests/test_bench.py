@@ -374,12 +374,13 @@ def test_a_bench_row_records_whether_its_mfu_is_nominal(model, flags, why):
 
 # ----------------------------------------------------------------------------- the model train.py builds, flags
 
+from checks import first_readers  # noqa: E402
 from test_flops import flags_for, train_py_config  # noqa: E402  (train.py's own resolution, for comparison)
 
 
 @pytest.mark.parametrize("size, flags", [("tiny", []), ("cpu", []), ("cpu", ["--chunk", "16", "--window", "8"]),
                                          ("tiny", ["--width", "256", "--gau_s", "64", "--n_core", "3"])])
-@pytest.mark.parametrize("model", ["tango-windowed", "gau", "flash", "loop", "plt"])
+@pytest.mark.parametrize("model", first_readers("window", "chunk", "gau_s", "n_core"))
 def test_bench_times_the_model_train_py_builds(model, size, flags, tmp_path):
     """A configuration's model is the one `train.py --model M --size S --depth 4 --block_size T`
     builds with the same flags: the tier's W, C and s, not ModelConfig's defaults (at --size cpu,
@@ -396,7 +397,7 @@ def test_bench_decode_builds_the_model_train_py_builds(size, flags, tmp_path):
     """tools.bench decode times train.py's model at the tier's --block_size (128 here) with the same
     flags, not ModelConfig's W = C = 256, s = 128 at block size prompt + tokens."""
     from tools import bench_decode
-    for model in ("gau", "flash", "loopstack"):
+    for model in first_readers("chunk", "gau_s", "n_core"):
         given = dict(zip((f[2:] for f in flags_for(model, flags)[::2]), map(int, flags_for(model, flags)[1::2])))
         row = bench_decode.decode_row(model, size, 2, 0, 2, 1, 0, vocab_size=100, **given)
         cfg = train_py_config(model, size, 2, 128, 100, tmp_path, *flags_for(model, flags))
@@ -407,11 +408,12 @@ def test_bench_decode_shows_n_core_only_for_the_models_that_read_it():
     """n_core is a column of the decode table; a model without the flag (tango, ponder) shows "-"
     (None in the JSON row), not ModelConfig's unused default."""
     from tools import bench_decode
-    rows = [bench_decode.decode_row(m, "tiny", 2, 0, 2, 1, 0, vocab_size=50, n_core=3) if m == "loopstack" else
-            bench_decode.decode_row(m, "tiny", 2, 0, 2, 1, 0, vocab_size=50) for m in ("loopstack", "tango")]
+    reads, other = first_readers("n_core")
+    rows = [bench_decode.decode_row(reads, "tiny", 2, 0, 2, 1, 0, vocab_size=50, n_core=3),
+            bench_decode.decode_row(other, "tiny", 2, 0, 2, 1, 0, vocab_size=50)]
     assert [r["n_core"] for r in rows] == [3, None]
     table = bench_decode.decode_table(rows).splitlines()
-    assert table[2].startswith("| loopstack | 2 | 3 | ") and table[3].startswith("| tango | 2 | - | "), table
+    assert table[2].startswith(f"| {reads} | 2 | 3 | ") and table[3].startswith(f"| {other} | 2 | - | "), table
 
 
 def test_eager_rows_show_no_compile_figures():

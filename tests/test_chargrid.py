@@ -13,10 +13,10 @@ import pytest
 from tools import sweep
 from tools import sweep_report
 import train
+from checks import GRID_MODELS
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/chargrid"  # as results/chargrid/README.md's commands and markers spell it (relative to HERE)
-GRID_MODELS = ["tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae"]
 MDM_SIZE = (60, 20)  # the shared mini-dmmath of tests/conftest.py (mdm, data_root), small
 
 

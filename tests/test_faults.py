@@ -334,11 +334,15 @@ def test_training_draws_depend_only_on_seed_update_and_micro_batch(name):
 
 
 def drawing_models():
+    """The registered models with a module that draws in training (an rng_seed attribute), at their defaults."""
     return [n for n in REGISTRY if any(hasattr(m, "rng_seed") for m in build_model(small_cfg(n)).modules())]
 
 
-def test_the_drawing_models_are_parcae_rdm_and_ponder():
-    assert drawing_models() == ["parcae", "rdm", "ponder"]  # PonderLM-2: its Jacobi count in training
+def test_the_drawing_models_are_the_nominal_ones():
+    """A model draws a random depth or iteration count in training (Parcae, RDM; PonderLM-2 its Jacobi
+    count) exactly when flops.py calls its training FLOPs nominal: two sources, one set."""
+    import flops
+    assert drawing_models() and set(drawing_models()) == set(flops.TRAIN_FLOPS_NOMINAL)
 
 
 def run_train(argv, torchrun=2):
@@ -356,12 +360,12 @@ def log_of(out, event):
         return [r for r in map(json.loads, f) if r["event"] == event]
 
 
-@pytest.mark.parametrize("name", ["parcae", "rdm", "ponder"])
+@pytest.mark.parametrize("name", drawing_models())
 def test_ddp_equals_one_process_for_models_that_draw(name, long_questions, tmp_path):
     """Models that draw random depths (Parcae, RDM) or Jacobi counts (PonderLM-2), under DDP: 2
     updates of 2 micro-batches, once alone and once under torchrun with 2 processes: parameters
     within 1e-6, equal losses and dev NLL (the draws depend on the update and the micro-batch, not
-    on the rank). Parametrized by the models that draw (test_the_drawing_models_are_parcae_rdm_and_ponder)."""
+    on the rank). Parametrized by the models that draw (drawing_models)."""
     root, data_root, _ = long_questions
     model_flags = ["--n_prelude", "1", "--n_core", "1", "--n_coda", "1"] if name != "ponder" else ["--size", "tiny"]
     flags = ["--model", name, "--depth", "2", *model_flags,

@@ -31,10 +31,11 @@ VALUES = {
     "plt_window": [1, 64], "plt_shift": [False],
     "fold": [1, 2, 3, 4], "fold_rank": [1, 8], "fold_layout": ["last"],
 }
-# flags that only make sense together: every combination (LoopFold's stages come from all three)
-JOINT = {"loopfold": [dict(fold=f, fold_layout=lay) for f in (1, 2, 3, 4) for lay in ("first", "last")],
-         "plt": [dict(plt_shift=s, plt_window=w) for s in (True, False) for w in (1, 64)],
-         "ponder": [dict(n_thoughts=n, jacobi=j, jacobi_random=r) for n in (0, 1, 2) for j in (0, 2) for r in (True, False)]}
+# flags that only make sense together: every combination, for each model that reads all of them
+# (LoopFold's stages come from all three)
+JOINT = [[dict(fold=f, fold_layout=lay) for f in (1, 2, 3, 4) for lay in ("first", "last")],
+         [dict(plt_shift=s, plt_window=w) for s in (True, False) for w in (1, 64)],
+         [dict(n_thoughts=n, jacobi=j, jacobi_random=r) for n in (0, 1, 2) for j in (0, 2) for r in (True, False)]]
 
 
 def settings(name):
@@ -48,7 +49,7 @@ def settings(name):
                 yield dict(depth=K, **{f: v(K) if callable(v) else v})
         if name in ("gau", "flash"):
             yield dict(depth=K, tie_unit=False)
-        for kw in JOINT.get(name, []):
+        for kw in (kw for group in JOINT if set(group[0]) <= set(flags) for kw in group):
             yield dict(depth=K, **kw)
 
 

@@ -25,7 +25,7 @@ SPLITS = ("train", "dev", "test")
 
 def make_docs(n=160):
     """Documents with ids; a few characters (é, ∑, 字) occur in only one document each."""
-    words = ["alpha", "beta", "gamma", "delta", "loop", "tango", "operator", "token", "sum", "x = 1 + 2"]
+    words = ["alpha", "beta", "gamma", "delta", "ring", "waltz", "operator", "token", "sum", "x = 1 + 2"]
     docs = [f"Doc {i}: " + " ".join(words[(i * k) % len(words)] for k in range(3 + i % 7)) + ".\n"
             for i in range(n)]
     docs[5] += "café"

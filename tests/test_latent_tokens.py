@@ -242,7 +242,7 @@ def test_a_group_longer_than_the_context_is_refused():
         lt.LatentLM(base, "Start_99999999")
 
 
-@pytest.mark.parametrize("name", ["untied", "tango"])
+@pytest.mark.parametrize("name", list(models.REGISTRY))
 def test_cached_decode_readout_verbal(name):
     base = loud(models.build_model(small_cfg(name)))
     llm = lt.LatentLM(base, "Start_1+End_2+Comma_2+5_1", groups="fs", marker_ids=[C], readout="verbal")

@@ -208,3 +208,11 @@ def test_train_flags_reach_the_config():
     c, _ = config.model_config(args, 61)
     assert (c.n_thoughts, c.jacobi, c.jacobi_random) == (2, 5, False)
     assert {"n_thoughts", "jacobi"} <= set(checkpoint.IDENTITY_FLAGS) and "jacobi_random" not in checkpoint.IDENTITY_FLAGS
+
+
+def test_bench_decode_rows_report_sequential_passes():
+    """bench.py decode's PonderLM-2 row: n + 1 = 2 passes per token (one thought), and a positive
+    median ms/token (the speed itself is benchmark output)."""
+    from tools import bench_decode
+    row = bench_decode.decode_row("ponder", "tiny", 2, 0, 4, 2, 1, vocab_size=61)
+    assert row["passes"] == 2 and row["ms_per_token"] > 0

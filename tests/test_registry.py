@@ -282,17 +282,18 @@ def test_the_parameter_count_is_affine_in_each_block_count_and_counted_without_b
     large); params_lower_bound, the count at the smallest width, is at most the solved count."""
     assert models.AFFINE_FROM == 3
     built = lambda cfg: models.build_model(cfg, device="meta").num_params()
-    # flags that change the count, or need more blocks than AFFINE_FROM (--lrt_tgt 5: builds of 6 and 7;
-    # --lrt_src 6: 12 and 13)
-    extra = {"lrt": ["--lrt_tgt", "5"], "lrt-think": ["--lrt_src", "6"], "depth-attn": ["--da_recent", "5"],
-             "loopfold": ["--fold", "3", "--fold_layout", "last"],
-             "parcae": ["--n_prelude", "0", "--n_core", "3", "--n_coda", "1"]}
-    for depth, flags in ((9, []), (14, extra.get(name, []))):
+    # flags that change the count, or need more blocks than AFFINE_FROM, each applied to every model
+    # that reads it: flag -> (value, the first depth whose count is affine in it) (--lrt_tgt 5: builds
+    # of 6 and 7; --lrt_src 6: 12 and 13)
+    extra = {"lrt_tgt": ("5", 7), "lrt_src": ("6", 7), "da_recent": ("5", 6), "fold": ("3", 3),
+             "fold_layout": ("last", 3), "n_prelude": ("0", 3), "n_core": ("3", 3), "n_coda": ("1", 3)}
+    read = [f for f in extra if f in REGISTRY[name].flags]
+    for depth, flags in ((9, []), (14, [x for f in read for x in (f"--{f}", extra[f][0])])):
         args = resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", str(depth),
                                               "--block_size", "32", "--device", "cpu", *flags]))
         cfg = models.flags_config(args, 256)
         smallest = models._with(cfg, width=models.width_multiple(cfg))
-        first = 7 if flags and name.startswith("lrt") else 6 if flags and name == "depth-attn" else 3
+        first = max([3] + [extra[f][1] for f in read if flags])
         for f in models.block_counts(cfg):
             counts = [built(models._with(smallest, **{f: k})) for k in range(first if f == "depth" else 3, 15)]
             assert len({b - a for a, b in zip(counts, counts[1:])}) == 1, (f, flags, counts)
@@ -321,7 +322,7 @@ def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
                                           "--block_size", "32", "--device", "cpu"]))
     looped = [resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--depth", "8", "--block_size", "32",
                                              "--device", "cpu"]))
-              for name in ("parcae", "rdm", "loopstack", "plt", "loopfold")]
+              for name in REGISTRY if "n_core" in REGISTRY[name].flags]
     strict = resolve_args(train.parse_args(["--model", "untied", "--size", "70M", "--depth", "8",
                                             "--block_size", "32", "--device", "cpu"]))
     args.depth = strict.depth = 10**9  # (resolve_args itself calls check_model)
@@ -335,9 +336,10 @@ def test_a_depth_far_beyond_memory_is_refused_without_building_it(monkeypatch):
     with pytest.raises(UsageError, match=rf"^--size 70M --depth 1000000000: the model's at least {bound:,} "):
         config.check_model(strict)
     # every block count: Parcae's and the loop stacks' --n_core 10**9 too
+    assert looped
     for args in looped:
         args.n_core = 10**9
-        given = ("--depth 8 --n_prelude 2 --n_core 1000000000 --n_coda 2" if args.model in ("parcae", "rdm")
+        given = ("--depth 8 --n_prelude 2 --n_core 1000000000 --n_coda 2" if "n_prelude" in REGISTRY[args.model].flags
                  else "--depth 8 --n_core 1000000000")
         with pytest.raises(UsageError, match=rf"^--size tiny {given}: the model's [\d,]+ non-embedding"):
             config.check_model(args)

@@ -31,10 +31,13 @@ TINY = ["--size", "tiny", "--depth", "2", "--block_size", "32", "--batch_size", 
         "--eval_interval", "2", "--warmup_iters", "1", "--eval_windows", "3", "--eval_batch_size", "2",
         "--sample_tokens", "0", "--quiet"]
 DEPTH = {"tango-3set": "3"}  # its first, middle and last sets need depth >= 3
-# the models whose full forward is a parallel approximation of their exact sequential recurrence
-# (cached decoding is that recurrence): these settings make it exact at 32 tokens (ponder.py,
-# latent_recurrence.py), so cached greedy decoding must equal full-forward greedy decoding
-EXACT = {"ponder": ["--jacobi", "31"], "lrt": ["--lrt_subsets", "32"], "lrt-think": ["--lrt_subsets", "64"]}
+# the flags of a full forward that is a parallel approximation of an exact sequential recurrence
+# (cached decoding is that recurrence), at settings that make it exact at 32 tokens: T - 1 Jacobi
+# refinements (ponder.py), at least as many subsets as rows, 2T with thought slots
+# (latent_recurrence.py); so cached greedy decoding must equal full-forward greedy decoding
+EXACT_FLAGS = {"jacobi": "31", "lrt_subsets": "64"}
+EXACT = {name: [x for f, v in EXACT_FLAGS.items() if f in spec.flags for x in (f"--{f}", v)]
+         for name, spec in REGISTRY.items() if set(EXACT_FLAGS) & set(spec.flags)}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,14 @@ import pytest
 
 from tools import sweep
 from tools import sweep_report
+from checks import GRID_MODELS
 from common import UsageError
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
-NOISE = {"untied": 0.3, "flash": 0.05, "gau": 0.02, "tango-windowed": 0.005}  # default 0.01
+MODELS = GRID_MODELS  # tango, tango-windowed, loop, untied, gau, flash, parcae
+NOISE = dict(zip(MODELS, (0.01, 0.005, 0.01, 0.3, 0.02, 0.05, 0.01)))
 
 
 def fake_grid(root, test, dev=None, seeds=(1, 2, 3), em=False, curves=True):
@@ -29,7 +31,7 @@ def fake_grid(root, test, dev=None, seeds=(1, 2, 3), em=False, curves=True):
         for s in seeds:
             d = os.path.join(root, ds, f"{m}-K{k}-s{s}")
             os.makedirs(d, exist_ok=True)
-            off = NOISE.get(m, 0.01) * (s - 2)
+            off = NOISE[m] * (s - 2)
             t = test[m, k] + off
             summ = dict(model=m, depth=k, seed=s, test_nll=t, dev_nll=dv + off, non_embedding_params=1000 + k,
                         unigram_dev=5.0, test_split="interpolate" if em else "test")
@@ -43,7 +45,6 @@ def fake_grid(root, test, dev=None, seeds=(1, 2, 3), em=False, curves=True):
                                "train": [[i, t + 1 - i / 20] for i in range(1, 21)]}, f)
 
 
-MODELS = ("tango", "tango-windowed", "loop", "untied", "gau", "flash", "parcae")
 TEST = {**{(m, 4): v for m, v in zip(MODELS, (3.0, 3.2, 3.3, 3.1, 3.4, 3.15, 2.9))},
         **{(m, 8): v for m, v in zip(MODELS, (3.25, 3.2, 3.1, 3.3, 3.4, 3.5, 2.8))},
         **{(m, 16): v for m, v in zip(MODELS, (3.2, 3.3, 3.0, 3.4, 3.5, 3.6, 2.7))}}
@@ -124,10 +125,10 @@ def test_grid_report_exact_match_one_seed_and_missing_runs(tmp_path):
 
 
 def test_depth_claims_use_each_models_own_depths(tmp_path):
-    """K = 16 run for TANGO and Loop Transformer++ only (as the cpu grid does): their rows span
-    4 -> 8 -> 16, Untied Transformer++'s row spans the 4 -> 8 it has and says the paper's span,
-    and "lowest at K = 16" needs all six there, so it is left out."""
-    keep = {key: v for key, v in DEV.items() if key[1] < 16 or key[0] in ("tango", "loop")}
+    """K = 16 run for every model but Untied Transformer++ (the cpu grid ran it for TANGO and Loop
+    Transformer++ only): their rows span 4 -> 8 -> 16, Untied Transformer++'s row spans the 4 -> 8
+    it has and says the paper's span, and "lowest at K = 16" needs all six there, so it is left out."""
+    keep = {key: v for key, v in DEV.items() if key[1] < 16 or key[0] != "untied"}
     fake_grid(str(tmp_path), TEST, keep)
     text = sweep_report.grid_report(str(tmp_path))
     c = lambda claim: claims_line(text, claim)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import data as data_mod
 import latent_tokens as lt
 import models
+from checks import one_per_file
 from harness.optim import Schedule
 import train
 from common import ModelConfig, UsageError
@@ -304,7 +305,7 @@ POSITIONS = {"prepend": [0, 1, 2, 3, 3, 3, 4, 5, 6, 6, 6],
              "increase": list(range(11))}
 
 
-@pytest.mark.parametrize("name", ["tango", "untied"])
+@pytest.mark.parametrize("name", one_per_file())
 @torch.no_grad()
 def test_latent_logits_are_the_base_with_explicit_positions(name):
     torch.manual_seed(0)
