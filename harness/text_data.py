@@ -165,9 +165,23 @@ def _tokenize(docs, tokenizer, num_proc, batch_chars=1 << 20):
     batches = itertools.chain(first, batches)
     with contextlib.ExitStack() as stack:
         with _stops_held():  # the pool is whole, and in the stack that ends it, before a stop unwinds
-            pool = stack.enter_context(_pool_context().Pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
+            pool = stack.enter_context(_pool(num_proc)) if num_proc > 1 and len(first) > 1 else None
         for splits, lengths, flat in _ordered_map(pool, fn, batches, ahead=2 * num_proc) if pool else map(fn, batches):
             yield from zip(splits, np.split(flat, np.cumsum(lengths)[:-1]))
+
+
+@contextlib.contextmanager
+def _pool(num_proc):
+    """A pool of num_proc workers (_pool_context) that is closed and joined when the body ends, however
+    it ends: the batches already given to it (at most _ordered_map's `ahead`) finish first. A stop
+    that ended the body by Pool.terminate hung: its task-handler thread, writing a batch larger than
+    the pipe after terminate had drained it once, waited forever for workers it had killed."""
+    with _pool_context().Pool(num_proc) as pool:
+        try:
+            yield pool
+        finally:
+            pool.close()
+            pool.join()
 
 
 def _pool_context():
