@@ -36,10 +36,11 @@ def block(doc, markers):
     return doc[i:doc.index(end, i)]
 
 
-def sweep_commands(root=ROOT):
-    """The `python -m tools.sweep ...` lines of root's README's commands block, as argv lists."""
+def sweep_commands(root=ROOT, marker="<!-- cpugrid commands -->"):
+    """The `python -m tools.sweep ...` lines of root's README's commands block (the fence after the
+    line marker), as argv lists."""
     doc = readme(root)
-    start = doc.index("```\n", doc.index("<!-- cpugrid commands -->\n")) + 4
+    start = doc.index("```\n", doc.index(marker + "\n")) + 4
     cmds = []
     for line in doc[start:doc.index("```", start)].splitlines():
         words = shlex.split(line)
@@ -86,13 +87,15 @@ def test_readme_headline_numbers_are_the_grids(monkeypatch):
     assert trend == tuple(f"{stat('tango', k, 'dev_nll')[0]:.3f}" for k in (4, 8, 16))
 
 
-@pytest.mark.parametrize("root, n_commands, lr", [(ROOT, 4, 2e-3), (LR_ROOT, 5, 1e-3), (WARM_ROOT, 11, 2e-3)])
-def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, monkeypatch):
+@pytest.mark.parametrize("root, n_commands, lr, marker", [
+    (ROOT, 4, 2e-3, "<!-- cpugrid commands -->"), (LR_ROOT, 5, 1e-3, "<!-- cpugrid commands -->"),
+    (WARM_ROOT, 11, 2e-3, "<!-- cpugrid commands -->"), ("results/zoo", 3, 2e-3, "<!-- zoo commands -->")])
+def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, marker, monkeypatch):
     """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
     run` command resolves to at today's code (machine flags aside), so the printed commands
     continue the grid with the same settings."""
     monkeypatch.chdir(HERE)
-    runs = [c for c in sweep_commands(root) if c[0] == "run"]
+    runs = [c for c in sweep_commands(root, marker) if c[0] == "run"]
     assert len(runs) == n_commands
     grids = [(sweep_options(argv), argv[argv.index("--") + 1:]) for argv in runs]
     rows = sweep_report.load_runs(root)

@@ -23,10 +23,11 @@ in bold); a cell whose runs differ in anything but the seed is an error (exit 2)
 prints the TANGO paper's section 4.1 tables and checks its claims one by one (and the grid's wall
 time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
 `report --budget` judges each run's learning curve at its budget, `report --throughput` tabulates the
-tools.bench JSONs of the grid's shapes (`<root>/bench_K<k>.json`); `--into FILE` also writes the
-report into FILE between its marker lines (sweep_report.report_markers).
+tools.bench JSONs of the grid's shapes (`<root>/bench_K<k>.json`), `report --zoo` ranks every model
+at K = 4 of --root and the roots `--with` names (one recipe) with its training FLOPs per token;
+`--into FILE` also writes the report into FILE between its marker lines (sweep_report.report_markers).
 `collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
-the curves (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
+the curves (`--with` other roots, `--depths` a subset) (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
 same curves). This file runs and collects the grid; report and plot, which only read it, are in
 sweep_report.py.
 """
@@ -373,14 +374,20 @@ def _is_lr(text):
         return False
 
 
+def depths(text):
+    """The depths of a --depths value ("4,8,16"); UsageError unless comma-separated integers >= 1."""
+    if not all(k.isdigit() and int(k) >= 1 for k in text.split(",")):
+        raise UsageError(f"--depths {text}: comma-separated integers >= 1")
+    return [int(k) for k in text.split(",")]
+
+
 def check_run_flags(args, extra):
     """UsageError (one line, exit 2) before any run starts: a typo would otherwise fail every run."""
     from models import REGISTRY, TIERS
     bad = [m for m in args.models.split(",") if m not in REGISTRY]
     if bad:
         raise UsageError(f"--models: unknown {', '.join(bad)}; choose from {', '.join(REGISTRY)}")
-    if not all(k.isdigit() and int(k) >= 1 for k in args.depths.split(",")):
-        raise UsageError(f"--depths {args.depths}: comma-separated integers >= 1")
+    depths(args.depths)
     for flag, items in (("models", args.models.split(",")), ("depths", [int(k) for k in args.depths.split(",")]),
                         ("datasets", args.datasets.split(","))):
         if (twice := repeated(items)) is not None:
@@ -456,6 +463,9 @@ def main(argv=None):
     g = sub.add_parser("plot", help="loss-curve PNGs (needs matplotlib)")
     g.add_argument("--root", required=True, help="the runs' folder (run or collected)")
     g.add_argument("--out", required=True, help="folder the PNGs are written to")
+    g.add_argument("--with", dest="more", action="append", default=[], metavar="ROOT",
+                   help="another runs' folder drawn with --root's (repeatable; one recipe)")
+    g.add_argument("--depths", default=None, help="comma-separated depths K to draw (default: all)")
     q = sub.add_parser("report", help="markdown tables of the runs (--grid: the paper's tables and claims)")
     q.add_argument("--root", required=True, help="the runs' folder (run or collected)")
     q.add_argument("--out", default=None, help="also write the report to this file")
@@ -468,7 +478,13 @@ def main(argv=None):
                       help="each run's last-quarter improvement of dev NLL instead")
     mode.add_argument("--throughput", dest="mode", action="store_const", const="throughput",
                       help="the tools.bench throughput of <root>/bench_K<k>.json, one column per K, instead")
+    mode.add_argument("--zoo", dest="mode", action="store_const", const="zoo",
+                      help="every model at K = 4 in one table ranked by test NLL, with FLOPs per token, instead")
+    mode.add_argument("--budgets", dest="mode", action="store_const", const="budgets",
+                      help="dev NLL against K at --root's budget beside the --with roots' budgets, instead")
     q.set_defaults(mode="runs")
+    q.add_argument("--with", dest="more", action="append", default=[], metavar="ROOT",
+                   help="another runs' folder in the table with --root's (repeatable; report --zoo and --budgets)")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
                    "its markers, see sweep_report.report_markers) is replaced by the report")
     args = p.parse_args(argv)
@@ -482,22 +498,28 @@ def main(argv=None):
         check_output_file("--into", args.into)  # (an empty path: not "no --into")
     if args.cmd == "report" and args.into and args.mode == "lr":
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
+    if args.cmd == "report" and args.more and args.mode not in ("zoo", "budgets"):
+        raise UsageError("--with: only with report --zoo, report --budgets and plot")
+    for more in getattr(args, "more", []):
+        check_not_empty("--with", more, "another runs' folder")
+    drawn = depths(args.depths) if args.cmd == "plot" and args.depths is not None else None
     check_not_empty("--root", args.root, "the runs' folder")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
     if not throughput and not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
         raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
-    from tools.sweep_report import (budget_report, grid_report, lr_report, plot, replace_between_markers, report,
-                                    report_markers, throughput_report)
+    from tools.sweep_report import (budget_report, budgets_report, grid_report, lr_report, plot,
+                                    replace_between_markers, report, report_markers, throughput_report, zoo_report)
     if args.cmd == "plot":
         check_output_folder("--out", args.out)
-        plot(args.root, args.out)
+        plot(args.root, args.out, more=args.more, depths=drawn)
         return 0
     else:
         check_outputs(args.out, args.into)
         reports = {"runs": report, "lr": lr_report, "grid": grid_report, "budget": budget_report,
-                   "throughput": throughput_report}
+                   "throughput": throughput_report, "zoo": lambda root: zoo_report(root, *args.more),
+                   "budgets": lambda root: budgets_report(root, *args.more)}
         text = reports[args.mode](args.root)
         if args.into:
             replace_between_markers(args.into, report_markers(args.root, args.mode), text)

@@ -263,15 +263,15 @@ def read_json(path, keys=()):
     return obj
 
 
-def load_runs(root):
+def load_runs(root, *more):
     """{(dataset, model, depth): [summary, ...] sorted by seed} for every summary.json under root
-    (learning-rate sweep runs, named ...-lr<LR>, are left out; each summary gets "_dir", its run's
-    folder). UsageError naming the folders for two runs of a cell with the same seed, when the runs
+    and the roots `more` (learning-rate sweep runs, named ...-lr<LR>, are left out; each summary gets
+    "_dir", its run's folder). UsageError naming the folders for two runs of a cell with the same seed, when the runs
     of a cell differ in a setting other than the seed (check_cell), when a dataset's cells differ
     in the recipe (check_recipe), and for a summary whose depth or seed is not an integer or whose
     dev or test NLL is not a finite number."""
     rows = {}
-    for path in sorted(glob.glob(os.path.join(root, "*", "*", "summary.json"))):
+    for path in [p for r in (root, *more) for p in sorted(glob.glob(os.path.join(r, "*", "*", "summary.json")))]:
         if "-lr" in os.path.basename(os.path.dirname(path)):
             continue
         s = read_json(path, ("model", "depth", "seed", "dev_nll", "test_nll", "unigram_dev", "non_embedding_params"))
@@ -289,7 +289,7 @@ def load_runs(root):
         for a, b in zip(v, v[1:]):
             if a["seed"] == b["seed"]:
                 first, second = sorted((a["_dir"], b["_dir"]))
-                raise UsageError(f"--root {root}: {first} and {second} are both {key[1]} at K = {key[2]}, "
+                raise UsageError(f"--root {', '.join((root, *more))}: {first} and {second} are both {key[1]} at K = {key[2]}, "
                                  f"seed {a['seed']}; keep one")
         settings.update((s["_dir"], run_settings(s["_dir"], s)) for s in v)  # read once, for both checks
         check_cell(key, v, settings)
@@ -382,6 +382,125 @@ def budget_report(root):
             q_it, q = next((it, v) for it, v in evals if it >= 0.75 * last_it)
             out.append(f"| {ds} | {m} | {k} | {s['seed']} | {last_it} | {q:.3f} (upd {q_it}) | {last:.3f} | "
                        f"{100 * (q - last) / q:.1f} % | {100 * last / s['unigram_dev']:.0f} % |")
+    return "\n".join(out) + "\n"
+
+
+EARLY_REGIME = 0.60  # dev NLL above this share of the dev split's unigram entropy: not trained under the recipe
+
+
+def zoo_report(root, *more, depth=4):
+    """Markdown: every model of the runs under root and the roots `more` (load_runs: one recipe) at
+    K = depth, ranked by mean test NLL: seeds, non-embedding parameters, test and dev NLL (mean ±
+    sample std over seeds), mean dev NLL as a share of the dev split's unigram entropy (a row at or
+    above EARLY_REGIME says the model did not train under the recipe), training FLOPs per token
+    (flops.train_flops of the model train.py built: 6 x forward MACs per token; the vocabulary is
+    (params - non-embedding params) / d), tokens/s (median of the last 100 updates, mean over seeds,
+    as each run measured it) and the run folders' root. UsageError for more than one dataset, no
+    run at K = depth, and a run whose flags do not rebuild its summary's width and parameters."""
+    import flops
+    rows = {k: v for k, v in load_runs(root, *more).items() if k[2] == depth}
+    datasets = sorted({k[0] for k in rows})
+    if len(datasets) != 1:
+        raise UsageError(f"--root {', '.join((root, *more))}: the table compares one dataset at K = {depth}; "
+                         f"found {', '.join(datasets) or 'no runs'}")
+    runs = [r for v in rows.values() for r in v]
+    unit, seeds = unit_of(runs), max(len(v) for v in rows.values())
+    stats = {m: {metric: mean_std([r[metric] for r in v if r.get(metric) is not None])
+                 for metric in ("test_nll", "dev_nll", "tok_per_s_median_last100")} for (_, m, _), v in rows.items()}
+    order = sorted(stats, key=lambda m: (stats[m]["test_nll"][0], m))
+    out = [f"**{datasets[0]}**, K = {depth}: test NLL on `{runs[0].get('test_split', 'test')}` and dev NLL ({unit}, "
+           f"mean ± sample std over seeds), ranked by mean test NLL; dev / unigram: mean dev NLL over the dev "
+           f"split's unigram entropy ({runs[0]['unigram_dev']:.3f}), {EARLY_REGIME:.0%} and above: not trained "
+           "under this recipe; training FLOPs per token: flops.py's 6 x forward MACs of the model train.py "
+           "built; tokens/s: median of the last 100 updates, mean over seeds, as each run measured it (runs that "
+           "shared the machine read low: tools.bench times models alone).\n",
+           "| rank | model | seeds | non-emb params | test NLL | dev NLL | dev / unigram | training FLOPs/token "
+           "| tokens/s | runs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    nominal = []
+    for rank, m in enumerate(order, 1):
+        v = rows[datasets[0], m, depth]
+        s = v[0]
+        args = run_args(s["_dir"])
+        if "block_size" not in args:
+            raise UsageError(f"{s['_dir']}: no train.py flags recorded (log.jsonl or args.json); the FLOPs need them")
+        d = models.TIERS[s["size"]][0]
+        V = (s["params"] - s["non_embedding_params"]) // d
+        cfg, _ = flops.train_config(m, s["size"], depth, args["block_size"], V,
+                                    {f: args[f] for f in flops.train_model_flags() if f in args})
+        if (cfg.width, models.count_params(cfg)) != (s["width"], s["non_embedding_params"]):
+            raise UsageError(f"{s['_dir']}: its flags build width {cfg.width} and {models.count_params(cfg):,} "
+                             f"non-embedding parameters, its summary says {s['width']} and {s['non_embedding_params']:,}")
+        per_token = flops.train_flops(cfg, args["block_size"], 1.0)
+        mark = ""
+        if flops.train_flops_nominal(cfg):
+            nominal.append(f"{m}: {flops.train_flops_nominal(cfg)}")
+            mark = " *"
+        cell = lambda metric, fmt: mean_text(fmt, *stats[m][metric], len([r for r in v if r.get(metric) is not None]),
+                                             seeds)
+        share = stats[m]["dev_nll"][0] / s["unigram_dev"]
+        tok = stats[m]["tok_per_s_median_last100"][0]
+        where = sorted({os.path.dirname(os.path.dirname(r["_dir"])) for r in v})
+        out.append(f"| {rank} | {m} | {len(v)} | {s['non_embedding_params']:,} | {cell('test_nll', '{:.3f}')} | "
+                   f"{cell('dev_nll', '{:.3f}')} | {share:.0%}{' (not trained)' if share >= EARLY_REGIME else ''} | "
+                   f"{per_token / 1e6:.1f} M{mark} | {'-' if tok is None else f'{tok:,.0f}'} | {', '.join(where)} |")
+    if nominal:
+        out += ["", "\\* FLOPs from the forward formula, but " + "; ".join(nominal) + "."]
+    return "\n".join(out) + "\n"
+
+
+def budgets_report(root, *more):
+    """Markdown: dev NLL against K of each model under root at root's budget beside the same model and K
+    in the roots `more` (other budgets, each with its own recipe), mean ± sample std over seeds, and
+    at the other budgets also over only the seeds root has (paired); then for each model and budget
+    whether its dev NLL rises at some step over the depths that budget has. The budget is the runs'
+    --max_iters. UsageError as load_runs, for more than one dataset, and for a root without runs."""
+    budgets = [(r, load_runs(r)) for r in (root, *more)]
+    rows = budgets[0][1]
+    datasets = sorted({k[0] for _, rs in budgets for k in rs})
+    if not rows or len(datasets) != 1:
+        raise UsageError(f"--root {root}: dev NLL against K compares one dataset's runs; found "
+                         f"{', '.join(datasets) or 'no runs'}")
+    ds = datasets[0]
+    updates = [f"{os.path.normpath(r)}, {run_args(next(iter(rs.values()))[0]['_dir']).get('max_iters', '?'):,} updates"
+               for r, rs in budgets if rs]
+    if len(updates) < len(budgets):
+        raise UsageError(f"--with {', '.join(r for r, rs in budgets[1:] if not rs)}: no runs")
+    models = _order({k[1] for k in rows})
+    depths = sorted({k[2] for _, rs in budgets for k in rs if k[1] in models})
+    cols = [f"dev NLL ({updates[0]})"]
+    for u in updates[1:]:
+        cols += [f"dev NLL ({u})", f"the same, paired"]
+    out = [f"**{ds}**: dev NLL ({unit_of([r for v in rows.values() for r in v])}, mean ± sample std over n seeds) "
+           f"against K at each budget; \"paired\": the column before it over only the seeds that "
+           f"{os.path.normpath(root)} has at that K.\n",
+           "| model | K | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    means = {}
+    for m in models:
+        for k in depths:
+            own = [r["dev_nll"] for r in rows.get((ds, m, k), [])]
+            seeds = {r["seed"] for r in rows.get((ds, m, k), [])}
+            cells = []
+            for i, (_, rs) in enumerate(budgets):
+                v = [r["dev_nll"] for r in rs.get((ds, m, k), [])]
+                paired = [r["dev_nll"] for r in rs.get((ds, m, k), []) if r["seed"] in seeds]
+                for j, xs in enumerate([v] if i == 0 else [v, paired]):
+                    mu, sd = mean_std(xs)
+                    if j == 0 and mu is not None:
+                        means[m, i, k] = mu
+                    cells.append("-" if mu is None else mean_text("{:.3f}", mu, sd, len(xs), len(xs)) + f" (n={len(xs)})")
+            if own or any(c != "-" for c in cells):
+                out.append(f"| {m} | {k} | " + " | ".join(cells) + " |")
+    out.append("")
+    for m in models:
+        for i, u in enumerate(updates):
+            ks = [k for k in depths if (m, i, k) in means]
+            if len(ks) < 2:
+                out.append(f"- {m}, {u}: K = {', '.join(map(str, ks)) or '-'} only, no trend yet.")
+                continue
+            path = " → ".join(f"{means[m, i, k]:.3f}" for k in ks)
+            up = [f"{a} → {b}" for a, b in zip(ks, ks[1:]) if means[m, i, b] > means[m, i, a]]
+            out.append(f"- {m}, {u}: dev NLL over K = {' → '.join(map(str, ks))}: {path}; "
+                       + (f"rises at K = {', '.join(up)}." if up else "does not rise."))
     return "\n".join(out) + "\n"
 
 
@@ -557,11 +676,12 @@ def seed_counts_note(rows, datasets, settings):
                 + "; ".join(parts) + "."]
 
 
-def plot(root, out):
+def plot(root, out, more=(), depths=None):
     """<out>/<dataset>.png: per depth, training loss (moving average over 10 updates) and dev NLL
-    against tokens seen, one line per model (mean over seeds), from curves_of each run. Needs
-    matplotlib (optional extra); SystemExit(2) with a one-line message when it is missing or root
-    has no runs. Returns the paths written."""
+    against tokens seen, one line per model (mean over seeds), from curves_of each run of root and
+    the roots `more` (load_runs), at the depths `depths` (None: all). Models past the tenth are drawn
+    dashed (ten colours). Needs matplotlib (optional extra); SystemExit(2) with a one-line message
+    when it is missing or root has no runs. Returns the paths written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -569,27 +689,29 @@ def plot(root, out):
     except ImportError:
         print("sweep.py plot needs matplotlib (an optional extra): pip install matplotlib", file=sys.stderr)
         raise SystemExit(2)
-    rows = load_runs(root)
+    rows = {k: v for k, v in load_runs(root, *more).items() if depths is None or k[2] in depths}
     if not rows:
-        print(f"sweep.py plot: no summary.json under {root}/<dataset>/<run>/", file=sys.stderr)
+        print(f"sweep.py plot: no summary.json under {root}/<dataset>/<run>/"
+              + (f" at K = {', '.join(map(str, depths))}" if depths else ""), file=sys.stderr)
         raise SystemExit(2)
     written = []
     for ds in sorted({k[0] for k in rows}):
         depths = sorted({k[2] for k in rows if k[0] == ds})
         models = _order({k[1] for k in rows if k[0] == ds})
-        fig, axes = plt.subplots(2, len(depths), figsize=(4.2 * len(depths), 7), squeeze=False)
+        many = len(models) > 10  # a legend beside the panels, in a wider figure
+        fig, axes = plt.subplots(2, len(depths), figsize=(4.2 * len(depths) + 2.6 * many, 7), squeeze=False)
         for j, k in enumerate(depths):
             for i, m in enumerate(models):
                 curves = [c for c in (curves_of(s["_dir"]) for s in rows.get((ds, m, k), [])) if c["train"]]
                 if not curves:
                     continue
-                color, tpu = f"C{i}", curves[0]["tokens_per_update"]
+                color, style, tpu = f"C{i % 10}", "-" if i < 10 else "--", curves[0]["tokens_per_update"]
                 for row, key, smooth in ((0, "train", 10), (1, "eval", 1)):
                     its = [it for it, _ in curves[0][key]]
                     ys = [statistics.fmean(dict(c[key]).get(it, float("nan")) for c in curves) for it in its]
                     if smooth > 1:
                         ys = [statistics.fmean(ys[max(0, t - smooth + 1):t + 1]) for t in range(len(ys))]
-                    axes[row][j].plot([it * tpu / 1e3 for it in its], ys, color=color, label=m,
+                    axes[row][j].plot([it * tpu / 1e3 for it in its], ys, color=color, linestyle=style, label=m,
                                       marker="o" if key == "eval" else None, ms=3)
             axes[0][j].set_title(f"{ds}, K = {k}")
             unit = unit_of([r for m in models for r in rows.get((ds, m, k), [])])
@@ -603,8 +725,13 @@ def plot(root, out):
                 if lines:
                     lo = min(min(ln.get_ydata()) for ln in lines)
                     axes[row][j].set_ylim(lo - 0.05, lo + span)
-        axes[1][0].legend(fontsize=8)
-        fig.suptitle(f"{ds}: mean over seeds ({root})")
+        if many:
+            axes[0][-1].legend(*axes[1][-1].get_legend_handles_labels(), fontsize=8, loc="upper left",
+                               bbox_to_anchor=(1.02, 1.0))
+        else:
+            axes[1][0].legend(fontsize=8)
+        fig.suptitle(f"{ds}: mean over seeds ({root})" if not more else
+                     f"{ds}: mean over seeds\n({' + '.join((root, *more))})")
         fig.tight_layout()
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"{ds}.png")
@@ -660,10 +787,11 @@ def throughput_report(root):
 
 def report_markers(root, mode):
     """(begin, end): the lines around a report block of --root root in a markdown file; mode is one of
-    "runs" (the per-run table), "grid", "budget", "throughput" (the --lr table has no markers; ValueError
+    "runs" (the per-run table), "grid", "budget", "throughput", "zoo", "budgets" (the --lr table has no markers; ValueError
     for it and for any other mode). root is written as a path relative to the working folder when it
     lies inside it: results/x/, ./results/x and its absolute path all name results/x."""
-    ends = {"runs": "sweep", "grid": "grid", "budget": "budget", "throughput": "throughput"}
+    ends = {"runs": "sweep", "grid": "grid", "budget": "budget", "throughput": "throughput", "zoo": "zoo",
+            "budgets": "budgets"}
     if mode not in ends:
         raise ValueError(f"report_markers: mode {mode!r} has no markers; one of {', '.join(ends)}")
     root = os.path.normpath(root)

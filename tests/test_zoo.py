@@ -1,0 +1,170 @@
+"""results/zoo: the registered models the headline grid leaves out, trained with its recipe at K = 4.
+Its README's tables are `sweep.py report` over the committed summaries (the zoo table together with
+the headline grid's K = 4 runs) byte for byte, its plot is the committed PNG, its runs were trained
+as its printed commands ask, and together with the headline grid it covers every registered model."""
+import os
+import re
+import shlex
+import shutil
+
+import json
+
+import pytest
+
+from common import UsageError
+from models import REGISTRY
+from tools import sweep, sweep_report
+from test_chargrid import pinned
+from test_cpugrid import HEADLINE_ROOT, block, readme, sweep_commands
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+ROOT = "results/zoo"
+MARKER = "<!-- zoo commands -->"
+SEEDS, UPDATES = 3, 600
+
+
+def test_zoo_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
+    monkeypatch.chdir(HERE)
+    doc = readme(ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "zoo")) == sweep_report.zoo_report(ROOT, HEADLINE_ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "runs")) == sweep_report.report(ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "budget")) == sweep_report.budget_report(ROOT)
+
+
+def test_zoo_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
+    mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
+    import PIL
+    have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
+    if have != {p: pinned(p) for p in have}:
+        pytest.skip(f"the committed PNG was made with matplotlib {pinned('matplotlib')} and pillow "
+                    f"{pinned('pillow')} (pinned in requirements-dev.txt); this has {have}, whose bytes may differ")
+    monkeypatch.chdir(HERE)
+    written = sweep_report.plot(ROOT, str(tmp_path), more=(HEADLINE_ROOT,), depths=[4])
+    assert [os.path.basename(p) for p in written] == ["stdlib.png"]
+    with open(written[0], "rb") as a, open(os.path.join(ROOT, "stdlib.png"), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_zoo_and_the_headline_grid_are_every_model_under_one_recipe(monkeypatch):
+    """The zoo's commands train the registered models the headline grid has not, with the headline
+    grid's train.py flags unchanged, 3 seeds at K = 4; every committed run is one of them (its
+    recorded flags: test_cpugrid's printed-commands test); every row so far trains under the recipe
+    (dev NLL below 60 % of the unigram entropy, else the 1e-3 row the README promises); the status
+    line counts the committed runs."""
+    monkeypatch.chdir(HERE)
+    runs = [c for c in sweep_commands(ROOT, MARKER) if c[0] == "run" and c[c.index("--root") + 1] == "runs/zoo"]
+    headline = [c for c in sweep_commands(HEADLINE_ROOT) if c[0] == "run"]
+    train_flags = lambda c: dict(zip(c[c.index("--") + 1::2], c[c.index("--") + 2::2]))
+    flags = lambda c, f: c[c.index(f) + 1]
+    assert runs and headline and all(train_flags(c) == train_flags(headline[0]) for c in runs + headline)
+    grid = {m for c in headline for m in flags(c, "--models").split(",")}
+    zoo = {m for c in runs for m in flags(c, "--models").split(",")}
+    assert zoo == set(REGISTRY) - grid and not zoo & grid
+    assert {flags(c, "--depths") for c in runs} == {"4"} and max(int(flags(c, "--seeds")) for c in runs) == SEEDS
+    rows = sweep_report.load_runs(ROOT)
+    done = [s for v in rows.values() for s in v]
+    assert done and {k[1] for k in rows} <= zoo and {k[2] for k in rows} == {4}
+    assert all(s["tokens"] == UPDATES * 8 * 256 for s in done)
+    both = {k: v for k, v in sweep_report.load_runs(ROOT, HEADLINE_ROOT).items() if k[2] == 4}
+    assert all(sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"] < sweep_report.EARLY_REGIME
+               for v in both.values())
+    total = len(zoo) * SEEDS
+    status = re.search(r"\*\*Status: (running|done)\.\*\* (\d+) of (\d+) runs", readme(ROOT)).groups()
+    assert status == ("done" if len(done) == total else "running", str(len(done)), str(total))
+
+
+def test_zoo_report_command_writes_into_this_readme(tmp_path, monkeypatch):
+    argv, = [shlex.split(line)[3:] for line in readme(ROOT).splitlines()
+             if line.startswith("python -m tools.sweep report --zoo ")]
+    for root in (ROOT, HEADLINE_ROOT):
+        shutil.copytree(os.path.join(HERE, root), tmp_path / root)
+    monkeypatch.chdir(tmp_path)
+    sweep.main(argv)
+    assert (tmp_path / ROOT / "README.md").read_text() == readme(ROOT)
+
+
+def copy_runs(tmp_path, names, dataset="stdlib"):
+    """Copies of committed zoo runs (summary, curves, args) under tmp_path/<dataset>/."""
+    for name in names:
+        shutil.copytree(os.path.join(HERE, ROOT, "stdlib", name), tmp_path / dataset / name)
+    return tmp_path
+
+
+def edit_summary(run, **kw):
+    path = run / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **kw}))
+
+
+def test_zoo_report_ranks_labels_and_refuses(tmp_path):
+    """Rows ranked by mean test NLL; a dev NLL at 60 % of the unigram entropy or above says "not trained";
+    FLOPs per token are 6 x flops.py's forward MACs per token of the model the run's flags build; a
+    run whose flags rebuild another width, runs of two datasets, and a run without recorded flags
+    are refused in one line."""
+    import flops
+    import models
+    root = copy_runs(tmp_path / "a", ["rdm-K4-s1", "depth-attn-K4-s1"])
+    s = json.loads((root / "stdlib" / "rdm-K4-s1" / "summary.json").read_text())
+    edit_summary(root / "stdlib" / "rdm-K4-s1", test_nll=1.0, dev_nll=0.6 * s["unigram_dev"])
+    lines = sweep_report.zoo_report(str(root)).splitlines()
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("| ") and ln[2].isdigit()]
+    assert [r[:3] for r in rows] == [["1", "rdm", "1"], ["2", "depth-attn", "1"]]
+    assert rows[0][6] == "60% (not trained)" and rows[1][6].endswith("%") and "not" not in rows[1][6]
+    args = json.loads((root / "stdlib" / "rdm-K4-s1" / "args.json").read_text())
+    cfg, _ = flops.train_config("rdm", "cpu", 4, 256, (s["params"] - s["non_embedding_params"]) // 128,
+                                {f: args[f] for f in flops.train_model_flags()})
+    assert models.count_params(cfg) == s["non_embedding_params"]
+    assert rows[0][7] == f"{6 * flops.forward_macs(cfg, 256)['total'] / 256 / 1e6:.1f} M *"  # RDM draws its depth
+    assert "\\* FLOPs from the forward formula, but rdm: " in lines[-1]
+    edit_summary(root / "stdlib" / "depth-attn-K4-s1", width=999)
+    with pytest.raises(UsageError, match=r"depth-attn-K4-s1: its flags build width \d+ and [\d,]+ non-embedding "
+                                         r"parameters, its summary says 999 and"):
+        sweep_report.zoo_report(str(root))
+    two = copy_runs(copy_runs(tmp_path / "b", ["rdm-K4-s1"]), ["depth-attn-K4-s1"], "dmmath")
+    with pytest.raises(UsageError, match="one dataset at K = 4; found dmmath, stdlib"):
+        sweep_report.zoo_report(str(two))
+    bare = copy_runs(tmp_path / "c", ["rdm-K4-s1"])
+    (bare / "stdlib" / "rdm-K4-s1" / "args.json").unlink()
+    with pytest.raises(UsageError, match="rdm-K4-s1: no train.py flags recorded"):
+        sweep_report.zoo_report(str(bare))
+
+
+def test_budgets_report_puts_each_budget_beside_the_other(tmp_path):
+    """report --budgets: dev NLL per model and K at the longer budget beside the shorter one (all its
+    seeds, and paired: only the seeds the longer budget has), then whether it rises over K at each."""
+    short, long = tmp_path / "short", tmp_path / "long"
+    for k, seeds in ((4, (1, 2, 3)), (8, (1, 2, 3))):
+        for s in seeds:
+            shutil.copytree(os.path.join(HERE, HEADLINE_ROOT, "stdlib", f"tango-K{k}-s{s}"),
+                            short / "stdlib" / f"tango-K{k}-s{s}")
+    for k, dev in ((4, 1.30), (8, 1.25)):
+        run = long / "stdlib" / f"tango-K{k}-s1"
+        shutil.copytree(short / "stdlib" / f"tango-K{k}-s1", run)
+        edit_summary(run, dev_nll=dev)
+        args = json.loads((run / "args.json").read_text())
+        (run / "args.json").write_text(json.dumps({**args, "max_iters": 2400, "lr_decay_iters": 2400,
+                                                   "warmup_iters": 240}))
+    rows = sweep_report.load_runs(str(short))
+    mean = lambda k, seeds=(1, 2, 3): sweep_report.mean_std([r["dev_nll"] for r in rows["stdlib", "tango", k]
+                                                              if r["seed"] in seeds])
+    text = sweep_report.budgets_report(str(long), str(short))
+    lines = text.splitlines()
+    assert lines[2] == (f"| model | K | dev NLL ({long}, 2,400 updates) | dev NLL ({short}, 600 updates) | "
+                        "the same, paired |")
+    (m4, s4), (m8, s8) = mean(4), mean(8)
+    assert lines[4] == f"| tango | 4 | 1.300 (n=1) | {m4:.3f} ± {s4:.3f} (n=3) | {mean(4, (1,))[0]:.3f} (n=1) |"
+    assert lines[5] == f"| tango | 8 | 1.250 (n=1) | {m8:.3f} ± {s8:.3f} (n=3) | {mean(8, (1,))[0]:.3f} (n=1) |"
+    assert f"- tango, {long}, 2,400 updates: dev NLL over K = 4 → 8: 1.300 → 1.250; does not rise." in lines
+    assert (f"- tango, {short}, 600 updates: dev NLL over K = 4 → 8: {m4:.3f} → {m8:.3f}; "
+            + ("rises at K = 4 → 8." if m8 > m4 else "does not rise.")) in lines
+    with pytest.raises(UsageError, match=r"--with .*nothing: no runs"):
+        sweep_report.budgets_report(str(long), str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["report", "--root", ROOT, "--with", HEADLINE_ROOT], "--with: only with report --zoo, report --budgets and plot"),
+    (["report", "--zoo", "--root", ROOT, "--with", ""], '--with "": an empty path; give another runs\' folder'),
+    (["plot", "--root", ROOT, "--out", "x", "--depths", "4,x"], "--depths 4,x: comma-separated integers >= 1")])
+def test_report_and_plot_refuse_bad_with_and_depths(argv, message, monkeypatch):
+    monkeypatch.chdir(HERE)
+    with pytest.raises(UsageError, match="^" + re.escape(message)):
+        sweep.main(argv)
