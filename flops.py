@@ -197,10 +197,9 @@ def add_train_model_flags(p):
     """Declare train.py's model flags (train_model_flags) on parser p as common.ModelConfig declares
     them (type, help, default; the tier's for --window, --chunk and --gau_s). An unset flag stays out
     of the parsed namespace, so given_train_flags tells the flags given from the defaults."""
-    from harness.config import tier_default
+    from harness.config import WIDTH_HELP, tier_default
     g = p.add_argument_group("train.py's model flags")
-    g.add_argument("--width", type=int, default=argparse.SUPPRESS, help="expansion width F; default 0: solved to "
-                   "the tier's parameter target")
+    g.add_argument("--width", type=int, default=argparse.SUPPRESS, help=WIDTH_HELP)
     add_flags(g.add_argument, ModelConfig, tier_default, defaults=False)
 
 

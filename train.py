@@ -57,7 +57,7 @@ from harness.checkpoint import (BEST, LATEST, check_resume, check_unfinished, lo
                                 resume_args, save_checkpoints, strip_prefixes)
 from harness.cli import (TrainingError, UsageParser, add_flags, disk_full, full_disk_text, run_command, seed_flag,
                          synchronizer, values, write_text)
-from harness.config import Dist, DebugDump, Log, autocast_ctx, check_flags, hold_run_folder, tier_default
+from harness.config import WIDTH_HELP, Dist, DebugDump, Log, autocast_ctx, check_flags, hold_run_folder, tier_default
 from harness.datacheck import load_data
 from harness.evaluation import (check_scored_windows, depth_sweep, eval_only, evaluate, exact_match, print_report,
                                 print_sample, unigram_baselines)
@@ -85,8 +85,7 @@ def build_parser(suppress_defaults=False):
     a("--depth", type=int, default=8, help="K: block applications (Parcae/RDM: recurrences at evaluation)")
     a("--size", default=None, help=f"tier (width and parameter target): {', '.join(TIERS)}; "
       "default: cpu without a GPU, 70M with one")
-    a("--width", type=int, default=0, help="expansion width F (Transformer++ feed-forward, TANGO gated, GAU/FLASH e), "
-      "for equal-block-shape comparisons; default 0: solved to the tier's parameter target")
+    a("--width", type=int, default=0, help=WIDTH_HELP)
     add_flags(a, ModelConfig, tier_default)  # the model flags, as common.ModelConfig declares them
     a = group("data")
     data_mod.add_arguments(a)  # --dataset, --tokenizer, --data_dir, --data_root, --max_tokens, --hf_* ...

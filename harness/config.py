@@ -73,6 +73,11 @@ def check_dataset_flags(args, given):
                              "ignores it (drop the flag)")
 
 
+# --width, every model's flag besides the ModelConfig ones: train.py's and flops.py's parsers share this help
+WIDTH_HELP = ("expansion width F (Transformer++ feed-forward, TANGO gated, GAU/FLASH e), for equal-block-shape "
+              "comparisons; default 0: solved to the tier's parameter target")
+
+
 def tier_default(flag):
     """The help text's default of a tier-dependent flag, from TIER_DEFAULTS: 'default: tiny 128 / cpu 128 / ...'."""
     return "default: " + " / ".join(f"{tier} {d[flag]:g}" for tier, d in TIER_DEFAULTS.items())

@@ -340,3 +340,19 @@ def test_the_table_keeps_its_columns_apart_at_any_count(capsys):
     rows, _ = cli_rows(capsys.readouterr().out)
     d, F = 128, 4096  # K (4 d^2 + 3 d F + 2 d) + d: attention, SwiGLU and two norms per block, the final norm
     assert rows["untied"] == (4096, 10**6 * (4 * d * d + 3 * d * F + 2 * d) + d) == (4096, 1_638_656_000_128)
+
+
+def test_cli_model_flags_are_train_py_s_with_the_same_help():
+    """flops.py declares train.py's model flags from the same declarations (--width's help included):
+    each flag's help text and type are train.py's (flops.py writes the default into the text, as its
+    flags have no default of their own)."""
+    import argparse
+    import re
+    import train
+    own = argparse.ArgumentParser()
+    flops.add_train_model_flags(own)
+    actions = lambda p: {a.dest: a for a in p._actions}
+    mine, theirs = actions(own), actions(train.build_parser())
+    for flag in flops.train_model_flags():
+        text = re.sub(r" \(default: [^()]*\)$", "", mine[flag].help)
+        assert (text, mine[flag].type) == (theirs[flag].help, theirs[flag].type), flag
