@@ -125,7 +125,8 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
     A complete folder whose meta matches the sources (path, sizes, mtimes; for the hub: the
     arguments) is reused as is; otherwise everything is written into a temporary sibling folder
     and renamed into place, so a failed or interrupted prepare leaves nothing half-written (and
-    removes out_root again if it created it). Raises UsageError for bad input, and for a device
+    removes out_root again if it created it); a read-only out_root serves a dataset prepared there
+    and is refused, before any tokenizing, for one that is not. Raises UsageError for bad input, and for a device
     that fills up while writing (one line naming the folder: _full_disk). A split that got no
     tokens is kept with allow_empty_splits (train.py then names it and --max_tokens:
     Data.check_block_size); without, it is a UsageError and nothing is written (check_splits; the
@@ -186,10 +187,11 @@ def prepare(dataset="stdlib", data_dir=None, out_root="data", tokenizer="auto", 
         check_dataset(dataset)
 
     folder = os.path.join(out_root, name)
-    if _matches(folder, fp):
+    if _matches(folder, fp):  # read only: a read-only --data_root with the dataset prepared serves
         if not allow_empty_splits:
             check_splits(Data(folder).meta, dataset, max_tokens)
         return folder
+    check_output_folder("--data_root", out_root)  # before any tokenizing
     with _full_disk(folder):  # a write that found the device full: one line, the earlier state kept
         created = _first_missing(out_root)
         os.makedirs(out_root, exist_ok=True)
@@ -538,7 +540,7 @@ def main(argv=None):
     add_arguments(p.add_argument)
     try:
         args = p.parse_args(argv)
-        check_output_folder("--data_root", args.data_root)  # before any tokenizing
+        check_output_folder("--data_root", args.data_root, probe=False)  # prepare probes it before writing
         d = Data(prepare(args.dataset, args.data_dir, args.data_root, **flag_options(args), allow_empty_splits=False))
         check_data(d)  # a folder prepared earlier may have changed since
     except UsageError as e:

@@ -303,14 +303,16 @@ def check_not_empty(flag, path, give='a folder ("." for this one)'):
         raise UsageError(f'{flag} "": an empty path; give {give}')
 
 
-def check_output_folder(flag, path):
+def check_output_folder(flag, path, probe=True):
     """UsageError "FLAG PATH: ..." unless path (an output folder, e.g. --out_dir) is a folder this
     process can write into, or can be created: not a file, no file among its parents, a writable
-    nearest existing folder. flag: as typed, e.g. "--out_dir". Creates nothing."""
+    nearest existing folder (probe=False: that last is not checked, for a folder that is written
+    only when what it holds is missing, as --data_root). flag: as typed, e.g. "--out_dir". Creates
+    nothing."""
     check_not_empty(flag, path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{flag} {path}: exists and is not a folder")
-    _check_creatable(flag, path, os.path.abspath(path))
+    _check_creatable(flag, path, os.path.abspath(path), probe)
 
 
 def check_output_file(flag, path):
@@ -335,13 +337,16 @@ def check_output_files(flags_paths):
         seen[key] = flag
 
 
-def _check_creatable(flag, path, folder):
-    """UsageError unless folder exists and is writable, or can be created."""
+def _check_creatable(flag, path, folder, probe=True):
+    """UsageError unless folder exists and is writable, or can be created (probe=False: unless its
+    nearest existing folder is a file)."""
     parent = folder
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not probe:
+        return
     try:  # a folder made and removed at once (os.access says yes to root even where nothing can be made)
         os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".write-check-"))
     except OSError as e:

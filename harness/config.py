@@ -227,9 +227,11 @@ def auto_dtype(device):
 
 def check_paths(args, flags=("out_dir", "data_root")):
     """The folders of flags (out_dir, data_root) must be folders, or creatable ones: UsageError
-    otherwise (harness.cli.check_output_folder, the check of every command's output folders)."""
+    otherwise (harness.cli.check_output_folder, the check of every command's output folders).
+    --data_root need not be writable where its dataset is prepared already: data.prepare checks
+    that before it writes."""
     for flag in flags:
-        check_output_folder(f"--{flag}", getattr(args, flag))
+        check_output_folder(f"--{flag}", getattr(args, flag), probe=flag != "data_root")
 
 
 def autocast_ctx(args):

@@ -289,7 +289,7 @@ def parse(argv):
     if not os.path.isfile(a.base):
         raise no_checkpoint("--base", a.base)
     if a.data_root is not None:  # load prepares the dataset there when it is not
-        check_output_folder("--data_root", a.data_root)
+        check_output_folder("--data_root", a.data_root, probe=False)  # data.prepare probes it before writing
     if a.json is not None:  # (an empty path given is refused, not skipped)
         check_output_file("--json", a.json)
     return a

@@ -990,3 +990,35 @@ def test_a_killed_preparations_and_saves_leftovers_are_removed(tmp_path):
         assert kept == sorted(["ckpt_latest.pt", *leftovers[1:]])
     finally:
         alive.kill()
+
+
+def test_a_read_only_data_root_serves_a_prepared_dataset_and_refuses_to_prepare_one(tmp_path, monkeypatch, capsys):
+    """A --data_root that cannot be written (a shared read-only copy) serves the datasets prepared
+    there, to data.py and train.py; a dataset not prepared there is one line naming the flag, exit
+    code 2, before any tokenizing, and nothing is written. (Root may write anywhere, so the folder
+    is read-only here by every folder creation under it failing as on a read-only mount.)"""
+    import errno
+    import tempfile
+    import train
+    from harness.config import resolve_args
+    write_files(tmp_path / "src", {f"f{i}.txt": f"text of file {i}\n" * 3 for i in range(30)})
+    write_files(tmp_path / "other", {f"g{i}.txt": f"other text {i}\n" * 3 for i in range(30)})
+    ro = tmp_path / "ro"
+    folder = data.prepare(str(tmp_path / "src"), out_root=str(ro), tokenizer="char")
+    before = sorted(os.listdir(ro))
+    real = tempfile.mkdtemp
+
+    def read_only(*a, dir=None, **k):
+        if dir is not None and os.path.abspath(dir).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*a, dir=dir, **k)
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    assert data.main(["--dataset", str(tmp_path / "src"), "--tokenizer", "char", "--data_root", str(ro)]) in (0, None)
+    assert folder in capsys.readouterr().out
+    resolve_args(train.parse_args(["--dataset", str(tmp_path / "src"), "--tokenizer", "char", "--size", "tiny",
+                                   "--data_root", str(ro), "--out_dir", str(tmp_path / "out"), "--device", "cpu"]))
+    with pytest.raises(SystemExit) as e:
+        data.main(["--dataset", str(tmp_path / "other"), "--tokenizer", "char", "--data_root", str(ro)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: --data_root {ro}: cannot create folders in {ro} (Read-only file system)\n"
+    assert sorted(os.listdir(ro)) == before
