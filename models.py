@@ -20,7 +20,8 @@ tests/test_layout.py checks that)
      returns device tensors, read later).
   2. models.py: a REGISTRY row `"yourmodel": ModelSpec(yourmodel.yourmodel, width_multiple=8,
      shared_block=..., flags={"your_flag": Range(lo, hi)}, macs=...)`. flags lists every model flag
-     the body reads (the others are refused for --model yourmodel) with its meaningful values;
+     the body reads (the others are refused for --model yourmodel) with its meaningful values (and,
+     as idle=, when another flag's value leaves it doing nothing, so a given value is refused);
      macs is a function (cfg, T) -> {"linear", "scores", "mix", "head", "total"} MACs of one length-T
      sequence by the convention of flops.py (the built-in models' formulas live there, by name);
      counted_macs where its fast path computes other MACs than the convention (see ModelSpec).
@@ -49,9 +50,11 @@ from common import LM, ModelConfig, UsageError
 @dataclass(frozen=True)
 class Range:
     """The meaningful values lo <= v of an integer model flag, and v <= hi(cfg) where hi is given:
-    a function cfg -> (bound, what the bound is), e.g. lambda c: (c.n_embd, "the residual width d")."""
+    a function cfg -> (bound, what the bound is), e.g. lambda c: (c.n_embd, "the residual width d").
+    idle: cfg -> why the flag does nothing at cfg's other flags, or None (check_idle_flags)."""
     lo: int
     hi: Callable = None
+    idle: Callable = None
 
     def error(self, flag, v, cfg):
         """None if v is in range, else the one-line message naming --flag and the range."""
@@ -66,8 +69,9 @@ class Range:
 
 @dataclass(frozen=True)
 class Choice:
-    """A model flag that takes one of a few values (booleans, --fold_layout)."""
+    """A model flag that takes one of a few values (booleans, --fold_layout); idle as Range's."""
     values: tuple
+    idle: Callable = None
 
     def error(self, flag, v, cfg):
         if v not in self.values:
@@ -102,6 +106,7 @@ class ModelSpec:
     bench_long: bool = False
 
 
+NO_THOUGHTS = lambda c: "with --n_thoughts 0 (no thought slots to refine)" if c.n_thoughts == 0 else None
 HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
 BOOL = Choice((False, True))
 # Ranges: a rank or dimension above d adds parameters but no rank (--fold_rank 9999 would build 2.6M
@@ -142,7 +147,8 @@ REGISTRY = {
     "rdm": ModelSpec(parcae.rdm, HEADS, shared_block=True, flags=RECURRENT, macs="recurrent_forward_macs"),
     "depth-attn": ModelSpec(depth_attention.depth_attn, flags=DEPTH_ATTN, macs="depth_attn_macs"),
     "loop-depth-attn": ModelSpec(depth_attention.loop_depth_attn, flags=DEPTH_ATTN, macs="depth_attn_macs"),
-    "ponder": ModelSpec(ponder.ponder, flags={"n_thoughts": Range(0), "jacobi": Range(0), "jacobi_random": BOOL},
+    "ponder": ModelSpec(ponder.ponder, flags={"n_thoughts": Range(0), "jacobi": Range(0, idle=NO_THOUGHTS),
+                                              "jacobi_random": Choice((False, True), idle=NO_THOUGHTS)},
                         macs="ponder_forward_macs"),
     "lrt": ModelSpec(latent_recurrence.lrt, flags={**LRT, "lrt_detach_init": BOOL}, macs="lrt_forward_macs"),
     "lrt-think": ModelSpec(latent_recurrence.lrt_think, flags={**LRT, "n_thoughts": Range(0), "lrt_detach_init": BOOL},
@@ -211,6 +217,16 @@ def check_flag_ranges(cfg: ModelConfig):
         msg = allowed.error(flag, getattr(cfg, flag), cfg)
         if msg:
             raise UsageError(msg)
+
+
+def check_idle_flags(cfg: ModelConfig, given):
+    """UsageError for a model flag given explicitly (given: the names typed) that does nothing at
+    cfg's other flags (its ModelSpec entry's idle, e.g. --jacobi with --n_thoughts 0): it would be
+    silently ignored."""
+    for flag in sorted(set(given) & set(spec_of(cfg.model).flags)):
+        why = spec_of(cfg.model).flags[flag].idle and spec_of(cfg.model).flags[flag].idle(cfg)
+        if why:
+            raise UsageError(f"--{flag}: does nothing for --model {cfg.model} {why}; drop the flag")
 
 
 def checkpoint_config(saved, where) -> ModelConfig:

@@ -17,8 +17,8 @@ import data as data_mod
 from common import UsageError
 from harness.cli import FolderLock, check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
 from harness.checkpoint import remove_stale, trim_log
-from models import (REGISTRY, TIERS, block_counts, count_params, flags_config, model_config, model_flags,
-                    params_lower_bound, shared_block_models)
+from models import (REGISTRY, TIERS, block_counts, check_idle_flags, count_params, flags_config, model_config,
+                    model_flags, params_lower_bound, shared_block_models)
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
 # characters, takes under 5 minutes on 2 cores),
@@ -418,4 +418,6 @@ def check_flags(args, given, dist=None, reads_out_dir=False):
     checks every grid run's flags with it before any run starts."""
     check_model_flags(args.model, given)  # a flag this model ignores
     check_dataset_flags(args, given)  # a flag this dataset ignores (--em_samples without dmmath)
-    return resolve_args(args, dist, reads_out_dir)  # tier defaults, device, validation
+    args = resolve_args(args, dist, reads_out_dir)  # tier defaults, device, validation
+    check_idle_flags(flags_config(args, 1), given)  # a flag this model's other flags leave idle
+    return args

@@ -216,3 +216,23 @@ def test_bench_decode_rows_report_sequential_passes():
     from tools import bench_decode
     row = bench_decode.decode_row("ponder", "tiny", 2, 0, 4, 2, 1, vocab_size=61)
     assert row["passes"] == 2 and row["ms_per_token"] > 0
+
+
+@pytest.mark.parametrize("extra, idle", [(["--n_thoughts", "0", "--jacobi", "5"], "jacobi"),
+                                         (["--n_thoughts", "0", "--jacobi_random"], "jacobi_random"),
+                                         (["--n_thoughts", "1", "--jacobi", "5"], None),
+                                         (["--n_thoughts", "0"], None)])
+def test_jacobi_flags_without_thoughts_are_refused(extra, idle):
+    """--jacobi and --jacobi_random refine thought slots: given with --n_thoughts 0 (PonderLM-2 without
+    thoughts is Transformer++) they would do nothing, so train.py refuses them in one line (the
+    registry row's idle rule); with thoughts, or left at their defaults, they pass."""
+    import train
+    from harness.config import check_flags
+    argv = ["--model", "ponder", "--size", "tiny", "--depth", "2", "--device", "cpu", *extra]
+    run = lambda: check_flags(train.parse_args(argv), train.given_flags(argv))
+    if idle is None:
+        assert run().n_thoughts == int(extra[1])
+    else:
+        with pytest.raises(UsageError, match=rf"^--{idle}: does nothing for --model ponder with --n_thoughts 0 "
+                                             r"\(no thought slots to refine\); drop the flag$"):
+            run()
