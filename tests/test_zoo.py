@@ -168,3 +168,26 @@ def test_report_and_plot_refuse_bad_with_and_depths(argv, message, monkeypatch):
     monkeypatch.chdir(HERE)
     with pytest.raises(UsageError, match="^" + re.escape(message)):
         sweep.main(argv)
+
+
+def test_readme_headline_names_the_zoo_with_its_numbers(monkeypatch):
+    """The README's headline gives every zoo model's mean test NLL over its committed seeds, lowest
+    first, with `--model` names, and says "so far" while a model has fewer than three seeds."""
+    monkeypatch.chdir(HERE)
+    with open("README.md", encoding="utf-8") as f:
+        head = " ".join(block(f.read(), ("<!-- headline -->\n", "<!-- end of headline -->")).split())
+    i = head.index("[`results/zoo/`](results/zoo/README.md)")
+    said = re.findall(r"`([a-z0-9-]+)` (\d\.\d{3})", head[i:])
+    rows = sweep_report.load_runs(ROOT)
+    means = {m: sweep_report.mean_std([s["test_nll"] for s in v])[0] for (_, m, _), v in rows.items()}
+    assert [m for m, _ in said] == sorted(means, key=means.get)
+    assert all(v == f"{means[m]:.3f}" for m, v in said)
+    seeds = {len(v) for v in rows.values()}
+    assert ("so far" in head[i - 80:i]) == (min(seeds) < SEEDS)
+    if seeds == {1}:
+        assert "seed 1 of 3 so far" in head[i - 80:i]
+    if "below every model above" in head[i:]:  # the headline grid's K = 4 table
+        grid = sweep_report.load_runs(HEADLINE_ROOT)
+        first = said[0][0]
+        assert all(means[first] < sweep_report.mean_std([s["test_nll"] for s in v])[0]
+                   for (_, m, k), v in grid.items() if k == 4), first
