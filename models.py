@@ -121,7 +121,15 @@ _LAST_BLOCK = lambda c: (c.depth - 1, "the last block, --depth - 1")
 _DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")
 GAU_S = {"gau_s": Range(1, _D)}
 RECURRENT = {"mu_rec": Range(0), "mu_bwd": Range(0), "n_prelude": Range(0), "n_core": Range(1), "n_coda": Range(0)}
-DEPTH_ATTN = {"da_stride": Range(-1, _DEPTH), "da_recent": Range(0, _DEPTH)}
+# idle rules (check_idle_flags): the other flags' values at which a flag does nothing
+ONE_LAYER = lambda c: "at --depth 1 (no earlier layer to attend to)" if c.depth == 1 else None
+ONE_LOOP = lambda c: "at --depth 1 (one loop: no loop >= 2 to gate or shift)" if c.depth == 1 else None
+_STAGES = lambda c, layout: parallel_loops.fold_stages(c.depth, c.fold, layout)
+_FOLDED = lambda c: any(len(s) > 1 for layout in ("first", "last") for s in _STAGES(c, layout))
+NO_FOLD = lambda c: (None if _FOLDED(c) else f"at --depth {c.depth} --fold {c.fold} (no stage of two loops or "
+                     "more: the loop stack)")
+NO_FOLD_AT = lambda c: f"at --depth {c.depth} (loop 2 is a stage alone at any --fold)" if c.depth <= 2 else None
+DEPTH_ATTN = {"da_stride": Range(-1, _DEPTH, idle=ONE_LAYER), "da_recent": Range(0, _DEPTH, idle=ONE_LAYER)}
 LRT = {"lrt_src": Range(-1, _LAST_BLOCK), "lrt_tgt": Range(0, _LAST_BLOCK), "lrt_kv": BOOL, "lrt_subsets": Range(1)}
 LOOPS = {"n_core": Range(1)}
 
@@ -154,10 +162,12 @@ REGISTRY = {
     "lrt-think": ModelSpec(latent_recurrence.lrt_think, flags={**LRT, "n_thoughts": Range(0), "lrt_detach_init": BOOL},
                            macs="lrt_forward_macs"),
     "loopstack": ModelSpec(parallel_loops.loopstack, shared_block=True, flags=LOOPS, macs="parallel_loops_forward_macs"),
-    "plt": ModelSpec(parallel_loops.plt, flags={**LOOPS, "plt_window": Range(1), "plt_shift": BOOL},
+    "plt": ModelSpec(parallel_loops.plt, flags={**LOOPS, "plt_window": Range(1, idle=ONE_LOOP),
+                                                "plt_shift": Choice((False, True), idle=ONE_LOOP)},
                      macs="parallel_loops_forward_macs", counted_macs="plt_counted_macs"),
-    "loopfold": ModelSpec(parallel_loops.loopfold, flags={**LOOPS, "fold": Range(1), "fold_rank": Range(0, _D),
-                                               "fold_layout": Choice(("first", "last"))},
+    "loopfold": ModelSpec(parallel_loops.loopfold, flags={**LOOPS, "fold": Range(1, idle=NO_FOLD_AT),
+                                                          "fold_rank": Range(0, _D, idle=NO_FOLD),
+                                                          "fold_layout": Choice(("first", "last"), idle=NO_FOLD)},
                           macs="parallel_loops_forward_macs"),
 }
 

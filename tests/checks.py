@@ -35,7 +35,8 @@ def first_readers(*flags):
 
 # parallel loops (parallel_loops.py): one block per loop, so K = 3 loops are 3 block applications like the other
 # models (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)
-ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name in ("loopstack", "plt", "loopfold")}
+ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name, spec in REGISTRY.items()
+                      if spec.build.__module__ == "parallel_loops"}
 
 
 def assert_causal(model, idx, t, vocab=61):
@@ -56,3 +57,16 @@ def embed(m, idx):
     """A body's inputs for idx (B, T): the embeddings and the RoPE tables of positions 0..T-1 in m's dtype."""
     cos, sin = rope_cos_sin(torch.arange(idx.shape[1]), dtype=m.wte.weight.dtype)
     return m.wte(idx), cos, sin
+
+
+def idle_check(argv):
+    """train.py's flag checks (harness.config.check_flags) of argv at the tiny tier on the CPU: the
+    resolved args, or the UsageError's message."""
+    import train
+    from common import UsageError
+    from harness.config import check_flags
+    argv = [*argv, "--size", "tiny", "--device", "cpu"]
+    try:
+        return check_flags(train.parse_args(argv), train.given_flags(argv))
+    except UsageError as e:
+        return str(e)

@@ -192,3 +192,14 @@ def test_train_flags_reach_the_config():
     c, _ = config.model_config(args, 61)
     assert (c.da_stride, c.da_recent) == (3, 2)
     assert "da_stride" in checkpoint.IDENTITY_FLAGS and "da_recent" in checkpoint.IDENTITY_FLAGS
+
+
+@pytest.mark.parametrize("name", ["depth-attn", "loop-depth-attn"])
+@pytest.mark.parametrize("flag", ["--da_recent", "--da_stride"])
+def test_depth_flags_at_one_layer_are_refused(name, flag):
+    """At --depth 1 no layer has an earlier one (C(0) is empty): --da_recent and --da_stride would do
+    nothing, a one-line refusal; at --depth 2 they act."""
+    import checks
+    got = checks.idle_check(["--model", name, "--depth", "1", flag, "1"])
+    assert got == f"{flag}: does nothing for --model {name} at --depth 1 (no earlier layer to attend to); drop the flag"
+    assert not isinstance(checks.idle_check(["--model", name, "--depth", "2", flag, "1"]), str)

@@ -15,6 +15,7 @@ import models
 import parallel_loops
 import train
 from common import ModelConfig, UsageError, causal_attention
+import checks
 from checks import assert_causal, embed, tokens
 
 NAMES = ("loopstack", "plt", "loopfold")
@@ -435,3 +436,21 @@ def test_bench_decode_rows(tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main(["decode", "--models", "nope"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv, idle", [
+    (["--model", "plt", "--depth", "1", "--plt_window", "8"], "--plt_window: does nothing for --model plt at --depth 1"),
+    (["--model", "plt", "--depth", "1", "--no-plt_shift"], "--plt_shift: does nothing for --model plt at --depth 1"),
+    (["--model", "plt", "--depth", "2", "--plt_window", "8", "--no-plt_shift"], None),
+    (["--model", "loopfold", "--depth", "4", "--fold", "1", "--fold_rank", "4"],
+     "--fold_rank: does nothing for --model loopfold at --depth 4 --fold 1 (no stage of two loops or more"),
+    (["--model", "loopfold", "--depth", "2", "--fold", "3"], "--fold: does nothing for --model loopfold at --depth 2"),
+    (["--model", "loopfold", "--depth", "2", "--fold_layout", "last"],
+     "--fold_layout: does nothing for --model loopfold at --depth 2 --fold 2 (no stage of two loops or more"),
+    (["--model", "loopfold", "--depth", "3", "--fold", "2", "--fold_layout", "last", "--fold_rank", "4"], None)])
+def test_a_flag_the_other_flags_leave_idle_is_refused(argv, idle):
+    """One line naming the flag and why it would do nothing (no loop >= 2; no stage of two loops or
+    more under either layout (parallel_loops.fold_stages), where P and C are not built and the layouts
+    are alike); the settings where each acts pass."""
+    got = checks.idle_check(argv)
+    assert (got.startswith(idle) and got.endswith("; drop the flag")) if idle else not isinstance(got, str), got

@@ -836,3 +836,17 @@ def test_collect_completes_a_held_command_in_place_and_ends_a_cut_last_line():
     cut = command(3, "[1/1] train.py --model loop (cut")
     assert sweep.merge_output(cut, b) == cut + "\n" + b
     assert sweep.merge_output(sweep.merge_output("", cut), b).splitlines() == cut.splitlines() + b.splitlines()
+
+
+def test_a_model_flag_goes_only_to_the_runs_where_it_acts(tmp_path):
+    """Like a flag only some models read, a flag the run's depth leaves idle (--plt_window at
+    --depth 1: one loop) is left out of that run's train.py flags and kept for the others; a flag
+    idle in every run of the grid is refused in one line before anything is made."""
+    extra = ["--size", "tiny", "--plt_window", "8"]
+    assert sweep.flags_for("stdlib", extra, "plt", 1) == ["--size", "tiny"]
+    assert sweep.flags_for("stdlib", extra, "plt", 2) == extra
+    assert sweep.flags_for("stdlib", extra, "plt") == extra  # (no depth: not judged)
+    root = tmp_path / "runs"
+    with pytest.raises(UsageError, match=r"^-- --plt_window: does nothing in every run of this grid \(at --depths 1 "):
+        sweep.main(["run", "--root", str(root), "--models", "plt", "--depths", "1", "--", *extra])
+    assert not root.exists()

@@ -64,7 +64,7 @@ def test_zoo_and_the_headline_grid_are_every_model_under_one_recipe(monkeypatch)
     rows = sweep_report.load_runs(ROOT)
     done = [s for v in rows.values() for s in v]
     assert done and {k[1] for k in rows} <= zoo and {k[2] for k in rows} == {4}
-    assert all(s["tokens"] == UPDATES * 8 * 256 for s in done)
+    assert all(sweep_report.run_args(s["_dir"])["max_iters"] == UPDATES for s in done)
     both = {k: v for k, v in sweep_report.load_runs(ROOT, HEADLINE_ROOT).items() if k[2] == 4}
     assert all(sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"] < sweep_report.EARLY_REGIME
                for v in both.values())
@@ -163,11 +163,51 @@ def test_budgets_report_puts_each_budget_beside_the_other(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["report", "--root", ROOT, "--with", HEADLINE_ROOT], "--with: only with report --zoo, report --budgets and plot"),
     (["report", "--zoo", "--root", ROOT, "--with", ""], '--with "": an empty path; give another runs\' folder'),
-    (["plot", "--root", ROOT, "--out", "x", "--depths", "4,x"], "--depths 4,x: comma-separated integers >= 1")])
-def test_report_and_plot_refuse_bad_with_and_depths(argv, message, monkeypatch):
+    (["report", "--zoo", "--root", ROOT, "--with", "results/cpugrid_warmupp", "--into", f"{ROOT}/README.md"],
+     "--with results/cpugrid_warmupp: no finished runs (<root>/<dataset>/<run>/summary.json)"),
+    (["report", "--zoo", "--root", ROOT, "--with", f"./{ROOT}/"], f"--with ./{ROOT}/: the same folder as --root {ROOT}"),
+    (["report", "--zoo", "--root", ROOT, "--with", HEADLINE_ROOT, "--with", HEADLINE_ROOT],
+     f"--with {HEADLINE_ROOT}: the same folder as --with {HEADLINE_ROOT}"),
+    (["plot", "--root", ROOT, "--out", "x", "--with", "nothing"], "--with nothing: no finished runs"),
+    (["plot", "--root", ROOT, "--out", "x", "--depths", "4,x"], "--depths 4,x: comma-separated integers >= 1"),
+    (["plot", "--root", ROOT, "--out", "x", "--depths", "\u00b2"], "--depths \u00b2: comma-separated integers >= 1"),
+    (["plot", "--root", ROOT, "--out", "x", "--depths", "4,4"], "--depths 4,4: 4 given twice"),
+    (["plot", "--root", ROOT, "--out", "x", "--depths", "99"],
+     f"--depths 99: no runs at these depths under {ROOT} (they have K = 4)"),
+    (["report", "--budgets", "--root", HEADLINE_ROOT, "--with", ROOT],
+     f"--with {ROOT}: 600 updates, a budget given already; give runs of another --max_iters"),
+    (["report", "--budgets", "--root", HEADLINE_ROOT, "--with", "results/cpugrid_lr"],
+     f"--with results/cpugrid_lr: --learning_rate 0.001, --root {HEADLINE_ROOT} has 0.002; the budgets compared "
+     "differ only in their length"),
+    (["report", "--budgets", "--root", HEADLINE_ROOT, "--with", "results/cpugrid_1200"],
+     f"--with results/cpugrid_1200: --warmup_iters 10 of --max_iters 1,200, --root {HEADLINE_ROOT} has 60 of 600; "
+     "a longer budget scales the schedule")])
+def test_report_and_plot_refuse_bad_with_and_depths(argv, message, tmp_path, monkeypatch):
+    """Each a one-line UsageError naming the flag, before anything is written (the README unchanged)."""
     monkeypatch.chdir(HERE)
+    before = readme(ROOT)
     with pytest.raises(UsageError, match="^" + re.escape(message)):
-        sweep.main(argv)
+        sweep.main([str(tmp_path / "x") if a == "x" else a for a in argv])
+    assert readme(ROOT) == before and not (tmp_path / "x").exists()
+
+
+def test_zoo_report_ranks_a_model_without_test_nll_last_and_prints_roots_alike(tmp_path, monkeypatch):
+    """A run without a test NLL (load_runs allows null) ranks last with "-"; a root spelled ./x/ or
+    absolute prints as x, so the committed block does not depend on the spelling."""
+    root = copy_runs(tmp_path / "a", ["rdm-K4-s1", "depth-attn-K4-s1"])
+    edit_summary(root / "stdlib" / "rdm-K4-s1", test_nll=None)
+    monkeypatch.chdir(tmp_path)
+    rows = [ln for ln in sweep_report.zoo_report("./a/").splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert rows[0].startswith("| 1 | depth-attn | 1 |") and rows[0].endswith("| a |")
+    assert rows[1].startswith("| 2 | rdm | 1 | 1,000,576 | - | ")
+    assert sweep_report.zoo_report(str(tmp_path / "a")) == sweep_report.zoo_report("a")
+
+
+def test_budgets_report_refuses_runs_without_recorded_flags(tmp_path):
+    root = copy_runs(tmp_path / "a", ["rdm-K4-s1"])
+    (root / "stdlib" / "rdm-K4-s1" / "args.json").unlink()
+    with pytest.raises(UsageError, match="rdm-K4-s1: no train.py flags recorded"):
+        sweep_report.budgets_report(str(root))
 
 
 def test_readme_headline_names_the_zoo_with_its_numbers(monkeypatch):

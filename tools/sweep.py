@@ -24,7 +24,9 @@ prints the TANGO paper's section 4.1 tables and checks its claims one by one (an
 time, from `<root>/sweep-output.txt`: the run command's printed output, when it is there);
 `report --budget` judges each run's learning curve at its budget, `report --throughput` tabulates the
 tools.bench JSONs of the grid's shapes (`<root>/bench_K<k>.json`), `report --zoo` ranks every model
-at K = 4 of --root and the roots `--with` names (one recipe) with its training FLOPs per token;
+at K = 4 of --root and the roots `--with` names (one recipe) with its training FLOPs per token,
+`report --budgets` puts dev NLL against K at --root's budget beside the `--with` roots' (the same
+recipe at other lengths);
 `--into FILE` also writes the report into FILE between its marker lines (sweep_report.report_markers).
 `collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
 the curves (`--with` other roots, `--depths` a subset) (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
@@ -192,7 +194,7 @@ def stop_runs(signal_error, grace=120):
 def train_argv(root, ds, m, k, s, lr, extra):
     """The train.py flags of one grid run (without --resume)."""
     argv = ["--model", m, "--depth", str(k), "--dataset", ds, "--seed", str(s), "--data_seed", str(s),
-            "--out_dir", run_dir(root, ds, m, k, s, lr), "--quiet", *flags_for(ds, extra, m)]
+            "--out_dir", run_dir(root, ds, m, k, s, lr), "--quiet", *flags_for(ds, extra, m, k)]
     return argv + (["--learning_rate", lr] if lr else [])
 
 
@@ -221,25 +223,34 @@ def check_existing_run(out, argv):
     return resolved
 
 
-def flags_for(dataset, extra, model=None):
+def flags_for(dataset, extra, model=None, depth=None):
     """extra without the flags train.py refuses for this run: a dataset's own flag (dataset_flags():
-    --data_dir X, --em_samples N) unless dataset is the one that reads it, and a model's own flag
-    (models.model_flags(): --window, --n_core, --plt_window, ...) unless model reads it, so one
-    sweep can compare models and datasets with a setting only some of them have."""
+    --data_dir X, --em_samples N) unless dataset is the one that reads it, a model's own flag
+    (models.model_flags(): --window, --n_core, --plt_window, ...) unless model reads it, and, given
+    the run's depth, a model flag its other flags leave idle there (its registry rule: --plt_window
+    at --depth 1), so one sweep can compare models, depths and datasets with a setting only some of
+    them have."""
     import train
     from harness.config import unread_model_flags
+    from models import spec_of
     actions = train.build_parser()._option_string_actions
+
+    def without(flags, drop):
+        out, i = [], 0
+        while i < len(flags):
+            f = flags[i]
+            action = actions.get(f.split("=", 1)[0])
+            n = 1 if action is None or "=" in f or action.nargs == 0 else 2  # the flag and its value
+            if (action.dest if action is not None else None) not in drop:
+                out += flags[i:i + n]
+            i += n
+        return out
     unread = unread_model_flags(model) if model is not None else set()
     unread |= {flag for flag, reader in dataset_flags().items() if dataset != reader}
-    out, i = [], 0
-    while i < len(extra):
-        f = extra[i]
-        action = actions.get(f.split("=", 1)[0])
-        n = 1 if action is None or "=" in f or action.nargs == 0 else 2  # the flag and its value
-        dest = action.dest if action is not None else None
-        if dest not in unread:
-            out += extra[i:i + n]
-        i += n
+    out = without(extra, unread)
+    if model is not None and depth is not None:
+        run = train.parse_args(["--model", model, "--depth", str(depth), *out])
+        out = without(out, {f for f, rule in spec_of(model).flags.items() if rule.idle and rule.idle(run)})
     return out
 
 
@@ -376,9 +387,12 @@ def _is_lr(text):
 
 def depths(text):
     """The depths of a --depths value ("4,8,16"); UsageError unless comma-separated integers >= 1."""
-    if not all(k.isdigit() and int(k) >= 1 for k in text.split(",")):
+    if not all(re.fullmatch(r"[0-9]+", k) and int(k) >= 1 for k in text.split(",")):  # (not str.isdigit: "²")
         raise UsageError(f"--depths {text}: comma-separated integers >= 1")
-    return [int(k) for k in text.split(",")]
+    ks = [int(k) for k in text.split(",")]
+    if (twice := repeated(ks)) is not None:
+        raise UsageError(f"--depths {text}: {twice} given twice")
+    return ks
 
 
 def check_run_flags(args, extra):
@@ -388,8 +402,7 @@ def check_run_flags(args, extra):
     if bad:
         raise UsageError(f"--models: unknown {', '.join(bad)}; choose from {', '.join(REGISTRY)}")
     depths(args.depths)
-    for flag, items in (("models", args.models.split(",")), ("depths", [int(k) for k in args.depths.split(",")]),
-                        ("datasets", args.datasets.split(","))):
+    for flag, items in (("models", args.models.split(",")), ("datasets", args.datasets.split(","))):
         if (twice := repeated(items)) is not None:
             raise UsageError(f"--{flag} {getattr(args, flag)}: {twice} given twice")
     for flag in ("seeds", "jobs"):
@@ -433,6 +446,10 @@ def check_run_flags(args, extra):
         if not set(args.models.split(",")) & set(users[flag]):
             raise UsageError(f"-- --{flag}: no model of --models {args.models} reads it "
                              f"(used by {', '.join(users[flag])})")
+        if not any(flag in train.given_flags(flags_for(ds, extra, m, k)) for ds in args.datasets.split(",")
+                   for m in args.models.split(",") for k in depths(args.depths)):
+            raise UsageError(f"-- --{flag}: does nothing in every run of this grid (at --depths {args.depths} and "
+                             "the other flags given); drop it")
     if known.size is not None and known.size not in TIERS:
         raise UsageError(f"-- --size {known.size}: choose one of {', '.join(TIERS)}")
 
@@ -500,13 +517,19 @@ def main(argv=None):
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
     if args.cmd == "report" and args.more and args.mode not in ("zoo", "budgets"):
         raise UsageError("--with: only with report --zoo, report --budgets and plot")
-    for more in getattr(args, "more", []):
-        check_not_empty("--with", more, "another runs' folder")
     drawn = depths(args.depths) if args.cmd == "plot" and args.depths is not None else None
     check_not_empty("--root", args.root, "the runs' folder")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
-    if not throughput and not glob.glob(os.path.join(args.root, "*", "*", "summary.json")):
-        raise UsageError(f"--root {args.root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
+    roots = [("--root", args.root)] + [("--with", r) for r in getattr(args, "more", [])]
+    seen = {}
+    for flag, root in roots[throughput:]:
+        check_not_empty(flag, root, "the runs' folder" if flag == "--root" else "another runs' folder")
+        if not glob.glob(os.path.join(root, "*", "*", "summary.json")):
+            raise UsageError(f"{flag} {root}: no finished runs (<root>/<dataset>/<run>/summary.json)")
+        key = os.path.realpath(root)
+        if key in seen:
+            raise UsageError(f"{flag} {root}: the same folder as {seen[key]}; give each runs' folder once")
+        seen[key] = f"{flag} {root}"
     if args.cmd == "collect":
         return cmd_collect(args.root, args.to)
     from tools.sweep_report import (budget_report, budgets_report, grid_report, lr_report, plot,

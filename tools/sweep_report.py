@@ -289,8 +289,8 @@ def load_runs(root, *more):
         for a, b in zip(v, v[1:]):
             if a["seed"] == b["seed"]:
                 first, second = sorted((a["_dir"], b["_dir"]))
-                raise UsageError(f"--root {', '.join((root, *more))}: {first} and {second} are both {key[1]} at K = {key[2]}, "
-                                 f"seed {a['seed']}; keep one")
+                raise UsageError(f"--root {', '.join((root, *more))}: {first} and {second} are both {key[1]} at "
+                                 f"K = {key[2]}, seed {a['seed']}; keep one")
         settings.update((s["_dir"], run_settings(s["_dir"], s)) for s in v)  # read once, for both checks
         check_cell(key, v, settings)
     check_recipe(rows, settings)
@@ -395,7 +395,8 @@ def zoo_report(root, *more, depth=4):
     above EARLY_REGIME says the model did not train under the recipe), training FLOPs per token
     (flops.train_flops of the model train.py built: 6 x forward MACs per token; the vocabulary is
     (params - non-embedding params) / d), tokens/s (median of the last 100 updates, mean over seeds,
-    as each run measured it) and the run folders' root. UsageError for more than one dataset, no
+    as each run measured it) and the run folders' root; a model without a test NLL ranks last, "-" for
+    what it lacks. UsageError for more than one dataset, no
     run at K = depth, and a run whose flags do not rebuild its summary's width and parameters."""
     import flops
     rows = {k: v for k, v in load_runs(root, *more).items() if k[2] == depth}
@@ -407,7 +408,7 @@ def zoo_report(root, *more, depth=4):
     unit, seeds = unit_of(runs), max(len(v) for v in rows.values())
     stats = {m: {metric: mean_std([r[metric] for r in v if r.get(metric) is not None])
                  for metric in ("test_nll", "dev_nll", "tok_per_s_median_last100")} for (_, m, _), v in rows.items()}
-    order = sorted(stats, key=lambda m: (stats[m]["test_nll"][0], m))
+    order = sorted(stats, key=lambda m: (stats[m]["test_nll"][0] is None, stats[m]["test_nll"][0] or 0.0, m))
     out = [f"**{datasets[0]}**, K = {depth}: test NLL on `{runs[0].get('test_split', 'test')}` and dev NLL ({unit}, "
            f"mean ± sample std over seeds), ranked by mean test NLL; dev / unigram: mean dev NLL over the dev "
            f"split's unigram entropy ({runs[0]['unigram_dev']:.3f}), {EARLY_REGIME:.0%} and above: not trained "
@@ -429,23 +430,39 @@ def zoo_report(root, *more, depth=4):
                                     {f: args[f] for f in flops.train_model_flags() if f in args})
         if (cfg.width, models.count_params(cfg)) != (s["width"], s["non_embedding_params"]):
             raise UsageError(f"{s['_dir']}: its flags build width {cfg.width} and {models.count_params(cfg):,} "
-                             f"non-embedding parameters, its summary says {s['width']} and {s['non_embedding_params']:,}")
+                             f"non-embedding parameters, its summary says {s['width']} and "
+                             f"{s['non_embedding_params']:,}")
         per_token = flops.train_flops(cfg, args["block_size"], 1.0)
         mark = ""
         if flops.train_flops_nominal(cfg):
             nominal.append(f"{m}: {flops.train_flops_nominal(cfg)}")
             mark = " *"
-        cell = lambda metric, fmt: mean_text(fmt, *stats[m][metric], len([r for r in v if r.get(metric) is not None]),
-                                             seeds)
-        share = stats[m]["dev_nll"][0] / s["unigram_dev"]
+        cell = lambda metric, fmt: "-" if stats[m][metric][0] is None else \
+            mean_text(fmt, *stats[m][metric], len([r for r in v if r.get(metric) is not None]), seeds)
+        dev = stats[m]["dev_nll"][0]
         tok = stats[m]["tok_per_s_median_last100"][0]
-        where = sorted({os.path.dirname(os.path.dirname(r["_dir"])) for r in v})
+        where = sorted({root_name(os.path.dirname(os.path.dirname(r["_dir"]))) for r in v})
         out.append(f"| {rank} | {m} | {len(v)} | {s['non_embedding_params']:,} | {cell('test_nll', '{:.3f}')} | "
-                   f"{cell('dev_nll', '{:.3f}')} | {share:.0%}{' (not trained)' if share >= EARLY_REGIME else ''} | "
+                   f"{cell('dev_nll', '{:.3f}')} | {'-' if dev is None else share_text(dev / s['unigram_dev'])} | "
                    f"{per_token / 1e6:.1f} M{mark} | {'-' if tok is None else f'{tok:,.0f}'} | {', '.join(where)} |")
     if nominal:
         out += ["", "\\* FLOPs from the forward formula, but " + "; ".join(nominal) + "."]
     return "\n".join(out) + "\n"
+
+
+BUDGET_LENGTH = ("--max_iters", "--lr_decay_iters", "--warmup_iters")  # what may differ between the budgets compared
+
+
+def root_name(root):
+    """A runs' folder as the reports print it: relative to the working folder when inside it, normalized."""
+    root = os.path.normpath(root)
+    rel = os.path.relpath(os.path.abspath(root))
+    return rel if not rel.startswith("..") else root
+
+
+def share_text(share):
+    """dev NLL / unigram entropy as the zoo table prints it: "44%", "(not trained)" added at EARLY_REGIME."""
+    return f"{share:.0%}" + (" (not trained)" if share >= EARLY_REGIME else "")
 
 
 def budgets_report(root, *more):
@@ -453,7 +470,10 @@ def budgets_report(root, *more):
     in the roots `more` (other budgets, each with its own recipe), mean ± sample std over seeds, and
     at the other budgets also over only the seeds root has (paired); then for each model and budget
     whether its dev NLL rises at some step over the depths that budget has. The budget is the runs'
-    --max_iters. UsageError as load_runs, for more than one dataset, and for a root without runs."""
+    --max_iters; the roots' recipes may differ only in their length (BUDGET_LENGTH, warmup and decay
+    the same share of --max_iters). UsageError as
+    load_runs, for more than one dataset, a root without runs or without recorded flags, and roots
+    whose recipes differ otherwise or whose budgets are the same."""
     budgets = [(r, load_runs(r)) for r in (root, *more)]
     rows = budgets[0][1]
     datasets = sorted({k[0] for _, rs in budgets for k in rs})
@@ -461,10 +481,29 @@ def budgets_report(root, *more):
         raise UsageError(f"--root {root}: dev NLL against K compares one dataset's runs; found "
                          f"{', '.join(datasets) or 'no runs'}")
     ds = datasets[0]
-    updates = [f"{os.path.normpath(r)}, {run_args(next(iter(rs.values()))[0]['_dir']).get('max_iters', '?'):,} updates"
-               for r, rs in budgets if rs]
-    if len(updates) < len(budgets):
-        raise UsageError(f"--with {', '.join(r for r, rs in budgets[1:] if not rs)}: no runs")
+    recipes = []
+    for flag, (r, rs) in zip(["--root"] + ["--with"] * len(more), budgets):
+        if not rs:
+            raise UsageError(f"--with {r}: no runs")
+        s = next(iter(rs.values()))[0]
+        mine = run_settings(s["_dir"], s)
+        if "--max_iters" not in mine:
+            raise UsageError(f"{s['_dir']}: no train.py flags recorded (log.jsonl or args.json); the budget needs them")
+        for k in [f"--{f}" for f in RECIPE if f"--{f}" not in BUDGET_LENGTH] + ["tokens_per_update"]:
+            if recipes and k in mine and k in recipes[0] and mine[k] != recipes[0][k]:
+                raise UsageError(f"--with {r}: {k} {mine[k]}, --root {root} has {recipes[0][k]}; the budgets "
+                                 f"compared differ only in their length ({', '.join(BUDGET_LENGTH)})")
+        for k in BUDGET_LENGTH[1:]:  # the schedule scaled with the budget: the same share of --max_iters
+            if recipes and k in mine and k in recipes[0] and \
+                    mine[k] * recipes[0]["--max_iters"] != recipes[0][k] * mine["--max_iters"]:
+                raise UsageError(f"--with {r}: {k} {mine[k]} of --max_iters {mine['--max_iters']:,}, --root {root} has "
+                                 f"{recipes[0][k]} of {recipes[0]['--max_iters']:,}; a longer budget scales the "
+                                 "schedule (the same share of --max_iters)")
+        if recipes and mine["--max_iters"] in [x["--max_iters"] for x in recipes]:
+            raise UsageError(f"{flag} {r}: {mine['--max_iters']:,} updates, a budget given already; give runs of "
+                             "another --max_iters")
+        recipes.append(mine)
+    updates = [f"{root_name(r)}, {x['--max_iters']:,} updates" for (r, _), x in zip(budgets, recipes)]
     models = _order({k[1] for k in rows})
     depths = sorted({k[2] for _, rs in budgets for k in rs if k[1] in models})
     cols = [f"dev NLL ({updates[0]})"]
@@ -472,7 +511,7 @@ def budgets_report(root, *more):
         cols += [f"dev NLL ({u})", f"the same, paired"]
     out = [f"**{ds}**: dev NLL ({unit_of([r for v in rows.values() for r in v])}, mean ± sample std over n seeds) "
            f"against K at each budget; \"paired\": the column before it over only the seeds that "
-           f"{os.path.normpath(root)} has at that K.\n",
+           f"{root_name(root)} has at that K.\n",
            "| model | K | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     means = {}
     for m in models:
@@ -487,7 +526,8 @@ def budgets_report(root, *more):
                     mu, sd = mean_std(xs)
                     if j == 0 and mu is not None:
                         means[m, i, k] = mu
-                    cells.append("-" if mu is None else mean_text("{:.3f}", mu, sd, len(xs), len(xs)) + f" (n={len(xs)})")
+                    cells.append("-" if mu is None else
+                                 mean_text("{:.3f}", mu, sd, len(xs), len(xs)) + f" (n={len(xs)})")
             if own or any(c != "-" for c in cells):
                 out.append(f"| {m} | {k} | " + " | ".join(cells) + " |")
     out.append("")
@@ -495,7 +535,7 @@ def budgets_report(root, *more):
         for i, u in enumerate(updates):
             ks = [k for k in depths if (m, i, k) in means]
             if len(ks) < 2:
-                out.append(f"- {m}, {u}: K = {', '.join(map(str, ks)) or '-'} only, no trend yet.")
+                out.append(f"- {m}, {u}: " + (f"K = {ks[0]} only, no trend yet." if ks else "no runs."))
                 continue
             path = " → ".join(f"{means[m, i, k]:.3f}" for k in ks)
             up = [f"{a} → {b}" for a, b in zip(ks, ks[1:]) if means[m, i, b] > means[m, i, a]]
@@ -681,7 +721,7 @@ def plot(root, out, more=(), depths=None):
     against tokens seen, one line per model (mean over seeds), from curves_of each run of root and
     the roots `more` (load_runs), at the depths `depths` (None: all). Models past the tenth are drawn
     dashed (ten colours). Needs matplotlib (optional extra); SystemExit(2) with a one-line message
-    when it is missing or root has no runs. Returns the paths written."""
+    when it is missing or root has no runs; UsageError when none is at `depths`. Returns the paths written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -689,11 +729,14 @@ def plot(root, out, more=(), depths=None):
     except ImportError:
         print("sweep.py plot needs matplotlib (an optional extra): pip install matplotlib", file=sys.stderr)
         raise SystemExit(2)
-    rows = {k: v for k, v in load_runs(root, *more).items() if depths is None or k[2] in depths}
-    if not rows:
-        print(f"sweep.py plot: no summary.json under {root}/<dataset>/<run>/"
-              + (f" at K = {', '.join(map(str, depths))}" if depths else ""), file=sys.stderr)
+    every = load_runs(root, *more)
+    if not every:
+        print(f"sweep.py plot: no summary.json under {root}/<dataset>/<run>/", file=sys.stderr)
         raise SystemExit(2)
+    rows = {k: v for k, v in every.items() if depths is None or k[2] in depths}
+    if not rows:
+        raise UsageError(f"--depths {','.join(map(str, depths))}: no runs at these depths under "
+                         f"{', '.join((root, *more))} (they have K = {', '.join(map(str, sorted({k[2] for k in every})))})")
     written = []
     for ds in sorted({k[0] for k in rows}):
         depths = sorted({k[2] for k in rows if k[0] == ds})
@@ -794,9 +837,7 @@ def report_markers(root, mode):
             "budgets": "budgets"}
     if mode not in ends:
         raise ValueError(f"report_markers: mode {mode!r} has no markers; one of {', '.join(ends)}")
-    root = os.path.normpath(root)
-    rel = os.path.relpath(os.path.abspath(root))
-    root = rel if not rel.startswith("..") else root
+    root = root_name(root)
     flag = "" if mode == "runs" else f"--{mode} "
     return f"<!-- sweep report {flag}--root {root} -->\n", f"<!-- end of {ends[mode]} report -->"
 
