@@ -48,9 +48,9 @@ def test_zoo_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
 def test_zoo_and_the_headline_grid_are_every_model_under_one_recipe(monkeypatch):
     """The zoo's commands train the registered models the headline grid has not, with the headline
     grid's train.py flags unchanged, 3 seeds at K = 4; every committed run is one of them (its
-    recorded flags: test_cpugrid's printed-commands test); every row so far trains under the recipe
-    (dev NLL below 60 % of the unigram entropy, else the 1e-3 row the README promises); the status
-    line counts the committed runs."""
+    recorded flags: test_cpugrid's printed-commands test); a row trains under the recipe (dev NLL
+    below 60 % of the unigram entropy) or says it did not and has its row at peak 1e-3 beneath it, or
+    says that run is missing; the status line counts the committed runs."""
     monkeypatch.chdir(HERE)
     runs = [c for c in sweep_commands(ROOT, MARKER) if c[0] == "run" and c[c.index("--root") + 1] == "runs/zoo"]
     headline = [c for c in sweep_commands(HEADLINE_ROOT) if c[0] == "run"]
@@ -66,8 +66,13 @@ def test_zoo_and_the_headline_grid_are_every_model_under_one_recipe(monkeypatch)
     assert done and {k[1] for k in rows} <= zoo and {k[2] for k in rows} == {4}
     assert all(sweep_report.run_args(s["_dir"])["max_iters"] == UPDATES for s in done)
     both = {k: v for k, v in sweep_report.load_runs(ROOT, HEADLINE_ROOT).items() if k[2] == 4}
-    assert all(sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"] < sweep_report.EARLY_REGIME
-               for v in both.values())
+    table = block(readme(ROOT), sweep_report.report_markers(ROOT, "zoo")).splitlines()
+    for (_, m, _), v in both.items():  # trained under the recipe, or said not to be with its other-rate row or its absence
+        row = next(i for i, ln in enumerate(table) if ln.split(" | ")[1:2] == [m])
+        untrained = sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"] >= sweep_report.EARLY_REGIME
+        assert ("(not trained" in table[row]) == untrained, table[row]
+        assert not untrained or "no run at another rate yet)" in table[row] or \
+            table[row + 1].startswith(f"| - | {m} at peak 0.001 | "), table[row:row + 2]
     total = len(zoo) * SEEDS
     status = re.search(r"\*\*Status: (running|done)\.\*\* (\d+) of (\d+) runs", readme(ROOT)).groups()
     assert status == ("done" if len(done) == total else "running", str(len(done)), str(total))
@@ -108,7 +113,8 @@ def test_zoo_report_ranks_labels_and_refuses(tmp_path):
     lines = sweep_report.zoo_report(str(root)).splitlines()
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("| ") and ln[2].isdigit()]
     assert [r[:3] for r in rows] == [["1", "rdm", "1"], ["2", "depth-attn", "1"]]
-    assert rows[0][6] == "60% (not trained)" and rows[1][6].endswith("%") and "not" not in rows[1][6]
+    assert rows[0][6] == "60% (not trained; no run at another rate yet)" and rows[1][6].endswith("%") and \
+        "not" not in rows[1][6]
     args = json.loads((root / "stdlib" / "rdm-K4-s1" / "args.json").read_text())
     cfg, _ = flops.train_config("rdm", "cpu", 4, 256, (s["params"] - s["non_embedding_params"]) // 128,
                                 {f: args[f] for f in flops.train_model_flags()})
@@ -226,8 +232,41 @@ def test_readme_headline_names_the_zoo_with_its_numbers(monkeypatch):
     assert ("so far" in head[i - 80:i]) == (min(seeds) < SEEDS)
     if seeds == {1}:
         assert "seed 1 of 3 so far" in head[i - 80:i]
+    for m, mu in means.items():  # a model that did not train: the headline says so with its share
+        v = next(v for (_, m_, _), v in rows.items() if m_ == m)
+        share = sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"]
+        assert (f"`{m}` {mu:.3f} (not trained: dev NLL at {share:.0%}".replace("%", " %") in head[i:]) == \
+            (share >= sweep_report.EARLY_REGIME), m
     if "below every model above" in head[i:]:  # the headline grid's K = 4 table
         grid = sweep_report.load_runs(HEADLINE_ROOT)
         first = said[0][0]
         assert all(means[first] < sweep_report.mean_std([s["test_nll"] for s in v])[0]
                    for (_, m, k), v in grid.items() if k == 4), first
+
+
+def test_zoo_report_puts_the_other_rate_row_under_its_model(tmp_path):
+    """--other_rate: each of its models' rows sits under the model's own, labelled with the rate and
+    not ranked; a row that did not train and has no such row says so; a root that differs in more
+    than the rate, or not in it, is refused."""
+    root = copy_runs(tmp_path / "a", ["rdm-K4-s1", "depth-attn-K4-s1"])
+    unigram = json.loads((root / "stdlib" / "rdm-K4-s1" / "summary.json").read_text())["unigram_dev"]
+    for name in ("rdm-K4-s1", "depth-attn-K4-s1"):
+        edit_summary(root / "stdlib" / name, dev_nll=0.7 * unigram)
+    other = copy_runs(tmp_path / "b", ["rdm-K4-s1"])
+    run = other / "stdlib" / "rdm-K4-s1"
+    edit_summary(run, dev_nll=0.5 * unigram, test_nll=1.25)
+    args = json.loads((run / "args.json").read_text())
+    (run / "args.json").write_text(json.dumps({**args, "learning_rate": 0.001}))
+    lines = sweep_report.zoo_report(str(root), other_rate=str(other)).splitlines()
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| rank")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| 1", "depth-attn"], ["| 2", "rdm"], ["| -", "rdm at peak 0.001"]]
+    assert " | 70% (not trained; no run at another rate yet) | " in rows[0]
+    assert " | 70% (not trained) | " in rows[1] and " | 1.250 | " in rows[2] and " | 50% | " in rows[2]
+    assert "(its row at peak 0.001 beneath it, not ranked)" in lines[0]
+    (run / "args.json").write_text(json.dumps({**args, "learning_rate": 0.001, "warmup_iters": 10}))
+    with pytest.raises(UsageError, match=r"--other_rate .*: --warmup_iters 10, the table's runs have 60; its runs "
+                                         r"differ from the table's in the peak learning rate only"):
+        sweep_report.zoo_report(str(root), other_rate=str(other))
+    (run / "args.json").write_text(json.dumps(args))
+    with pytest.raises(UsageError, match=r"--other_rate .*: the same peak learning rate as the table's runs"):
+        sweep_report.zoo_report(str(root), other_rate=str(other))

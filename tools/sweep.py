@@ -502,6 +502,9 @@ def main(argv=None):
     q.set_defaults(mode="runs")
     q.add_argument("--with", dest="more", action="append", default=[], metavar="ROOT",
                    help="another runs' folder in the table with --root's (repeatable; report --zoo and --budgets)")
+    q.add_argument("--other_rate", default=None, metavar="ROOT",
+                   help="report --zoo: runs of the same recipe at another peak learning rate, each row under its "
+                   "model's own (for the models that did not train at the table's rate)")
     q.add_argument("--into", default=None, help="markdown file whose report block for this --root (between "
                    "its markers, see sweep_report.report_markers) is replaced by the report")
     args = p.parse_args(argv)
@@ -517,10 +520,14 @@ def main(argv=None):
         raise UsageError("--into: not with --lr (the learning-rate table has no markers)")
     if args.cmd == "report" and args.more and args.mode not in ("zoo", "budgets"):
         raise UsageError("--with: only with report --zoo, report --budgets and plot")
+    if args.cmd == "report" and args.other_rate is not None and args.mode != "zoo":
+        raise UsageError("--other_rate: only with report --zoo")
     drawn = depths(args.depths) if args.cmd == "plot" and args.depths is not None else None
     check_not_empty("--root", args.root, "the runs' folder")
     throughput = args.cmd == "report" and args.mode == "throughput"  # reads the bench JSONs, not the runs
     roots = [("--root", args.root)] + [("--with", r) for r in getattr(args, "more", [])]
+    if getattr(args, "other_rate", None) is not None:
+        roots.append(("--other_rate", args.other_rate))
     seen = {}
     for flag, root in roots[throughput:]:
         check_not_empty(flag, root, "the runs' folder" if flag == "--root" else "another runs' folder")
@@ -541,7 +548,8 @@ def main(argv=None):
     else:
         check_outputs(args.out, args.into)
         reports = {"runs": report, "lr": lr_report, "grid": grid_report, "budget": budget_report,
-                   "throughput": throughput_report, "zoo": lambda root: zoo_report(root, *args.more),
+                   "throughput": throughput_report,
+                   "zoo": lambda root: zoo_report(root, *args.more, other_rate=args.other_rate),
                    "budgets": lambda root: budgets_report(root, *args.more)}
         text = reports[args.mode](args.root)
         if args.into:

@@ -388,7 +388,7 @@ def budget_report(root):
 EARLY_REGIME = 0.60  # dev NLL above this share of the dev split's unigram entropy: not trained under the recipe
 
 
-def zoo_report(root, *more, depth=4):
+def zoo_report(root, *more, depth=4, other_rate=None):
     """Markdown: every model of the runs under root and the roots `more` (load_runs: one recipe) at
     K = depth, ranked by mean test NLL: seeds, non-embedding parameters, test and dev NLL (mean ±
     sample std over seeds), mean dev NLL as a share of the dev split's unigram entropy (a row at or
@@ -396,58 +396,92 @@ def zoo_report(root, *more, depth=4):
     (flops.train_flops of the model train.py built: 6 x forward MACs per token; the vocabulary is
     (params - non-embedding params) / d), tokens/s (median of the last 100 updates, mean over seeds,
     as each run measured it) and the run folders' root; a model without a test NLL ranks last, "-" for
-    what it lacks. UsageError for more than one dataset, no
-    run at K = depth, and a run whose flags do not rebuild its summary's width and parameters."""
-    import flops
+    what it lacks. other_rate: a root of runs of the same recipe at another peak learning rate; each
+    of its models' rows sits under the model's own, labelled with the rate and not ranked (a row
+    that did not train and has none says so, given other_rate or not). UsageError for more than one dataset, no run at
+    K = depth, a run whose flags do not rebuild its summary's width and parameters, and an
+    other_rate root whose recipe differs in more than the rate."""
     rows = {k: v for k, v in load_runs(root, *more).items() if k[2] == depth}
     datasets = sorted({k[0] for k in rows})
     if len(datasets) != 1:
         raise UsageError(f"--root {', '.join((root, *more))}: the table compares one dataset at K = {depth}; "
                          f"found {', '.join(datasets) or 'no runs'}")
+    alt, rate = _other_rate(other_rate, rows, depth) if other_rate else ({}, None)
     runs = [r for v in rows.values() for r in v]
     unit, seeds = unit_of(runs), max(len(v) for v in rows.values())
-    stats = {m: {metric: mean_std([r[metric] for r in v if r.get(metric) is not None])
-                 for metric in ("test_nll", "dev_nll", "tok_per_s_median_last100")} for (_, m, _), v in rows.items()}
-    order = sorted(stats, key=lambda m: (stats[m]["test_nll"][0] is None, stats[m]["test_nll"][0] or 0.0, m))
+    mean = lambda v, metric: mean_std([r[metric] for r in v if r.get(metric) is not None])[0]
+    order = sorted((k[1] for k in rows), key=lambda m: (mean(rows[datasets[0], m, depth], "test_nll") is None,
+                                                        mean(rows[datasets[0], m, depth], "test_nll") or 0.0, m))
     out = [f"**{datasets[0]}**, K = {depth}: test NLL on `{runs[0].get('test_split', 'test')}` and dev NLL ({unit}, "
            f"mean ± sample std over seeds), ranked by mean test NLL; dev / unigram: mean dev NLL over the dev "
            f"split's unigram entropy ({runs[0]['unigram_dev']:.3f}), {EARLY_REGIME:.0%} and above: not trained "
-           "under this recipe; training FLOPs per token: flops.py's 6 x forward MACs of the model train.py "
+           "under this recipe" + (f" (its row at peak {rate} beneath it, not ranked)" if rate else "") +
+           "; training FLOPs per token: flops.py's 6 x forward MACs of the model train.py "
            "built; tokens/s: median of the last 100 updates, mean over seeds, as each run measured it (runs that "
            "shared the machine read low: tools.bench times models alone).\n",
            "| rank | model | seeds | non-emb params | test NLL | dev NLL | dev / unigram | training FLOPs/token "
            "| tokens/s | runs |", "|---|---|---|---|---|---|---|---|---|---|"]
-    nominal = []
+    nominal = {}
     for rank, m in enumerate(order, 1):
-        v = rows[datasets[0], m, depth]
-        s = v[0]
-        args = run_args(s["_dir"])
-        if "block_size" not in args:
-            raise UsageError(f"{s['_dir']}: no train.py flags recorded (log.jsonl or args.json); the FLOPs need them")
-        d = models.TIERS[s["size"]][0]
-        V = (s["params"] - s["non_embedding_params"]) // d
-        cfg, _ = flops.train_config(m, s["size"], depth, args["block_size"], V,
-                                    {f: args[f] for f in flops.train_model_flags() if f in args})
-        if (cfg.width, models.count_params(cfg)) != (s["width"], s["non_embedding_params"]):
-            raise UsageError(f"{s['_dir']}: its flags build width {cfg.width} and {models.count_params(cfg):,} "
-                             f"non-embedding parameters, its summary says {s['width']} and "
-                             f"{s['non_embedding_params']:,}")
-        per_token = flops.train_flops(cfg, args["block_size"], 1.0)
-        mark = ""
-        if flops.train_flops_nominal(cfg):
-            nominal.append(f"{m}: {flops.train_flops_nominal(cfg)}")
-            mark = " *"
-        cell = lambda metric, fmt: "-" if stats[m][metric][0] is None else \
-            mean_text(fmt, *stats[m][metric], len([r for r in v if r.get(metric) is not None]), seeds)
-        dev = stats[m]["dev_nll"][0]
-        tok = stats[m]["tok_per_s_median_last100"][0]
-        where = sorted({root_name(os.path.dirname(os.path.dirname(r["_dir"]))) for r in v})
-        out.append(f"| {rank} | {m} | {len(v)} | {s['non_embedding_params']:,} | {cell('test_nll', '{:.3f}')} | "
-                   f"{cell('dev_nll', '{:.3f}')} | {'-' if dev is None else share_text(dev / s['unigram_dev'])} | "
-                   f"{per_token / 1e6:.1f} M{mark} | {'-' if tok is None else f'{tok:,.0f}'} | {', '.join(where)} |")
+        there = alt.get(m)
+        out.append(_zoo_row(str(rank), m, rows[datasets[0], m, depth], depth, seeds, nominal,
+                            "" if there else "; no run at another rate yet"))
+        if there:
+            out.append(_zoo_row("-", f"{m} at peak {rate}", there, depth, seeds, nominal, ""))
     if nominal:
-        out += ["", "\\* FLOPs from the forward formula, but " + "; ".join(nominal) + "."]
+        out += ["", "\\* FLOPs from the forward formula, but " + "; ".join(f"{m}: {why}" for m, why in nominal.items())
+                + "."]
     return "\n".join(out) + "\n"
+
+
+def _other_rate(other, rows, depth):
+    """({model: runs at K = depth}, the rate as written) of the root `other`, whose recipe must be rows'
+    but for the peak learning rate; UsageError otherwise, or without runs at K = depth."""
+    alt = {k[1]: v for k, v in load_runs(other).items() if k[2] == depth}
+    if not alt:
+        raise UsageError(f"--other_rate {other}: no runs at K = {depth}")
+    mine, theirs = [(lambda s: run_settings(s["_dir"], s))(next(iter(r.values()))[0]) for r in (rows, alt)]
+    for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]:
+        if k != "--learning_rate" and k in mine and k in theirs and mine[k] != theirs[k]:
+            raise UsageError(f"--other_rate {other}: {k} {theirs[k]}, the table's runs have {mine[k]}; its runs "
+                             "differ from the table's in the peak learning rate only")
+    if theirs.get("--learning_rate") == mine.get("--learning_rate"):
+        raise UsageError(f"--other_rate {other}: the same peak learning rate as the table's runs")
+    return alt, f"{theirs['--learning_rate']:g}"
+
+
+def _zoo_row(rank, label, v, depth, seeds, nominal, note):
+    """One zoo_report row of the runs v (one model at K = depth); nominal collects the FLOPs notes."""
+    import flops
+    s = v[0]
+    args = run_args(s["_dir"])
+    if "block_size" not in args:
+        raise UsageError(f"{s['_dir']}: no train.py flags recorded (log.jsonl or args.json); the FLOPs need them")
+    d = models.TIERS[s["size"]][0]
+    V = (s["params"] - s["non_embedding_params"]) // d
+    m = s["model"]
+    cfg, _ = flops.train_config(m, s["size"], depth, args["block_size"], V,
+                                {f: args[f] for f in flops.train_model_flags() if f in args})
+    if (cfg.width, models.count_params(cfg)) != (s["width"], s["non_embedding_params"]):
+        raise UsageError(f"{s['_dir']}: its flags build width {cfg.width} and {models.count_params(cfg):,} "
+                         f"non-embedding parameters, its summary says {s['width']} and "
+                         f"{s['non_embedding_params']:,}")
+    per_token = flops.train_flops(cfg, args["block_size"], 1.0)
+    if flops.train_flops_nominal(cfg):
+        nominal[m] = flops.train_flops_nominal(cfg)
+
+    def cell(metric, fmt):
+        xs = [r[metric] for r in v if r.get(metric) is not None]
+        return "-" if not xs else mean_text(fmt, *mean_std(xs), len(xs), seeds)
+    dev = mean_std([r["dev_nll"] for r in v if r.get("dev_nll") is not None])[0]
+    share = "-" if dev is None else share_text(dev / s["unigram_dev"])
+    if note and share.endswith(" (not trained)"):
+        share = share[:-1] + note + ")"
+    tok = mean_std([r["tok_per_s_median_last100"] for r in v if r.get("tok_per_s_median_last100") is not None])[0]
+    where = sorted({root_name(os.path.dirname(os.path.dirname(r["_dir"]))) for r in v})
+    return (f"| {rank} | {label} | {len(v)} | {s['non_embedding_params']:,} | {cell('test_nll', '{:.3f}')} | "
+            f"{cell('dev_nll', '{:.3f}')} | {share} | {per_token / 1e6:.1f} M{' *' if m in nominal else ''} | "
+            f"{'-' if tok is None else f'{tok:,.0f}'} | {', '.join(where)} |")
 
 
 BUDGET_LENGTH = ("--max_iters", "--lr_decay_iters", "--warmup_iters")  # what may differ between the budgets compared
