@@ -44,7 +44,8 @@ class Schedule:
     def notes(self, resumed):
         """The notes a run prints about its schedule: a resumed run whose updates go past the
         schedule's end (e.g. --max_iters raised, the schedule's length kept) runs those at the floor;
-        a run that ends inside its warmup never decays."""
+        a run that ends inside its warmup never decays; a schedule whose decay ends within one update
+        of the warmup's end has no cosine: the rate drops from the warmup's last to the floor."""
         notes = []
         end = max(self.decay_iters, self.warmup_iters)  # the warmup runs first, however short the schedule
         if resumed and end < self.max_iters:
@@ -57,6 +58,17 @@ class Schedule:
             notes.append(f"note: --warmup_iters {self.warmup_iters} >= --max_iters {self.max_iters}: the run ends "
                          f"inside the warmup, its last update at {self.lr_at(self.max_iters - 1) / self.learning_rate:.2f}"
                          " x --learning_rate (no decay)")
+        elif self.decay_iters <= self.warmup_iters + 1 and not notes:
+            top = self.warmup_iters  # the last update before the floor (0-based): the peak, or the warmup's last
+            top -= self.decay_iters <= self.warmup_iters
+            where = "inside" if top < self.warmup_iters else "one update after"
+            then = (f"then runs at its floor ({self.min_lr_ratio} x)" if top + 1 < self.max_iters else
+                    "where the run ends (no decay)")
+            end = f"--lr_decay_iters {self.decay_iters}" + (" (its default, --max_iters)"
+                                                             if self.decay_iters == self.max_iters else "")
+            notes.append(f"note: {end} ends {where} the warmup (--warmup_iters "
+                         f"{self.warmup_iters}): no cosine; the rate rises to {self.lr_at(top) / self.learning_rate:.2f}"
+                         f" x --learning_rate at update {top + 1}, {then}")
         return notes
 
 

@@ -129,7 +129,8 @@ def test_lr_schedule_edges():
 
 def test_a_run_inside_its_warmup_says_so(mdm, data_root, tmp_path):
     """--warmup_iters >= --max_iters: one note with the last update's fraction of the peak (3 of 5 + 1
-    warmup steps: 0.50), none otherwise."""
+    warmup steps: 0.50); one update past the warmup: the run ends at the peak, no decay (it said
+    nothing); none for a run with a cosine."""
     out = main_in_process(flags(mdm, data_root, tmp_path / "a", "--max_iters", "3", "--warmup_iters", "5"))
     assert "note: --warmup_iters 5 >= --max_iters 3: the run ends inside the warmup, its last update at 0.50 x " \
            "--learning_rate (no decay)" in out.splitlines()
@@ -137,6 +138,10 @@ def test_a_run_inside_its_warmup_says_so(mdm, data_root, tmp_path):
     assert "note: --warmup_iters 3 >= --max_iters 3: the run ends inside the warmup, its last update at 0.75 x " \
            "--learning_rate (no decay)" in out.splitlines()
     out = main_in_process(flags(mdm, data_root, tmp_path / "b", "--max_iters", "3", "--warmup_iters", "2"))
+    assert [ln for ln in out.splitlines() if ln.startswith("note:")] == [
+        "note: --lr_decay_iters 3 (its default, --max_iters) ends one update after the warmup (--warmup_iters 2): no "
+        "cosine; the rate rises to 1.00 x --learning_rate at update 3, where the run ends (no decay)"]
+    out = main_in_process(flags(mdm, data_root, tmp_path / "d", "--max_iters", "4", "--warmup_iters", "1"))
     assert "note:" not in out
 
 
@@ -501,7 +506,26 @@ def test_schedule_notes_say_what_lr_at_runs(warmup, decay, max_iters):
     assert len(ends_in_warmup) == (warmup >= max_iters)
     if ends_in_warmup:
         assert not said and f"at {rates[-1]:.2f} x --learning_rate" in ends_in_warmup[0]
-    assert not args.notes(resumed=False) or warmup >= max_iters
+    fresh = args.notes(resumed=False)
+    if warmup >= max_iters:
+        assert fresh == ends_in_warmup
+    elif decay <= warmup + 1:  # no cosine: the rate climbs to update `top` and drops to the floor after it
+        top = next(u for u in range(1, max_iters + 1) if u == max_iters or rates[u] == pytest.approx(0.1))
+        assert all(r == pytest.approx(0.1) for r in rates[top:]) and len(fresh) == 1, fresh
+        assert f"no cosine; the rate rises to {rates[top - 1]:.2f} x --learning_rate at update {top}, " in fresh[0]
+        assert fresh[0].endswith("(no decay)" if top == max_iters else "then runs at its floor (0.1 x)")
+    else:
+        assert fresh == []
+
+
+def test_a_run_that_ends_at_its_peak_says_so():
+    """--warmup_iters 1 --max_iters 2 (the decay's default length, 2): update 2 runs at the peak and
+    the run ends there, with no decay (it said nothing)."""
+    s = Schedule(learning_rate=1.0, warmup_iters=1, lr_decay_iters=None, max_iters=2, min_lr_ratio=0.1)
+    assert [s.lr_at(i) for i in range(2)] == [0.5, 1.0]
+    assert s.notes(resumed=False) == ["note: --lr_decay_iters 2 (its default, --max_iters) ends one update after the "
+                                      "warmup (--warmup_iters 1): no cosine; the rate rises to 1.00 x --learning_rate "
+                                      "at update 2, where the run ends (no decay)"]
 
 
 def test_help_shows_every_tiers_value(capsys):
