@@ -10,8 +10,6 @@ from models import REGISTRY
 GRID_MODELS = tuple(name for name, spec in REGISTRY.items() if spec.paper_grid) + ("parcae",)
 
 
-
-
 def one_per_file():
     """One model per model file: the first registered of each (tango, loop, parcae, ...)."""
     picks = {}

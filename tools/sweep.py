@@ -26,11 +26,11 @@ time, from `<root>/sweep-output.txt`: the run command's printed output, when it 
 tools.bench JSONs of the grid's shapes (`<root>/bench_K<k>.json`), `report --zoo` ranks every model
 at K = 4 of --root and the roots `--with` names (one recipe) with its training FLOPs per token,
 `report --budgets` puts dev NLL against K at --root's budget beside the `--with` roots' (the same
-recipe at other lengths);
-`--into FILE` also writes the report into FILE between its marker lines (sweep_report.report_markers).
-`collect` copies each run's summary and curves into a folder small enough to commit; `plot` draws
-the curves (`--with` other roots, `--depths` a subset) (no version stamp: one matplotlib and pillow version write the same PNG bytes from the
-same curves). This file runs and collects the grid; report and plot, which only read it, are in
+recipe at other lengths); `--into FILE` also writes the report into FILE between its marker lines
+(sweep_report.report_markers). `collect` copies each run's summary and curves into a folder small
+enough to commit; `plot` draws the curves, of other roots too (`--with`) and at some depths
+(`--depths`), with no version stamp: one matplotlib and pillow version write the same PNG bytes from
+the same curves. This file runs and collects the grid; report and plot, which only read it, are in
 sweep_report.py.
 """
 import concurrent.futures
