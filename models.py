@@ -106,7 +106,6 @@ class ModelSpec:
     bench_long: bool = False
 
 
-NO_THOUGHTS = lambda c: "with --n_thoughts 0 (no thought slots to refine)" if c.n_thoughts == 0 else None
 HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
 BOOL = Choice((False, True))
 # Ranges: a rank or dimension above d adds parameters but no rank (--fold_rank 9999 would build 2.6M
@@ -122,6 +121,7 @@ _DEPTH = lambda c: (c.depth, "--depth; a larger value selects no other layer")
 GAU_S = {"gau_s": Range(1, _D)}
 RECURRENT = {"mu_rec": Range(0), "mu_bwd": Range(0), "n_prelude": Range(0), "n_core": Range(1), "n_coda": Range(0)}
 # idle rules (check_idle_flags): the other flags' values at which a flag does nothing
+NO_THOUGHTS = lambda c: "with --n_thoughts 0 (no thought slots to refine)" if c.n_thoughts == 0 else None
 ONE_LAYER = lambda c: "at --depth 1 (no earlier layer to attend to)" if c.depth == 1 else None
 ONE_LOOP = lambda c: "at --depth 1 (one loop: no loop >= 2 to gate or shift)" if c.depth == 1 else None
 _STAGES = lambda c, layout: parallel_loops.fold_stages(c.depth, c.fold, layout)
