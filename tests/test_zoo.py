@@ -19,6 +19,7 @@ from test_cpugrid import HEADLINE_ROOT, block, readme, sweep_commands
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/zoo"
+OTHER_RATE = "results/zoo/lr1e-3"  # the runs at peak 1e-3 of the models that did not train at 2e-3
 MARKER = "<!-- zoo commands -->"
 SEEDS, UPDATES = 3, 600
 
@@ -26,7 +27,8 @@ SEEDS, UPDATES = 3, 600
 def test_zoo_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
     monkeypatch.chdir(HERE)
     doc = readme(ROOT)
-    assert block(doc, sweep_report.report_markers(ROOT, "zoo")) == sweep_report.zoo_report(ROOT, HEADLINE_ROOT)
+    assert block(doc, sweep_report.report_markers(ROOT, "zoo")) == \
+        sweep_report.zoo_report(ROOT, HEADLINE_ROOT, other_rate=OTHER_RATE)
     assert block(doc, sweep_report.report_markers(ROOT, "runs")) == sweep_report.report(ROOT)
     assert block(doc, sweep_report.report_markers(ROOT, "budget")) == sweep_report.budget_report(ROOT)
 
@@ -237,6 +239,11 @@ def test_readme_headline_names_the_zoo_with_its_numbers(monkeypatch):
         share = sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"]
         assert (f"`{m}` {mu:.3f} (not trained: dev NLL at {share:.0%}".replace("%", " %") in head[i:]) == \
             (share >= sweep_report.EARLY_REGIME), m
+    for (_, m, _), v in sweep_report.load_runs(OTHER_RATE).items():  # a 1e-3 row the headline gives
+        mu = sweep_report.mean_std([s["test_nll"] for s in v])[0]
+        share = sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"]
+        said_there = re.search(rf"`{m}` [\d.]+ \(not trained: [^)]*; at peak 1e-3 ([\d.]+), (\d+) %\)", head[i:])
+        assert said_there is None or said_there.groups() == (f"{mu:.3f}", f"{share:.0%}"[:-1]), m
     if "below every model above" in head[i:]:  # the headline grid's K = 4 table
         grid = sweep_report.load_runs(HEADLINE_ROOT)
         first = said[0][0]
