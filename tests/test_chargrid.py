@@ -106,16 +106,22 @@ def pinned(package):
         return re.search(rf"\b{package}==([0-9][\w.]*)", f.read()).group(1)
 
 
-def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypatch):
-    """sweep.py plot writes no version stamp (PNG metadata Software: None), so one matplotlib and
-    pillow version make the same bytes from the same curves; the PNGs were made with the versions
-    requirements-dev.txt pins (elsewhere the test skips, naming them)."""
+def require_pinned_plotting():
+    """Skip (naming the versions) unless matplotlib and pillow are the versions requirements-dev.txt
+    pins: the committed PNGs were drawn with them, and other versions may write other bytes."""
     mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
     import PIL
     have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
     if have != {p: pinned(p) for p in have}:
         pytest.skip(f"the committed PNGs were made with matplotlib {pinned('matplotlib')} and pillow "
                     f"{pinned('pillow')} (pinned in requirements-dev.txt); this has {have}, whose bytes may differ")
+
+
+def test_chargrid_plots_are_the_committed_pngs_byte_for_byte(tmp_path, monkeypatch):
+    """sweep.py plot writes no version stamp (PNG metadata Software: None), so one matplotlib and
+    pillow version make the same bytes from the same curves; the PNGs were made with the versions
+    requirements-dev.txt pins (elsewhere the test skips, naming them)."""
+    require_pinned_plotting()
     monkeypatch.chdir(HERE)  # the plot's title names --root as given: results/chargrid
     written = sweep_report.plot(ROOT, str(tmp_path / "new"))
     committed = sorted(f for f in os.listdir(ROOT) if f.endswith(".png"))

@@ -16,7 +16,7 @@ from common import UsageError
 from harness.checkpoint import MACHINE_FLAGS
 from harness.config import resolve_args, unread_model_flags
 from tools import sweep, sweep_report
-from test_chargrid import pinned, sweep_options
+from test_chargrid import require_pinned_plotting, sweep_options
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/cpugrid"
@@ -131,12 +131,7 @@ def test_budget_report_arithmetic(tmp_path):
 
 @pytest.mark.parametrize("root", [ROOT, WARM_ROOT])
 def test_cpugrid_plot_is_the_committed_png_byte_for_byte(root, tmp_path, monkeypatch):
-    mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
-    import PIL
-    have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
-    if have != {p: pinned(p) for p in have}:
-        pytest.skip(f"the committed PNG was made with matplotlib {pinned('matplotlib')} and pillow "
-                    f"{pinned('pillow')} (pinned in requirements-dev.txt); this has {have}, whose bytes may differ")
+    require_pinned_plotting()
     monkeypatch.chdir(HERE)
     written = sweep_report.plot(root, str(tmp_path))
     assert [os.path.basename(p) for p in written] == ["stdlib.png"]

@@ -14,7 +14,7 @@ import pytest
 from common import UsageError
 from models import REGISTRY
 from tools import sweep, sweep_report
-from test_chargrid import pinned
+from test_chargrid import require_pinned_plotting
 from test_cpugrid import HEADLINE_ROOT, block, readme, sweep_commands
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -34,12 +34,7 @@ def test_zoo_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
 
 
 def test_zoo_plot_is_the_committed_png_byte_for_byte(tmp_path, monkeypatch):
-    mpl = pytest.importorskip("matplotlib", reason="sweep.py plot needs the optional matplotlib")
-    import PIL
-    have = {"matplotlib": mpl.__version__, "pillow": PIL.__version__}
-    if have != {p: pinned(p) for p in have}:
-        pytest.skip(f"the committed PNG was made with matplotlib {pinned('matplotlib')} and pillow "
-                    f"{pinned('pillow')} (pinned in requirements-dev.txt); this has {have}, whose bytes may differ")
+    require_pinned_plotting()
     monkeypatch.chdir(HERE)
     written = sweep_report.plot(ROOT, str(tmp_path), more=(HEADLINE_ROOT,), depths=[4])
     assert [os.path.basename(p) for p in written] == ["stdlib.png"]
