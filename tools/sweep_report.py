@@ -141,6 +141,19 @@ RECIPE = ("size", "tokenizer", "block_size", "batch_size", "gradient_accumulatio
           "eval_interval", "eval_windows", "max_tokens", "dtype")
 
 
+def recipe_difference(ref, mine, allowed=()):
+    """The first recipe setting (RECIPE's flags, tokens per update) that two runs' settings
+    (run_settings) both hold and differ in, besides those in `allowed`; None when they agree."""
+    return next((k for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]
+                 if k not in allowed and k in ref and k in mine and ref[k] != mine[k]), None)
+
+
+def first_settings(rows):
+    """run_settings of the first run of load_runs's rows (a root's recipe, which check_recipe made one)."""
+    s = next(iter(rows.values()))[0]
+    return run_settings(s["_dir"], s)
+
+
 def check_recipe(rows, settings):
     """UsageError when two runs of one dataset (rows: load_runs's cells; settings: {run folder:
     run_settings}) were trained with another recipe (RECIPE's flags): a table or claim compares
@@ -151,11 +164,11 @@ def check_recipe(rows, settings):
         for r in rows[key]:
             mine = settings[r["_dir"]]
             ref_dir, ref = first.setdefault(key[0], (r["_dir"], mine))
-            for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]:
-                if k in ref and k in mine and ref[k] != mine[k]:
-                    raise UsageError(f"{key[0]}: {ref_dir} has {k} {ref[k]}, {r['_dir']} has {k} {mine[k]}; "
-                                     "the models of a report share one recipe (another rate or budget: another "
-                                     "--root; a learning-rate sweep: report --lr)")
+            k = recipe_difference(ref, mine)
+            if k is not None:
+                raise UsageError(f"{key[0]}: {ref_dir} has {k} {ref[k]}, {r['_dir']} has {k} {mine[k]}; "
+                                 "the models of a report share one recipe (another rate or budget: another "
+                                 "--root; a learning-rate sweep: report --lr)")
 
 
 def check_cell(key, runs, settings):
@@ -440,11 +453,11 @@ def _other_rate(other, rows, depth):
     alt = {k[1]: v for k, v in load_runs(other).items() if k[2] == depth}
     if not alt:
         raise UsageError(f"--other_rate {other}: no runs at K = {depth}")
-    mine, theirs = [(lambda s: run_settings(s["_dir"], s))(next(iter(r.values()))[0]) for r in (rows, alt)]
-    for k in [f"--{f}" for f in RECIPE] + ["tokens_per_update"]:
-        if k != "--learning_rate" and k in mine and k in theirs and mine[k] != theirs[k]:
-            raise UsageError(f"--other_rate {other}: {k} {theirs[k]}, the table's runs have {mine[k]}; its runs "
-                             "differ from the table's in the peak learning rate only")
+    mine, theirs = first_settings(rows), first_settings(alt)
+    k = recipe_difference(mine, theirs, allowed=("--learning_rate",))
+    if k is not None:
+        raise UsageError(f"--other_rate {other}: {k} {theirs[k]}, the table's runs have {mine[k]}; its runs "
+                         "differ from the table's in the peak learning rate only")
     if theirs.get("--learning_rate") == mine.get("--learning_rate"):
         raise UsageError(f"--other_rate {other}: the same peak learning rate as the table's runs")
     return alt, f"{theirs['--learning_rate']:g}"
@@ -519,14 +532,14 @@ def budgets_report(root, *more):
     for flag, (r, rs) in zip(["--root"] + ["--with"] * len(more), budgets):
         if not rs:
             raise UsageError(f"--with {r}: no runs")
-        s = next(iter(rs.values()))[0]
-        mine = run_settings(s["_dir"], s)
+        mine = first_settings(rs)
         if "--max_iters" not in mine:
-            raise UsageError(f"{s['_dir']}: no train.py flags recorded (log.jsonl or args.json); the budget needs them")
-        for k in [f"--{f}" for f in RECIPE if f"--{f}" not in BUDGET_LENGTH] + ["tokens_per_update"]:
-            if recipes and k in mine and k in recipes[0] and mine[k] != recipes[0][k]:
-                raise UsageError(f"--with {r}: {k} {mine[k]}, --root {root} has {recipes[0][k]}; the budgets "
-                                 f"compared differ only in their length ({', '.join(BUDGET_LENGTH)})")
+            raise UsageError(f"{next(iter(rs.values()))[0]['_dir']}: no train.py flags recorded (log.jsonl or "
+                             "args.json); the budget needs them")
+        k = recipe_difference(recipes[0], mine, allowed=BUDGET_LENGTH) if recipes else None
+        if k is not None:
+            raise UsageError(f"--with {r}: {k} {mine[k]}, --root {root} has {recipes[0][k]}; the budgets "
+                             f"compared differ only in their length ({', '.join(BUDGET_LENGTH)})")
         for k in BUDGET_LENGTH[1:]:  # the schedule scaled with the budget: the same share of --max_iters
             if recipes and k in mine and k in recipes[0] and \
                     mine[k] * recipes[0]["--max_iters"] != recipes[0][k] * mine["--max_iters"]:
