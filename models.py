@@ -229,14 +229,19 @@ def check_flag_ranges(cfg: ModelConfig):
             raise UsageError(msg)
 
 
+def idle_flags(cfg):
+    """{flag: why} of cfg.model's flags that do nothing at cfg's other flags (their ModelSpec entry's
+    idle rule, e.g. --jacobi with --n_thoughts 0). cfg: a ModelConfig or train.py's parsed flags."""
+    rules = spec_of(cfg.model).flags
+    return {flag: why for flag in rules if rules[flag].idle and (why := rules[flag].idle(cfg))}
+
+
 def check_idle_flags(cfg: ModelConfig, given):
-    """UsageError for a model flag given explicitly (given: the names typed) that does nothing at
-    cfg's other flags (its ModelSpec entry's idle, e.g. --jacobi with --n_thoughts 0): it would be
-    silently ignored."""
-    for flag in sorted(set(given) & set(spec_of(cfg.model).flags)):
-        why = spec_of(cfg.model).flags[flag].idle and spec_of(cfg.model).flags[flag].idle(cfg)
-        if why:
-            raise UsageError(f"--{flag}: does nothing for --model {cfg.model} {why}; drop the flag")
+    """UsageError for a model flag given explicitly (given: the names typed) that idle_flags finds
+    idle at cfg: it would be silently ignored."""
+    idle = idle_flags(cfg)
+    for flag in sorted(set(given) & set(idle)):
+        raise UsageError(f"--{flag}: does nothing for --model {cfg.model} {idle[flag]}; drop the flag")
 
 
 def checkpoint_config(saved, where) -> ModelConfig:

@@ -232,7 +232,7 @@ def flags_for(dataset, extra, model=None, depth=None):
     them have."""
     import train
     from harness.config import unread_model_flags
-    from models import spec_of
+    from models import idle_flags
     actions = train.build_parser()._option_string_actions
 
     def without(flags, drop):
@@ -250,7 +250,7 @@ def flags_for(dataset, extra, model=None, depth=None):
     out = without(extra, unread)
     if model is not None and depth is not None:
         run = train.parse_args(["--model", model, "--depth", str(depth), *out])
-        out = without(out, {f for f, rule in spec_of(model).flags.items() if rule.idle and rule.idle(run)})
+        out = without(out, set(idle_flags(run)))
     return out
 
 
