@@ -87,15 +87,20 @@ def test_readme_headline_numbers_are_the_grids(monkeypatch):
     assert trend == tuple(f"{stat('tango', k, 'dev_nll')[0]:.3f}" for k in (4, 8, 16))
 
 
-@pytest.mark.parametrize("root, n_commands, lr, marker", [
-    (ROOT, 4, 2e-3, "<!-- cpugrid commands -->"), (LR_ROOT, 5, 1e-3, "<!-- cpugrid commands -->"),
-    (WARM_ROOT, 11, 2e-3, "<!-- cpugrid commands -->"), ("results/zoo", 4, 2e-3, "<!-- zoo commands -->")])
-def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands, lr, marker, monkeypatch):
-    """Every committed run's recorded train.py settings (args.json) are those its printed `sweep.py
-    run` command resolves to at today's code (machine flags aside), so the printed commands
-    continue the grid with the same settings."""
+@pytest.mark.parametrize("root, run_root, n_commands, lr, updates, commands", [
+    (ROOT, "runs/cpugrid", 4, 2e-3, 600, (ROOT, "<!-- cpugrid commands -->")),
+    (LR_ROOT, "runs/cpugrid_lr", 5, 1e-3, 600, (LR_ROOT, "<!-- cpugrid commands -->")),
+    (WARM_ROOT, "runs/cpugrid_warmup", 11, 2e-3, 600, (WARM_ROOT, "<!-- cpugrid commands -->")),
+    ("results/zoo", "runs/zoo", 2, 2e-3, 600, ("results/zoo", "<!-- zoo commands -->")),
+    ("results/zoo/lr1e-3", "runs/zoo_lr1e-3", 1, 1e-3, 600, ("results/zoo", "<!-- zoo commands -->"))])
+def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, run_root, n_commands, lr, updates, commands,
+                                                               monkeypatch):
+    """Every committed run under root was trained as the printed `sweep.py run` commands of its
+    --root (run_root) ask, in the commands block (README folder, marker line) `commands`: its
+    recorded train.py settings (args.json) are those the command resolves to at today's code
+    (machine flags aside), so the printed commands continue it with the same settings."""
     monkeypatch.chdir(HERE)
-    runs = [c for c in sweep_commands(root, marker) if c[0] == "run"]
+    runs = [c for c in sweep_commands(*commands) if c[0] == "run" and c[c.index("--root") + 1] == run_root]
     assert len(runs) == n_commands
     grids = [(sweep_options(argv), argv[argv.index("--") + 1:]) for argv in runs]
     rows = sweep_report.load_runs(root)
@@ -104,13 +109,13 @@ def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, n_commands,
         for s in summaries:
             own, extra = next((o, e) for o, e in grids if m in o["--models"].split(",") and
                               str(k) in o["--depths"].split(",") and s["seed"] <= int(o["--seeds"]))
-            argv = sweep.train_argv("runs/" + os.path.basename(root), ds, m, k, s["seed"], None, extra)
+            argv = sweep.train_argv(run_root, ds, m, k, s["seed"], None, extra)
             requested = vars(resolve_args(train.parse_args(argv + ["--device", "cpu"])))  # as they ran
             with open(os.path.join(s["_dir"], "args.json")) as f:
                 saved = json.load(f)
             keys = set(saved) - set(MACHINE_FLAGS) - unread_model_flags(m)
             assert {k_: saved[k_] for k_ in keys} == {k_: requested[k_] for k_ in keys}, s["_dir"]
-            assert saved["max_iters"] == 600 and saved["block_size"] == 256 and saved["tokenizer"] == "char"
+            assert saved["max_iters"] == updates and saved["block_size"] == 256 and saved["tokenizer"] == "char"
             assert saved["learning_rate"] == lr
 
 
