@@ -46,6 +46,21 @@ def assert_causal(model, idx, t, vocab=61):
     assert torch.equal(a[:, :t], b[:, :t]) and (a[:, t:] - b[:, t:]).abs().max() > 1e-4
 
 
+def assert_finite_differences(f, params, at=None, rtol=1e-5):
+    """Each float64 parameter's gradient (p.grad, left by f().backward()) at one entry (the flat index
+    `at`, default the entry of largest gradient) equals f's central finite difference there (step 1e-6)."""
+    eps = 1e-6
+    for p in params:
+        i = int(p.grad.abs().argmax()) if at is None else at
+        with torch.no_grad():
+            p.view(-1)[i] += eps
+            up = f()
+            p.view(-1)[i] -= 2 * eps
+            down = f()
+            p.view(-1)[i] += eps
+        torch.testing.assert_close((up - down) / (2 * eps), p.grad.view(-1)[i], rtol=rtol, atol=1e-10)
+
+
 def tokens(B=2, T=12, seed=1, vocab=61):
     """Random token ids (B, T) in [0, vocab), from their own seeded generator."""
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
