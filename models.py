@@ -94,7 +94,8 @@ class ModelSpec:
     convention's total (flops.counter_expected_macs); paper_macs: the TANGO paper's §4.1 forward MACs
     of the model at 70M, K = 4, T = 8192 (flops.py prints its own beside it); paper_grid: one of the
     six models of the TANGO paper's §4.1 grid, whose claims the sweep report recomputes; bench_long:
-    tools.bench --quick also times it at the long block size (T = 8192 on a GPU)."""
+    tools.bench --quick also times it at the long block size (T = 8192 on a GPU); min_depth: the
+    smallest --depth it is built at and the smallest test-time depth (--eval_depths) it is run at."""
     build: Callable
     width_multiple: object = 8
     shared_block: bool = False
@@ -104,6 +105,7 @@ class ModelSpec:
     paper_macs: float = None
     paper_grid: bool = False
     bench_long: bool = False
+    min_depth: int = 1
 
 
 HEADS = lambda cfg: cfg.n_head  # TANGO splits its gated width into H groups (one per score head)
@@ -143,8 +145,9 @@ REGISTRY = {
     "tango-windowed": ModelSpec(tango.tango_windowed, HEADS, shared_block=True, flags={"window": Range(1)},
                                 macs="tango_windowed_macs", counted_macs="tango_windowed_counted_macs",
                                 paper_macs=1.90e12, paper_grid=True, bench_long=True),
+    # one application per gated-projection set at least: first, middle, last (tango.Tango.set_index)
     "tango-3set": ModelSpec(tango.tango_3set, HEADS, shared_block=True, macs="tango_macs",
-                            counted_macs="tango_counted_macs", bench_long=True),
+                            counted_macs="tango_counted_macs", bench_long=True, min_depth=3),
     "loop": ModelSpec(baselines.loop_transformer, shared_block=True, macs="transformer_macs", paper_macs=1.94e12,
                       paper_grid=True, bench_long=True),
     "untied": ModelSpec(baselines.untied_transformer, macs="transformer_macs", paper_macs=0.85e12, paper_grid=True),
@@ -210,10 +213,10 @@ def spec_of(name) -> ModelSpec:
 
 
 def build_model(cfg: ModelConfig, device=None, **body_kwargs):
-    """Instantiate cfg.model; raises UsageError for an unknown name or depth < 1."""
+    """Instantiate cfg.model; raises UsageError for an unknown name or a depth below its min_depth."""
     spec = spec_of(cfg.model)
-    if cfg.depth < 1:
-        raise UsageError(f"--depth {cfg.depth}: depth must be >= 1")
+    if cfg.depth < spec.min_depth:
+        raise UsageError(f"--depth {cfg.depth}: --model {cfg.model} needs depth >= {spec.min_depth}")
     if cfg.n_embd % 32 or cfg.n_head != cfg.n_embd // 32:
         raise UsageError(f"n_embd {cfg.n_embd} / n_head {cfg.n_head}: heads must have dimension 32")
     with torch.device(device or "cpu"):

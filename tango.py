@@ -91,7 +91,8 @@ class Tango(nn.Module):
     """TANGO body (full-prefix, windowed or three-set). forward(x (B, T, d), cos, sin, cache) -> (B, T, d).
 
     impl="fast" (default) or "reference" (plain formulas, for tests). Raises UsageError for a
-    width that is not a multiple of n_head, or three sets with K < 3.
+    width that is not a multiple of n_head. Three sets act together from K = 3 (set_index; the
+    registry's min_depth refuses fewer).
     """
     no_decay = ("log_tau", "null")  # temperature and null score: no weight decay (harness.optim.no_decay_parameters)
     rope_float32 = True  # LM builds its RoPE tables in float32 or wider: a bf16 table's rounding unnormalises q, k
@@ -101,8 +102,6 @@ class Tango(nn.Module):
         d, H = cfg.n_embd, cfg.n_head
         if cfg.width % H:
             raise UsageError(f"TANGO width {cfg.width} must be a multiple of n_head {H}")
-        if n_sets == 3 and cfg.depth < 3:
-            raise UsageError(f"--depth {cfg.depth}: TANGO with three gated-projection sets needs depth >= 3")
         self.depth, self.n_head, self.window = cfg.depth, H, cfg.window
         self.windowed, self.impl = windowed, impl
         self.norm = RMSNorm(d)

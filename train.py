@@ -105,7 +105,9 @@ def build_parser(suppress_defaults=False):
       "the split's count: all of them); " + tier_default("eval_windows"))
     a("--eval_batch_size", type=int, default=8, help="windows per evaluation forward pass")
     a("--eval_depths", default="", help="test-time depth sweep of the best checkpoint on dev, e.g. "
-      f"1,2,4,8,16,32 (shared-block models: {', '.join(shared_block_models())}); default: none")
+      f"1,2,4,8,16,32 (shared-block models: {', '.join(shared_block_models())}; depths >= 1, "
+      + "".join(f"{m} >= {REGISTRY[m].min_depth}, " for m in shared_block_models() if REGISTRY[m].min_depth > 1)
+      + "as --depth); default: none")
     a("--em_samples", type=int, help="dmmath: problems per split scored by exact match; " + tier_default("em_samples"))
     a("--sample_tokens", type=int, default=80, help="length of the decoded sample printed at the end")
     a = group("system")

@@ -18,7 +18,7 @@ from common import UsageError
 from harness.cli import FolderLock, check_decayed_rate, check_output_folder, check_rate, check_seed, repeated
 from harness.checkpoint import remove_stale, trim_log
 from models import (REGISTRY, TIERS, block_counts, check_idle_flags, count_params, flags_config, model_config,
-                    model_flags, params_lower_bound, shared_block_models)
+                    model_flags, params_lower_bound, shared_block_models, spec_of)
 
 # Per-tier defaults for flags left unset (the CPU tier is sized so the main job, TANGO K = 8 on
 # characters, takes under 5 minutes on 2 cores),
@@ -188,9 +188,12 @@ def check_values(args, dist):
         raise UsageError(f"--eval_depths {args.eval_depths}: give comma-separated depths, e.g. 1,2,4,8") from None
     if (twice := repeated(args.depth_list)) is not None:
         raise UsageError(f"--eval_depths {args.eval_depths}: {twice} given twice")
-    if args.depth_list and (args.model not in shared_block_models() or min(args.depth_list) < 1):
-        raise UsageError(f"--eval_depths {args.eval_depths}: needs depths >= 1 and a shared-block model "
+    if args.depth_list and args.model not in shared_block_models():
+        raise UsageError(f"--eval_depths {args.eval_depths}: needs a shared-block model "
                          f"({', '.join(shared_block_models())})")
+    if args.depth_list and min(args.depth_list) < spec_of(args.model).min_depth:
+        raise UsageError(f"--eval_depths {args.eval_depths}: --model {args.model} needs depths >= "
+                         f"{spec_of(args.model).min_depth}")
 
 
 def resolve_device(args, dist):

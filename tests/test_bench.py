@@ -457,7 +457,7 @@ BAD_BENCH = [  # (argv, the one-line error after "bench.py: error: " / "bench.py
     (["--models", "gau", "--gau_s", "16"], "--gau_s 16: must be a positive multiple of 32"),
     (["--models", "loop", "--width", "-8"], "--width -8: must be a positive multiple of 8"),
     (["--models", "loop", "--chunk", "8"], "--chunk: only used with --model flash; none of the models run (loop)"),
-    (["--models", "tango-3set", "--depth", "2"], "--depth 2: TANGO with three gated-projection sets needs depth >= 3"),
+    (["--models", "tango-3set", "--depth", "2"], "--depth 2: --model tango-3set needs depth >= 3"),
     (["--quick", "--block_sizes", "64"], "--block_sizes: --quick runs its own plan"),
     (["--quick", "--compile", "on"], "--compile: --quick runs its own plan"),
     (["decode", "--prompt", "0"], "--prompt 0: must be >= 1"), (["decode", "--tokens", "0"], "--tokens 0: must be >= 1"),

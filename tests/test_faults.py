@@ -894,7 +894,7 @@ def run_cli(script, argv, monkeypatch, capsys):
     ("results/gpu_estimate.py", ["--assume", "1.5"], "--assume 1.5: comma-separated pairs AxF"),
     ("results/gpu_estimate.py", ["--decode_steps", "nan"], "--decode_steps nan: must be a finite number > 0"),
     ("results/gpu_estimate.py", ["--models", "tango,tango-3set", "--depths", "4,2"],
-     "--models tango-3set --depths 2: --depth 2: TANGO with three gated-projection sets needs depth >= 3"),
+     "--models tango-3set --depths 2: --depth 2: --model tango-3set needs depth >= 3"),
 ])
 def test_every_cli_reports_a_bad_flag_on_one_line_with_exit_code_2(script, argv, needle, tmp_path, monkeypatch,
                                                                      capsys):
@@ -1219,7 +1219,7 @@ def train_main_fails(argv, capsys):
 @pytest.mark.parametrize("model,flags,message", [
     ("loop", ["--width", "100"], "--width 100: must be a positive multiple of 8 for --model loop"),
     ("tango", ["--width", "130"], "--width 130: must be a positive multiple of 4 for --model tango"),
-    ("tango-3set", ["--depth", "2"], "--depth 2: TANGO with three gated-projection sets needs depth >= 3"),
+    ("tango-3set", ["--depth", "2"], "--depth 2: --model tango-3set needs depth >= 3"),
     ("parcae", ["--n_core", "0"], "--n_core 0 / --n_coda 2: need --n_core >= 1"),
     ("rdm", ["--mu_rec", "-1"], "--mu_rec -1 / --mu_bwd 0: must be >= 1"),
     ("gau", ["--gau_s", "40"], "--gau_s 40: must be a positive multiple of 32"),

@@ -368,3 +368,20 @@ def test_solving_the_width_of_a_deep_model_builds_no_more_than_seven_blocks(monk
         assert max(sizes) <= 2 * models.AFFINE_FROM + 1 and getattr(cfg, flag) == 20000
         whole = [build(models._with(cfg, **{flag: k}), device="meta").num_params() for k in (1000, 1001)]
         assert models.count_params(cfg) == whole[0] + 19000 * (whole[1] - whole[0])
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_min_depth_is_the_smallest_depth_trained_and_evaluated(name):
+    """A model's ModelSpec.min_depth is the smallest --depth train.py builds it at and, for a
+    shared-block model, the smallest test-time depth --eval_depths runs it at; one below is
+    refused in one line naming the flag."""
+    k = REGISTRY[name].min_depth
+    run = lambda *flags: resolve_args(train.parse_args(["--model", name, "--size", "tiny", "--block_size", "32",
+                                                        "--device", "cpu", *flags]))
+    assert run("--depth", str(k)).depth == k
+    with pytest.raises(UsageError, match=rf"^--depth {k - 1}: "):
+        run("--depth", str(k - 1))
+    if REGISTRY[name].shared_block:
+        assert run("--depth", str(k + 1), "--eval_depths", f"{k},{k + 2}").depth_list == [k, k + 2]
+        with pytest.raises(UsageError, match=rf"^--eval_depths {k - 1},{k}: --model {name} needs depths >= {k}$"):
+            run("--depth", str(k + 1), "--eval_depths", f"{k - 1},{k}")

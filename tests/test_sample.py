@@ -30,7 +30,6 @@ PROMPT = "What is 3 + 4?"  # 14 characters, all in the mini dataset's vocabulary
 TINY = ["--size", "tiny", "--depth", "2", "--block_size", "32", "--batch_size", "2", "--max_iters", "2",
         "--eval_interval", "2", "--warmup_iters", "1", "--eval_windows", "3", "--eval_batch_size", "2",
         "--sample_tokens", "0", "--quiet"]
-DEPTH = {"tango-3set": "3"}  # its first, middle and last sets need depth >= 3
 # the flags of a full forward that is a parallel approximation of an exact sequential recurrence
 # (cached decoding is that recurrence), at settings that make it exact at 32 tokens: T - 1 Jacobi
 # refinements (ponder.py), at least as many subsets as rows, 2T with thought slots
@@ -54,7 +53,7 @@ def train_main(argv):
 
 
 def tiny_run(model, data_flags, out_dir, *extra):
-    depth = DEPTH.get(model, "2")
+    depth = str(max(2, REGISTRY[model].min_depth))
     argv = [*TINY, "--model", model, *data_flags, "--out_dir", out_dir, *extra]
     argv[argv.index("--depth") + 1] = depth
     return train_main(argv)
