@@ -399,7 +399,8 @@ def loopstack_body(x, model, pos):
 
 
 def plt_body(x, model, pos):
-    """PLT (parallel_loops.py docstring): loop 1 plain; x^l_t = a e_t + b Norm_loop(h^{l-1}_{t-1}) (0 at t = 0);
+    """PLT (parallel_loops.py docstring): loop 1 plain; x^l_t = a e_t + b Norm_loop(h^{l-1}_{t-1}) (0 at t = 0;
+    without --plt_shift h^{l-1}_t);
     loops >= 2: per head o_t = g Attn(q_t; loop-1 keys j <= t) + (1 - g) Attn(q_t; own keys t-W < j <= t),
     g = sigmoid(w_h . q_t + c_h) with the rotated query."""
     cfg, body = model.cfg, model.body
@@ -419,8 +420,9 @@ def plt_body(x, model, pos):
         h = tpp_block(h, blk, pos, H)
     for _ in range(2, cfg.depth + 1):
         z = rms(h, body.norm_loop.weight)
-        prev = torch.zeros_like(z)
-        prev[1:] = z[:-1] if cfg.plt_shift else z[1:]
+        prev = z.clone()  # without the shift: h^{l-1}_t at every t
+        if cfg.plt_shift:
+            prev[0], prev[1:] = 0, z[:-1]
         h = a * e + b * prev
         for i, blk in enumerate(body.blocks):
             outs = []
@@ -442,11 +444,11 @@ def plt_body(x, model, pos):
 
 
 def loopfold_body(x, model, pos):
-    """LoopFold (parallel_loops.py docstring): stages [loop 1], then groups of f; in a stage r_1 = u,
+    """LoopFold (parallel_loops.py docstring): stages [loop 1], then groups of f (--fold_layout last: groups
+    of f, then [loop N]); in a stage r_1 = u,
     r_{i+1} = P(r_i), o_i = R(r_i), y_1 = o_1, y_{i+1} = o_{i+1} + C(y_i - r_{i+1});
     P(u) = u + W_p2 SiLU(W_p1 RMSNorm(u)), C(e) = e + U_c V_c^T e."""
     cfg, body = model.cfg, model.body
-    assert cfg.fold_layout == "first"
     N, f = cfg.depth, cfg.fold
 
     def R(r):
@@ -456,7 +458,10 @@ def loopfold_body(x, model, pos):
 
     P = lambda u: u + lin(silu(lin(rms(u, body.pred_norm.weight), body.pred_w1)), body.pred_w2)
     C = lambda e: e + lin(lin(e, body.corr_v), body.corr_u)
-    sizes = [1] + [min(f, N - s) for s in range(1, N, f)]
+    if cfg.fold_layout == "first":  # loop 1 alone, then groups of f
+        sizes = [1] + [min(f, N - s) for s in range(1, N, f)]
+    else:  # "last": groups of f over loops 1..N-1, then loop N alone
+        sizes = [min(f, N - 1 - s) for s in range(0, N - 1, f)] + [1]
     u = x
     for n in sizes:
         r = [u]
@@ -506,6 +511,20 @@ def test_model_equals_hand_computation(name):
     idx = tokens()
     logits, _ = model(idx)
     torch.testing.assert_close(logits, hand_logits(model, idx), rtol=1e-9, atol=1e-9)
+
+
+CHOICES = [(name, flag, v) for name, spec in models.REGISTRY.items() for flag, allowed in spec.flags.items()
+           if isinstance(allowed, models.Choice) for v in allowed.values]
+
+
+@pytest.mark.parametrize("name, flag, value", CHOICES)
+@torch.no_grad()
+def test_every_choice_of_a_model_flag_equals_hand_computation(name, flag, value):
+    """Each value of each choice flag (models.Choice: --plt_shift, --fold_layout, --lrt_kv, ...) against
+    the hand computation, not only the default."""
+    model = perturbed(name, **{flag: value})
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], hand_logits(model, idx), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", ["gau", "flash"])
