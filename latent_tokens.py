@@ -150,8 +150,10 @@ class Policy:
         self.max_m = max((r.m for r in self.rules), default=0)
         if groups == "fs":
             used = set()
-            for r in self.rules:
+            for r in self.rules:  # the sites where schedule can place r's latents
                 used |= {"start"} if r.kind == "start" else {"end"} if r.kind == "end" else {"query", "end", "response"}
+                if r.kind == "marker" and self.readout == "verbal":  # before a marker at v_0, too
+                    used.add("start")
             self.site_group = {s: i for i, s in enumerate(s for s in SITES if s in used)}
             self.n_groups = len(self.site_group)
         else:

@@ -101,6 +101,29 @@ def test_function_specialization_and_combinations():
     assert show(lt.augment([B, 1, 2, 3, 4, 5, 6], 4, fs_k)) == [B, 1, "0.0", 2, 3, "1.0", 4, 5, "2.0", 6]
 
 
+@pytest.mark.parametrize("readout", lt.READOUTS)
+@pytest.mark.parametrize("groups", lt.GROUPINGS)
+def test_every_latent_lands_in_a_group_the_policy_has(groups, readout):
+    """Markers at every position (v_0 and the last included), every query length and the trailing
+    slot: each latent's group is one of the policy's n_groups, and under "fs" the group of its site
+    (a verbal-readout Comma_m before a marker at v_0 sits at the start site)."""
+    p = lt.Policy("Start_1+End_1+Comma_1+2_1", groups=groups, marker_ids=[C], readout=readout)
+    used = set()
+    for verbal in ([C, 5, C, 6, C], [C, C, C], [5, 6, 7, C]):
+        for q in range(len(verbal) + 1):
+            a = lt.augment(verbal, q, p, trailing=True)
+            groups_seen = [g for g in a.latent_group if g >= 0]
+            assert all(0 <= g < p.n_groups for g in groups_seen), (verbal, q, a.latent_group)
+            used |= set(groups_seen)
+    if groups == "fs":
+        assert p.site_group == {s: i for i, s in enumerate(lt.SITES)} and used == set(range(4))
+    lone = lt.Policy("Comma_1", groups="fs", marker_ids=[C], readout=readout)
+    first = lt.augment([C, 5, C], 2, lone)
+    start = lone.site_group.get("start")
+    assert (start is not None) == (readout == "verbal")
+    assert show(first)[0] == (f"{start}.0" if readout == "verbal" else C)
+
+
 def test_readout_verbal_ablation():
     """Paper-literal reading: only verbal positions predict (across latents), Comma_m sits before
     the marker, End_m latents do not affect the first response token."""
