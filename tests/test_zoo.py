@@ -20,6 +20,7 @@ from test_cpugrid import HEADLINE_ROOT, block, readme, sweep_commands
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 ROOT = "results/zoo"
 OTHER_RATE = "results/zoo/lr1e-3"  # the runs at peak 1e-3 of the models that did not train at 2e-3
+DEPTH4X = "results/zoo/depth4x"  # TANGO and Loop Transformer++ at four times the headline grid's budget
 MARKER = "<!-- zoo commands -->"
 SEEDS, UPDATES = 3, 600
 
@@ -75,9 +76,52 @@ def test_zoo_and_the_headline_grid_are_every_model_under_one_recipe(monkeypatch)
     assert status == ("done" if len(done) == total else "running", str(len(done)), str(total))
 
 
-def test_zoo_report_command_writes_into_this_readme(tmp_path, monkeypatch):
+def test_depth4x_block_is_its_summaries_beside_the_headline_grid(monkeypatch):
+    """The K table at two budgets is `report --budgets` over the committed summaries, byte for byte;
+    its command trains TANGO and Loop Transformer++ at K = 4, 8, 16 with the headline grid's flags
+    but --max_iters and --warmup_iters four times theirs; the status line counts the committed runs
+    of the command's models x depths x seeds."""
+    monkeypatch.chdir(HERE)
+    doc = readme(ROOT)
+    assert block(doc, sweep_report.report_markers(DEPTH4X, "budgets")) == \
+        sweep_report.budgets_report(DEPTH4X, HEADLINE_ROOT)
+    run, = [c for c in sweep_commands(ROOT, "<!-- depth4x commands -->") if c[0] == "run"]
+    headline = next(c for c in sweep_commands(HEADLINE_ROOT) if c[0] == "run")
+    train_flags = lambda c: dict(zip(c[c.index("--") + 1::2], c[c.index("--") + 2::2]))
+    opts, mine, theirs = dict(zip(run[1:run.index("--")][::2], run[2:run.index("--")][::2])), \
+        train_flags(run), train_flags(headline)
+    longer = ("--max_iters", "--warmup_iters")
+    assert {k: v for k, v in mine.items() if k not in longer} == {k: v for k, v in theirs.items() if k not in longer}
+    assert all(int(mine[k]) == 4 * int(theirs[k]) for k in longer)
+    assert (opts["--models"], opts["--depths"]) == ("tango,loop", "4,8,16")
+    done = sum(map(len, sweep_report.load_runs(DEPTH4X).values()))
+    total = 2 * 3 * int(opts["--seeds"])
+    i = doc.index("## The depth claim at four times the budget")
+    status = re.search(r"\*\*Status: (running|done)\.\*\* (\d+) of (\d+) runs", doc[i:]).groups()
+    assert status == ("done" if done == total else "running", str(done), str(total))
+
+
+def test_readme_headline_gives_the_depth4x_runs_dev_nll(monkeypatch):
+    """The README's headline numbers for the 4x-budget runs are the committed summaries' dev NLL,
+    beside the same seed's headline-grid run (1x)."""
+    monkeypatch.chdir(HERE)
+    with open("README.md", encoding="utf-8") as f:
+        head = " ".join(block(f.read(), ("<!-- headline -->\n", "<!-- end of headline -->")).split())
+    said = re.findall(r"(TANGO|Loop Transformer\+\+) K = (\d+) at 4x the budget: dev NLL ([\d.]+) "
+                      r"\(([\d.]+) at 1x; seed (\d)\)", head)
+    assert said
+    names = {"TANGO": "tango", "Loop Transformer++": "loop"}
+    long, short = sweep_report.load_runs(DEPTH4X), sweep_report.load_runs(HEADLINE_ROOT)
+    for name, k, at4x, at1x, seed in said:
+        key = ("stdlib", names[name], int(k))
+        dev = lambda rows: next(r["dev_nll"] for r in rows[key] if r["seed"] == int(seed))
+        assert (at4x, at1x) == (f"{dev(long):.3f}", f"{dev(short):.3f}"), (name, k)
+
+
+@pytest.mark.parametrize("mode", ["--zoo", "--budgets"])
+def test_zoo_report_commands_write_into_this_readme(mode, tmp_path, monkeypatch):
     argv, = [shlex.split(line)[3:] for line in readme(ROOT).splitlines()
-             if line.startswith("python -m tools.sweep report --zoo ")]
+             if line.startswith(f"python -m tools.sweep report {mode} ")]
     for root in (ROOT, HEADLINE_ROOT):
         shutil.copytree(os.path.join(HERE, root), tmp_path / root)
     monkeypatch.chdir(tmp_path)
