@@ -15,7 +15,7 @@ import torch
 
 import models
 import parcae
-from common import ModelConfig
+from common import ModelConfig, UsageError
 
 F64 = torch.float64
 V, T_SEQ = 61, 11
@@ -271,14 +271,15 @@ def rdm_body(x, model, pos):
 def depth_attn_body(x, model, pos):
     """Depth-Attention (depth_attention.py docstring): per head, before sequence attention, layer l's
     value at t becomes sum_{j in C(l)} w_j v~^j_t + w_self v^l_t, w = softmax of <q^l_t, k^j_t> / sqrt(32)
-    over C(l) and self; C(l) = {j < l: j mod s == 0} U {l-r..l-1}, s = da_stride or floor(K/2)."""
+    over C(l) and self; C(l) = {j < l: j mod s == 0} U {l-r..l-1}, s = da_stride or floor(K/2) (-1: no
+    strided j)."""
     cfg, blocks = model.cfg, model.body.blocks
     K, H, T = cfg.depth, cfg.n_head, x.shape[0]
     s, r = cfg.da_stride or K // 2, cfg.da_recent
     keys, vals = [], []  # per layer, per head: (T, 32) rotated keys and mixed values
     for l in range(K):
         blk = blocks[l % len(blocks)]
-        C = sorted({j for j in range(l) if s <= 1 or j % s == 0} | set(range(max(0, l - r), l)))
+        C = sorted({j for j in range(l) if 0 <= s <= 1 or s > 1 and j % s == 0} | set(range(max(0, l - r), l)))
         wq, wk, wv, wo = attn_weights(blk.attn)
         u = rms(x, blk.norm1.weight)
         q, k, v = lin(u, wq), lin(u, wk), lin(u, wv)
@@ -308,8 +309,9 @@ def ponder_body(x, model, pos):
     """PonderLM-2 (ponder.py docstring): slots (t,0) = e(x_t), (t,k) = Norm_θ(H_{t,k-1}), all at
     position t, in slot order; bootstrap b = 1..n, N = cfg.jacobi refinements, a final pass; the
     output is H_{t,n}."""
-    cfg, blocks, g = model.cfg, model.body.blocks, model.body.think_norm.weight
+    cfg, blocks = model.cfg, model.body.blocks
     n, T, d = cfg.n_thoughts, x.shape[0], x.shape[1]
+    g = model.body.think_norm.weight if n else None  # (no thought slots: no Norm_θ)
 
     def run(slots):  # one pass: rows (0,0), (0,1), ..., (1,0), ... -> H (T, S, d)
         S = len(slots)
@@ -513,15 +515,39 @@ def test_model_equals_hand_computation(name):
     torch.testing.assert_close(logits, hand_logits(model, idx), rtol=1e-9, atol=1e-9)
 
 
-CHOICES = [(name, flag, v) for name, spec in models.REGISTRY.items() for flag, allowed in spec.flags.items()
-           if isinstance(allowed, models.Choice) for v in allowed.values]
+def flag_values(name):
+    """(flag, value) pairs of name's model flags (its ModelSpec.flags) other than this file's
+    config: every value of a Choice; for a Range its lowest two values, one above the config's, and
+    half and twice the config's, those the model builds at (a value it refuses is no computation)."""
+    out = []
+    for flag, allowed in models.REGISTRY[name].flags.items():
+        base = getattr(config(name), flag)
+        if isinstance(allowed, models.Choice):
+            values = allowed.values
+        else:
+            values = sorted({allowed.lo, allowed.lo + 1, base + 1, base // 2, 2 * base} - {base})
+        for v in values:
+            try:
+                models.build_model(config(name, **{flag: v}), device="meta")
+            except UsageError:
+                continue
+            out.append((flag, v))
+    return out
 
 
-@pytest.mark.parametrize("name, flag, value", CHOICES)
+FLAG_VALUES = [(name, flag, v) for name in models.REGISTRY for flag, v in flag_values(name)]
+
+
+def test_every_model_flag_has_values_beside_the_config():
+    """Each model flag of each model is run at some value beside this file's config."""
+    assert {(n, f) for n, f, _ in FLAG_VALUES} == {(n, f) for n, s in models.REGISTRY.items() for f in s.flags}
+
+
+@pytest.mark.parametrize("name, flag, value", FLAG_VALUES)
 @torch.no_grad()
-def test_every_choice_of_a_model_flag_equals_hand_computation(name, flag, value):
-    """Each value of each choice flag (models.Choice: --plt_shift, --fold_layout, --lrt_kv, ...) against
-    the hand computation, not only the default."""
+def test_every_model_flag_value_equals_hand_computation(name, flag, value):
+    """Each model flag (--plt_shift, --fold_layout, --da_stride, --n_thoughts, ...) at values beside
+    this file's config, against the hand computation: its branches are computed by hand too."""
     model = perturbed(name, **{flag: value})
     idx = tokens()
     torch.testing.assert_close(model(idx)[0], hand_logits(model, idx), rtol=1e-9, atol=1e-9)
