@@ -1,8 +1,10 @@
 """Checks shared by the per-family test files (imported as `checks`; pytest puts tests/ on sys.path)."""
 import torch
 
-from common import rope_cos_sin
-from models import REGISTRY
+from dataclasses import replace
+
+from common import UsageError, rope_cos_sin
+from models import REGISTRY, Choice, build_model
 
 # Tests choose models by what the registry says of them, not by lists of names (a new model joins
 # every choice its row qualifies it for).
@@ -35,6 +37,24 @@ def first_readers(*flags):
 # models (6 applications of random 0.1-std blocks wash the input out: the logits no longer depend on it)
 ONE_BLOCK_PER_LOOP = {name: dict(n_core=1) for name, spec in REGISTRY.items()
                       if spec.build.__module__ == "parallel_loops"}
+
+
+def flag_values(cfg):
+    """(flag, value) pairs of cfg.model's model flags (its ModelSpec.flags) beside cfg's own: every
+    value of a Choice; for a Range its lowest two values, one above cfg's, and half and twice cfg's,
+    those the model builds at with cfg's other values (a value it refuses is no computation)."""
+    out = []
+    for flag, allowed in REGISTRY[cfg.model].flags.items():
+        base = getattr(cfg, flag)
+        values = allowed.values if isinstance(allowed, Choice) else \
+            sorted({allowed.lo, allowed.lo + 1, base + 1, base // 2, 2 * base} - {base})
+        for v in values:
+            try:
+                build_model(replace(cfg, **{flag: v}), device="meta")
+            except UsageError:
+                continue
+            out.append((flag, v))
+    return out
 
 
 def assert_causal(model, idx, t, vocab=61):

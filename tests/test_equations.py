@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
+import checks
 import models
 import parcae
-from common import ModelConfig, UsageError
+from common import ModelConfig
 
 F64 = torch.float64
 V, T_SEQ = 61, 11
@@ -515,27 +516,7 @@ def test_model_equals_hand_computation(name):
     torch.testing.assert_close(logits, hand_logits(model, idx), rtol=1e-9, atol=1e-9)
 
 
-def flag_values(name):
-    """(flag, value) pairs of name's model flags (its ModelSpec.flags) other than this file's
-    config: every value of a Choice; for a Range its lowest two values, one above the config's, and
-    half and twice the config's, those the model builds at (a value it refuses is no computation)."""
-    out = []
-    for flag, allowed in models.REGISTRY[name].flags.items():
-        base = getattr(config(name), flag)
-        if isinstance(allowed, models.Choice):
-            values = allowed.values
-        else:
-            values = sorted({allowed.lo, allowed.lo + 1, base + 1, base // 2, 2 * base} - {base})
-        for v in values:
-            try:
-                models.build_model(config(name, **{flag: v}), device="meta")
-            except UsageError:
-                continue
-            out.append((flag, v))
-    return out
-
-
-FLAG_VALUES = [(name, flag, v) for name in models.REGISTRY for flag, v in flag_values(name)]
+FLAG_VALUES = [(name, flag, v) for name in models.REGISTRY for flag, v in checks.flag_values(config(name))]
 
 
 def test_every_model_flag_has_values_beside_the_config():

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
 import flops
 import models
 import train
@@ -385,3 +387,28 @@ def test_min_depth_is_the_smallest_depth_trained_and_evaluated(name):
         assert run("--depth", str(k + 1), "--eval_depths", f"{k},{k + 2}").depth_list == [k, k + 2]
         with pytest.raises(UsageError, match=rf"^--eval_depths {k - 1},{k}: --model {name} needs depths >= {k}$"):
             run("--depth", str(k + 1), "--eval_depths", f"{k - 1},{k}")
+
+
+# the flags that set how close a parallel prefill comes to the sequential recurrence decoding runs
+# (ponder.py's Jacobi refinements, latent_recurrence.py's subsets), here at values where it is exact
+EXACT_PREFILL = {"jacobi": 48, "lrt_subsets": 128}
+DECODE = ModelConfig(n_embd=64, n_head=2, vocab_size=61, block_size=32, window=5, chunk=8, depth=3, width=16,
+                     **EXACT_PREFILL)
+
+
+@pytest.mark.parametrize("name, flag, value", [(n, f, v) for n in REGISTRY
+                                                for f, v in checks.flag_values(replace(DECODE, model=n))
+                                                if f not in EXACT_PREFILL])
+def test_cached_decoding_equals_full_forward_at_every_model_flag_value(name, flag, value):
+    """Float64: a prefill of 3 tokens, one 2-token step and single tokens with a cache give the
+    full forward's logits, at each model flag's values beside DECODE's (checks.flag_values)."""
+    torch.manual_seed(0)
+    model = models.build_model(replace(DECODE, model=name, **{flag: value})).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        x = torch.randint(0, 61, (2, 12))
+        full, cache = model(x)[0], {}
+        steps = [0, 3, 5] + list(range(6, 13))
+        parts = [model(x[:, a:b], cache=cache)[0] for a, b in zip(steps, steps[1:])]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-9, atol=1e-9)
