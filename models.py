@@ -24,7 +24,8 @@ tests/test_layout.py checks that)
      as idle=, when another flag's value leaves it doing nothing, so a given value is refused);
      macs is a function (cfg, T) -> {"linear", "scores", "mix", "head", "total"} MACs of one length-T
      sequence by the convention of flops.py (the built-in models' formulas live there, by name);
-     counted_macs where its fast path computes other MACs than the convention (see ModelSpec).
+     counted_macs where its fast path computes other MACs than the convention (see ModelSpec);
+     min_depth where it needs more than one block application (three-set TANGO: 3).
      A new hyperparameter is one field of common.ModelConfig declared with common.flag(default,
      help): train.py's flag, flops.py's and the tools' come from it.
   3. MATH.md: its section (equations, source, choices); README.md: its row of the models table.
