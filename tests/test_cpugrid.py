@@ -92,8 +92,9 @@ def test_readme_headline_numbers_are_the_grids(monkeypatch):
     (LR_ROOT, "runs/cpugrid_lr", 5, 1e-3, 600, (LR_ROOT, "<!-- cpugrid commands -->")),
     (WARM_ROOT, "runs/cpugrid_warmup", 11, 2e-3, 600, (WARM_ROOT, "<!-- cpugrid commands -->")),
     ("results/zoo", "runs/zoo", 2, 2e-3, 600, ("results/zoo", "<!-- zoo commands -->")),
-    ("results/zoo/lr1e-3", "runs/zoo_lr1e-3", 1, 1e-3, 600, ("results/zoo", "<!-- zoo commands -->")),
-    ("results/zoo/depth4x", "runs/depth4x", 1, 2e-3, 2400, ("results/zoo", "<!-- depth4x commands -->"))])
+    ("results/zoo/lr1e-3", "runs/zoo_lr1e-3", 2, 1e-3, 600, ("results/zoo", "<!-- zoo commands -->")),
+    ("results/zoo/control", "runs/control", 1, 2e-3, 600, ("results/zoo", "<!-- zoo commands -->")),
+    ("results/zoo/depth4x", "runs/depth4x", 3, 2e-3, 2400, ("results/zoo", "<!-- depth4x commands -->"))])
 def test_cpugrid_runs_were_trained_as_the_printed_commands_ask(root, run_root, n_commands, lr, updates, commands,
                                                                monkeypatch):
     """Every committed run under root was trained as the printed `sweep.py run` commands of its

@@ -85,20 +85,38 @@ def test_depth4x_block_is_its_summaries_beside_the_headline_grid(monkeypatch):
     doc = readme(ROOT)
     assert block(doc, sweep_report.report_markers(DEPTH4X, "budgets")) == \
         sweep_report.budgets_report(DEPTH4X, HEADLINE_ROOT)
-    run, = [c for c in sweep_commands(ROOT, "<!-- depth4x commands -->") if c[0] == "run"]
+    runs = [c for c in sweep_commands(ROOT, "<!-- depth4x commands -->") if c[0] == "run"]
     headline = next(c for c in sweep_commands(HEADLINE_ROOT) if c[0] == "run")
     train_flags = lambda c: dict(zip(c[c.index("--") + 1::2], c[c.index("--") + 2::2]))
-    opts, mine, theirs = dict(zip(run[1:run.index("--")][::2], run[2:run.index("--")][::2])), \
-        train_flags(run), train_flags(headline)
-    longer = ("--max_iters", "--warmup_iters")
-    assert {k: v for k, v in mine.items() if k not in longer} == {k: v for k, v in theirs.items() if k not in longer}
-    assert all(int(mine[k]) == 4 * int(theirs[k]) for k in longer)
-    assert (opts["--models"], opts["--depths"]) == ("tango,loop", "4,8,16")
+    theirs, longer = train_flags(headline), ("--max_iters", "--warmup_iters")
+    planned = set()
+    for run in runs:  # in the order they ran: K = 4 at seed 1, then K = 8 and 16, then seed 2
+        opts, mine = dict(zip(run[1:run.index("--")][::2], run[2:run.index("--")][::2])), train_flags(run)
+        assert {k: v for k, v in mine.items() if k not in longer} == \
+            {k: v for k, v in theirs.items() if k not in longer}
+        assert all(int(mine[k]) == 4 * int(theirs[k]) for k in longer) and opts["--models"] == "tango,loop"
+        planned |= {(m, int(k), s) for m in opts["--models"].split(",") for k in opts["--depths"].split(",")
+                    for s in range(1, int(opts["--seeds"]) + 1)}
+    assert {(m, k) for m, k, _ in planned} == {(m, k) for m in ("tango", "loop") for k in (4, 8, 16)}
     done = sum(map(len, sweep_report.load_runs(DEPTH4X).values()))
-    total = 2 * 3 * int(opts["--seeds"])
+    total = len(planned)
     i = doc.index("## The depth claim at four times the budget")
     status = re.search(r"\*\*Status: (running|done)\.\*\* (\d+) of (\d+) runs", doc[i:]).groups()
     assert status == ("done" if done == total else "running", str(done), str(total))
+
+
+def test_control_run_numbers_are_its_summary_and_the_headline_grids(monkeypatch):
+    """The recipe check at the zoo's commit: the README's numbers of the rerun headline-grid run are
+    its collected summary's and the committed run's."""
+    monkeypatch.chdir(HERE)
+    text = " ".join(readme(ROOT).split())
+    said = re.search(r"dev NLL ([\d.]+) and test ([\d.]+) nats/char against the committed ([\d.]+) and ([\d.]+), "
+                     r"the same best update \((\d+)\) and unigram entropy \(([\d.]+)\)", text).groups()
+    (again,) = [s for v in sweep_report.load_runs("results/zoo/control").values() for s in v]
+    (before,) = [s for s in sweep_report.load_runs(HEADLINE_ROOT)["stdlib", "untied", 4] if s["seed"] == 1]
+    assert said == (f"{again['dev_nll']:.5f}", f"{again['test_nll']:.5f}", f"{before['dev_nll']:.5f}",
+                    f"{before['test_nll']:.5f}", str(again["best_iter"]), f"{again['unigram_dev']:.5f}")
+    assert again["best_iter"] == before["best_iter"] and f"{before['unigram_dev']:.5f}" == said[5]
 
 
 def test_readme_headline_gives_the_depth4x_runs_dev_nll(monkeypatch):
