@@ -205,3 +205,35 @@ def test_gpu_recipe_runs_on_cpu_at_a_reduced_size(mdm, data_root, tmp_path, monk
     # run appended what it printed to <root>/sweep-output.txt, collect copied it, report printed the wall time
     assert re.search(r"\n\*\*Wall time\*\* as `sweep.py run` printed it \(`sweep-output.txt` here\): \d+ s for 2 "
                      r"runs \(0 failed\)\. The 2 runs' own `wall_s` add up to \d+ s\.\n$", text), text[-300:]
+
+
+def test_gpu_estimate_is_the_scripts_output_and_the_prose_quotes_it(monkeypatch, capsys):
+    """results/chargrid/gpu_estimate.txt is today's `python results/gpu_estimate.py` (ATen operators
+    counted on the CPU), and the README's kernel counts and GPU seconds are its numbers."""
+    import runpy
+    import sys
+    monkeypatch.setattr(sys, "argv", ["results/gpu_estimate.py"])
+    capsys.readouterr()
+    runpy.run_path(os.path.join(HERE, "results/gpu_estimate.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    with open(os.path.join(HERE, ROOT, "gpu_estimate.txt"), encoding="utf-8") as f:
+        assert out == f.read()
+    rows = [line.strip("|").split("|") for line in out.splitlines() if re.match(r"\| [a-z]", line)]
+    eager = {}
+    for _, k, n, _ in rows[1:]:
+        eager.setdefault(int(k), []).append(int(n.replace(",", "")))
+    spread = {k: f"{min(v):,}-{max(v):,}" for k, v in eager.items()}
+    totals = re.search(r"training updates (\S+), evaluations (\S+), exact-match decoding (\S+) ", out).groups()
+    seconds = {(m, mode): s for m, mode, s in
+               re.findall(r"assuming (\S+) µs per kernel, \S+ fewer compiled: (eager|compiled) \S+ kernels, ([\d,]+) s", out)}
+    compiled = re.search(r"assuming 1.5 µs per kernel, 4x fewer compiled: compiled (\S+) kernels", out).group(1)
+    prose = " ".join(readme().split())
+    for said in (f"issues {spread[4]} kernels at K = 4, {spread[8]} at K = 8 and {spread[16]} at K = 16",
+                 f"{totals[0]} kernels for the grid's 252,000 updates, plus {totals[1]} for the evaluations and "
+                 f"{totals[2]} for the exact-match decoding",
+                 f"needs {seconds['1.5', 'eager']} s of GPU time",
+                 f"({seconds['2', 'eager']} s at 2 µs, {seconds['1', 'eager']} s at 1 µs)",
+                 f"needs {compiled} kernels, {seconds['1.5', 'compiled']} s ({seconds['2', 'compiled']} s at 2 µs and "
+                 f"3x, {seconds['1', 'compiled']} s at 1 µs and 5x)",
+                 f"({seconds['1.5', 'compiled']} s above)"):
+        assert said in prose, said
