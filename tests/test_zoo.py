@@ -121,18 +121,18 @@ def test_control_run_numbers_are_its_summary_and_the_headline_grids(monkeypatch)
 
 
 def test_readme_headline_gives_the_depth4x_runs_dev_nll(monkeypatch):
-    """The README's headline numbers for the 4x-budget runs are the committed summaries' dev NLL,
+    """The README's headline gives every committed 4x-budget run of its seed: the summary's dev NLL,
     beside the same seed's headline-grid run (1x)."""
     monkeypatch.chdir(HERE)
     with open("README.md", encoding="utf-8") as f:
         head = " ".join(block(f.read(), ("<!-- headline -->\n", "<!-- end of headline -->")).split())
-    said = re.findall(r"(TANGO|Loop Transformer\+\+) K = (\d+) at 4x the budget: dev NLL ([\d.]+) "
-                      r"\(([\d.]+) at 1x; seed (\d)\)", head)
-    assert said
-    names = {"TANGO": "tango", "Loop Transformer++": "loop"}
+    seed, runs = re.search(r"At 4x the budget, seed (\d), dev NLL \(1x in brackets\): ([^;]*);", head).groups()
+    said = re.findall(r"`([a-z-]+)` K = (\d+) ([\d.]+) \(([\d.]+)\)", runs)
     long, short = sweep_report.load_runs(DEPTH4X), sweep_report.load_runs(HEADLINE_ROOT)
-    for name, k, at4x, at1x, seed in said:
-        key = ("stdlib", names[name], int(k))
+    assert sorted((m, int(k)) for m, k, _, _ in said) == \
+        sorted((m, k) for (_, m, k), v in long.items() if any(r["seed"] == int(seed) for r in v))
+    for name, k, at4x, at1x in said:
+        key = ("stdlib", name, int(k))
         dev = lambda rows: next(r["dev_nll"] for r in rows[key] if r["seed"] == int(seed))
         assert (at4x, at1x) == (f"{dev(long):.3f}", f"{dev(short):.3f}"), (name, k)
 
@@ -302,7 +302,7 @@ def test_readme_headline_names_the_zoo_with_its_numbers(monkeypatch):
         share = sweep_report.mean_std([s["dev_nll"] for s in v])[0] / v[0]["unigram_dev"]
         said_there = re.search(rf"`{m}` [\d.]+ \(not trained: [^)]*; at peak 1e-3 ([\d.]+), (\d+) %\)", head[i:])
         assert said_there is None or said_there.groups() == (f"{mu:.3f}", f"{share:.0%}"[:-1]), m
-    if "below every model above" in head[i:]:  # the headline grid's K = 4 table
+    if "(below all seven)" in head[i:]:  # the headline grid's K = 4 table
         grid = sweep_report.load_runs(HEADLINE_ROOT)
         first = said[0][0]
         assert all(means[first] < sweep_report.mean_std([s["test_nll"] for s in v])[0]
