@@ -207,15 +207,14 @@ def test_gpu_recipe_runs_on_cpu_at_a_reduced_size(mdm, data_root, tmp_path, monk
                      r"runs \(0 failed\)\. The 2 runs' own `wall_s` add up to \d+ s\.\n$", text), text[-300:]
 
 
-def test_gpu_estimate_is_the_scripts_output_and_the_prose_quotes_it(monkeypatch, capsys):
+def test_gpu_estimate_is_the_scripts_output_and_the_prose_quotes_it():
     """results/chargrid/gpu_estimate.txt is today's `python results/gpu_estimate.py` (ATen operators
     counted on the CPU), and the README's kernel counts and GPU seconds are its numbers."""
-    import runpy
+    import subprocess
     import sys
-    monkeypatch.setattr(sys, "argv", ["results/gpu_estimate.py"])
-    capsys.readouterr()
-    runpy.run_path(os.path.join(HERE, "results/gpu_estimate.py"), run_name="__main__")
-    out = capsys.readouterr().out
+    # a fresh process, as on the command line: the counts depend on torch state earlier tests may set
+    out = subprocess.run([sys.executable, "results/gpu_estimate.py"], cwd=HERE, capture_output=True, text=True,
+                         check=True).stdout
     with open(os.path.join(HERE, ROOT, "gpu_estimate.txt"), encoding="utf-8") as f:
         assert out == f.read()
     rows = [line.strip("|").split("|") for line in out.splitlines() if re.match(r"\| [a-z]", line)]
