@@ -14,7 +14,7 @@ import pytest
 from common import UsageError
 from models import REGISTRY
 from tools import sweep, sweep_report
-from test_chargrid import require_pinned_plotting
+from test_chargrid import require_pinned_plotting, sweep_options
 from test_cpugrid import HEADLINE_ROOT, block, readme, sweep_commands
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -23,6 +23,11 @@ OTHER_RATE = "results/zoo/lr1e-3"  # the runs at peak 1e-3 of the models that di
 DEPTH4X = "results/zoo/depth4x"  # TANGO and Loop Transformer++ at four times the headline grid's budget
 MARKER = "<!-- zoo commands -->"
 SEEDS, UPDATES = 3, 600
+
+
+def train_flags(argv):
+    """{flag: value} of a `sweep.py run` argv after its `--` (the train.py flags)."""
+    return dict(zip(argv[argv.index("--") + 1::2], argv[argv.index("--") + 2::2]))
 
 
 def test_zoo_blocks_are_the_committed_summaries_byte_for_byte(monkeypatch):
@@ -52,7 +57,6 @@ def test_zoo_and_the_headline_grid_are_every_model_under_one_recipe(monkeypatch)
     monkeypatch.chdir(HERE)
     runs = [c for c in sweep_commands(ROOT, MARKER) if c[0] == "run" and c[c.index("--root") + 1] == "runs/zoo"]
     headline = [c for c in sweep_commands(HEADLINE_ROOT) if c[0] == "run"]
-    train_flags = lambda c: dict(zip(c[c.index("--") + 1::2], c[c.index("--") + 2::2]))
     flags = lambda c, f: c[c.index(f) + 1]
     assert runs and headline and all(train_flags(c) == train_flags(headline[0]) for c in runs + headline)
     grid = {m for c in headline for m in flags(c, "--models").split(",")}
@@ -87,11 +91,10 @@ def test_depth4x_block_is_its_summaries_beside_the_headline_grid(monkeypatch):
         sweep_report.budgets_report(DEPTH4X, HEADLINE_ROOT)
     runs = [c for c in sweep_commands(ROOT, "<!-- depth4x commands -->") if c[0] == "run"]
     headline = next(c for c in sweep_commands(HEADLINE_ROOT) if c[0] == "run")
-    train_flags = lambda c: dict(zip(c[c.index("--") + 1::2], c[c.index("--") + 2::2]))
     theirs, longer = train_flags(headline), ("--max_iters", "--warmup_iters")
     planned = set()
     for run in runs:  # in the order they ran: K = 4 at seed 1, then K = 8 and 16, then seed 2
-        opts, mine = dict(zip(run[1:run.index("--")][::2], run[2:run.index("--")][::2])), train_flags(run)
+        opts, mine = sweep_options(run), train_flags(run)
         assert {k: v for k, v in mine.items() if k not in longer} == \
             {k: v for k, v in theirs.items() if k not in longer}
         assert all(int(mine[k]) == 4 * int(theirs[k]) for k in longer)
